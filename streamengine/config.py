@@ -1,0 +1,55 @@
+"""Engine configuration: one validated record that every layer reads and none mutates."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+DEFAULT_KV_CACHE_BYTES = 512 * 1024 * 1024
+"""Default KV budget. 512 MiB holds ~11.6k tokens of SmolLM2-135M in float32 (45 KiB/token)."""
+
+_BACKENDS = ("auto", "triton", "torch")
+_PREEMPTION_MODES = ("auto", "recompute", "swap")
+_DTYPES = ("float32", "float16", "bfloat16")
+
+
+@dataclass(slots=True)
+class EngineConfig:
+    """Everything the engine needs to start. Sizes are in tokens unless the name says bytes.
+
+    The KV pool is sized from `num_gpu_blocks` when given, else from `kv_cache_bytes`
+    (default `DEFAULT_KV_CACHE_BYTES`) divided by the bytes one block takes for this model.
+    """
+
+    model: str | None = None  # None: the default SmolLM2-135M-Instruct; else HF folder or .gguf
+    dtype: str = "float32"
+    device: str = "auto"  # "auto": cuda when available, else cpu
+    block_size: int = 16
+    kv_cache_bytes: int | None = None
+    num_gpu_blocks: int | None = None  # overrides kv_cache_bytes (name as in vLLM)
+    max_num_seqs: int = 128
+    max_num_batched_tokens: int = 2048
+    max_model_len: int | None = None  # default: the model's context, capped by the pool
+    enable_prefix_caching: bool = True
+    attention_backend: str = "auto"
+    preemption_mode: str = "recompute"
+    swap_space_bytes: int = 0
+    seed: int = 0
+    num_threads: int | None = None  # torch intra-op threads on CPU; None keeps torch's default
+    cache_dir: str | None = None  # where converted GGUF copies are kept
+
+    def __post_init__(self) -> None:
+        _check(self.dtype in _DTYPES, "dtype", f"must be one of {_DTYPES}, got {self.dtype!r}")
+        _check(self.block_size in (8, 16, 32), "block_size", f"must be 8, 16 or 32, got {self.block_size}")
+        _check(self.max_num_seqs >= 1, "max_num_seqs", "must be >= 1")
+        _check(self.max_num_batched_tokens >= 1, "max_num_batched_tokens", "must be >= 1")
+        _check(self.kv_cache_bytes is None or self.kv_cache_bytes > 0, "kv_cache_bytes", "must be > 0")
+        _check(self.num_gpu_blocks is None or self.num_gpu_blocks >= 1, "num_gpu_blocks", "must be >= 1")
+        _check(self.max_model_len is None or self.max_model_len >= 1, "max_model_len", "must be >= 1")
+        _check(self.attention_backend in _BACKENDS, "attention_backend", f"must be one of {_BACKENDS}")
+        _check(self.preemption_mode in _PREEMPTION_MODES, "preemption_mode", f"must be one of {_PREEMPTION_MODES}")
+        _check(self.swap_space_bytes >= 0, "swap_space_bytes", "must be >= 0")
+
+
+def _check(ok: bool, field: str, message: str) -> None:
+    if not ok:
+        raise ValueError(f"EngineConfig.{field} {message}")

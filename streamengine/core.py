@@ -1,0 +1,337 @@
+"""EngineCore: the synchronous engine. Intake, schedule, execute, postprocess.
+
+`AsyncEngine` drives it from the event loop: `schedule` and `process` run on the loop thread
+(pure Python, short), `execute` runs in a worker thread. Nothing here knows about asyncio.
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from streamengine.block_manager import BlockManager
+from streamengine.config import EngineConfig
+from streamengine.detokenizer import IncrementalDetokenizer
+from streamengine.model_runner import ModelRunner
+from streamengine.models import LoadedModel, load_model
+from streamengine.outputs import CompletionOutput, RequestOutput
+from streamengine.sampling import SamplerOutput, SamplingParams, SamplingRow
+from streamengine.scheduler import Scheduler, SchedulerOutput
+from streamengine.sequence import Sequence
+
+
+@dataclass(slots=True, eq=False)
+class Request:
+    """One prompt and its n samples; sample i is `seqs[i]`."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    seqs: list[Sequence]
+    detoks: list[IncrementalDetokenizer]
+    rows: list[SamplingRow]
+    logprobs: list[list[dict[int, float]]] | None
+    finish_reasons: list[str | None]
+    stop_reasons: list[int | str | None]
+    arrival_time: float
+    num_cached_tokens: int = 0
+    pending_children: list[Sequence] = field(default_factory=list)  # forked after the prompt
+
+    @property
+    def finished(self) -> bool:
+        return all(r is not None for r in self.finish_reasons)
+
+
+@dataclass(slots=True)
+class StepPlan:
+    """The scheduler's plan plus who samples from which logits row (n > 1 shares a row)."""
+
+    plan: SchedulerOutput
+    rows: list[SamplingRow] = field(default_factory=list)
+    row_sources: list[int] = field(default_factory=list)  # logits row of each sampling row
+    num_logits: int = 0
+
+
+def pick_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(name)
+
+
+class EngineCore:
+    def __init__(self, config: EngineConfig, loaded: LoadedModel | None = None) -> None:
+        self.config = config
+        self.device = pick_device(config.device)
+        if config.num_threads is not None:
+            torch.set_num_threads(config.num_threads)
+        self.loaded = loaded or load_model(config.model, config.dtype, str(self.device), config.cache_dir)
+        self.tokenizer = self.loaded.tokenizer
+        self.runner = ModelRunner(self.loaded, config, self.device)
+        self.block_manager = BlockManager(
+            self.runner.num_blocks, config.block_size, config.enable_prefix_caching
+        )
+        self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens)
+        self.max_model_len = self._max_model_len()
+        self.eos_token_ids = self._eos_token_ids()
+        self.vocab_size = self.loaded.model.config.vocab_size
+        self.requests: dict[str, Request] = {}
+        self._seq_of: dict[int, tuple[Request, int]] = {}  # seq_id -> (request, sample index)
+        self._seq_ids = itertools.count()
+
+    # -- intake --------------------------------------------------------------------------
+
+    def add_request(
+        self, request_id: str, prompt: str | list[int], params: SamplingParams,
+        cache_salt: str | None = None,
+    ) -> Request:
+        if request_id in self.requests:
+            raise ValueError(f"request_id {request_id!r} is already in use")
+        prompt_ids = self._tokenize(prompt)
+        max_tokens = self._check_length(len(prompt_ids), params)
+        now = time.monotonic()
+        seqs = [
+            Sequence(next(self._seq_ids), request_id, prompt_ids, cache_salt, now)
+            for _ in range(params.n)
+        ]
+        req = Request(
+            request_id=request_id,
+            prompt_token_ids=prompt_ids,
+            params=params,
+            seqs=seqs,
+            detoks=[IncrementalDetokenizer(self.tokenizer, prompt_ids, params) for _ in seqs],
+            rows=[
+                SamplingRow(params, _sample_generator(params, i, self.device), prompt_ids, [])
+                for i in range(params.n)
+            ],
+            logprobs=[[] for _ in seqs] if params.logprobs is not None else None,
+            finish_reasons=[None] * params.n,
+            stop_reasons=[None] * params.n,
+            arrival_time=now,
+        )
+        req.pending_children = seqs[1:]  # forked from sample 0 once its prompt is computed
+        self.requests[request_id] = req
+        for i, seq in enumerate(seqs):
+            self._seq_of[seq.seq_id] = (req, i)
+        self.scheduler.add(seqs[0])
+        return req
+
+    def _tokenize(self, prompt: str | list[int]) -> list[int]:
+        if isinstance(prompt, str):
+            if not prompt:
+                raise ValueError("prompt must not be empty")
+            return self.tokenizer.encode(prompt, add_special_tokens=True)
+        if not isinstance(prompt, list) or not prompt:
+            raise ValueError("prompt must be a non-empty string or a non-empty list of token ids")
+        for t in prompt:
+            if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < self.vocab_size:
+                raise ValueError(f"prompt token id {t!r} is out of range [0, {self.vocab_size})")
+        return list(prompt)
+
+    def _check_length(self, prompt_len: int, params: SamplingParams) -> int:
+        room = self.max_model_len - prompt_len
+        wanted = params.max_tokens if params.max_tokens is not None else 1
+        if wanted > room:
+            raise ValueError(
+                f"prompt ({prompt_len} tokens) plus max_tokens ({wanted}) exceeds the maximum "
+                f"context length of {self.max_model_len} tokens (model context and KV pool of "
+                f"{self.block_manager.num_blocks} blocks x {self.config.block_size})"
+            )
+        return params.max_tokens if params.max_tokens is not None else room
+
+    def _max_model_len(self) -> int:
+        pool = self.block_manager.num_blocks * self.config.block_size
+        model = getattr(self.loaded.model.config, "max_position_embeddings", None) or pool
+        limit = min(pool, model)
+        return min(limit, self.config.max_model_len) if self.config.max_model_len else limit
+
+    def _eos_token_ids(self) -> set[int]:
+        ids: set[int] = set()
+        gen = getattr(self.loaded.model, "generation_config", None)
+        for source in (getattr(gen, "eos_token_id", None), self.tokenizer.eos_token_id):
+            if isinstance(source, int):
+                ids.add(source)
+            elif source:
+                ids.update(source)
+        return ids
+
+    # -- abort ---------------------------------------------------------------------------
+
+    def abort_request(self, request_id: str, reason: str = "abort") -> RequestOutput | None:
+        req = self.requests.get(request_id)
+        if req is None:
+            return None
+        for i, seq in enumerate(req.seqs):
+            if req.finish_reasons[i] is None:
+                req.finish_reasons[i] = reason
+                req.detoks[i].finish()
+        self._release(req)
+        return self._output(req)
+
+    def _release(self, req: Request) -> None:
+        for seq in req.seqs:
+            if not seq.is_finished:
+                self.scheduler.remove(seq)
+            self._seq_of.pop(seq.seq_id, None)
+        self.requests.pop(req.request_id, None)
+
+    # -- one step ------------------------------------------------------------------------
+
+    def has_work(self) -> bool:
+        return self.scheduler.has_work()
+
+    def schedule(self) -> StepPlan:
+        plan = self.scheduler.schedule()
+        step = StepPlan(plan)
+        for item in plan.scheduled:
+            if not item.samples:
+                continue
+            source = step.num_logits
+            step.num_logits += 1
+            step.rows.append(self._row(item.seq))
+            step.row_sources.append(source)
+            req, i = self._seq_of[item.seq.seq_id]
+            if i == 0 and req.pending_children:
+                # The prompt's last logits are shared: every child draws its first token
+                # from them with its own generator, then forks the parent's blocks.
+                for child in req.pending_children:
+                    step.rows.append(self._row(child))
+                    step.row_sources.append(source)
+        return step
+
+    def _row(self, seq: Sequence) -> SamplingRow:
+        req, i = self._seq_of[seq.seq_id]
+        row = req.rows[i]
+        row.output_token_ids = seq.output_token_ids
+        return row
+
+    def execute(self, step: StepPlan) -> SamplerOutput:
+        return self.runner.execute(step.plan, step.rows, step.row_sources)
+
+    def step(self) -> list[RequestOutput]:
+        """Synchronous convenience: one full step (used by tests and benchmarks)."""
+        step = self.schedule()
+        if step.plan.is_empty:
+            return []
+        return self.process(step, self.execute(step))
+
+    def process(self, step: StepPlan, result: SamplerOutput) -> list[RequestOutput]:
+        touched: dict[str, Request] = {}
+        sampled = iter(zip(result.token_ids, result.logprobs, strict=True))
+        for item in step.plan.scheduled:
+            seq = item.seq
+            seq.num_computed_tokens += item.num_new_tokens
+            self.block_manager.cache_full_blocks(seq)
+            req, i = self._seq_of[seq.seq_id]
+            if not item.samples:
+                continue
+            children = self._fork_children(req, i, seq)
+            for s, index in [(seq, i), *((c, self._seq_of[c.seq_id][1]) for c in children)]:
+                token, logprobs = next(sampled)
+                self._append_token(req, index, s, token, logprobs)
+            touched[req.request_id] = req
+        outputs = [self._output(req) for req in touched.values()]
+        for req in touched.values():
+            if req.finished:
+                self._release(req)
+        return outputs
+
+    def _fork_children(self, req: Request, i: int, parent: Sequence) -> list[Sequence]:
+        """Samples 1..n-1 start as copies of sample 0 right after the prompt: they share all
+        its blocks (refcounts), and the first write into the shared partial block copies it."""
+        if i != 0 or not req.pending_children:
+            return []
+        children, req.pending_children = req.pending_children, []
+        for child in children:
+            self.block_manager.fork(parent, child)
+            self.scheduler.add_running(child)
+        return children
+
+    def fail(self, step: StepPlan) -> list[RequestOutput]:
+        """A step raised: end the requests it touched with "error", keep the engine going."""
+        failed = {
+            self._seq_of[s.seq.seq_id][0].request_id
+            for s in step.plan.scheduled
+            if s.seq.seq_id in self._seq_of
+        }
+        return [o for rid in failed if (o := self.abort_request(rid, reason="error")) is not None]
+
+    def _append_token(self, req: Request, i: int, seq: Sequence, token: int, logprobs) -> None:
+        seq.token_ids.append(token)
+        if req.logprobs is not None:
+            req.logprobs[i].append(logprobs)
+        reason, stop = self._stop_reason(req, i, seq, token)
+        if reason is not None:
+            req.finish_reasons[i], req.stop_reasons[i] = reason, stop
+            req.detoks[i].finish()
+            self.scheduler.remove(seq)
+
+    def _stop_reason(self, req: Request, i: int, seq: Sequence, token: int) -> tuple[str | None, int | str | None]:
+        params = req.params
+        stop_str = req.detoks[i].add_tokens([token])
+        num_out = seq.num_output_tokens
+        past_min = num_out >= params.min_tokens
+        if past_min and not params.ignore_eos and token in self.eos_token_ids:
+            return "stop", None
+        if past_min and token in params.stop_token_ids:
+            return "stop", token
+        if stop_str is not None:
+            return "stop", stop_str
+        if params.max_tokens is not None and num_out >= params.max_tokens:
+            return "length", None
+        if seq.num_tokens >= self.max_model_len:
+            return "length", None
+        return None, None
+
+    def _output(self, req: Request) -> RequestOutput:
+        completions = [
+            CompletionOutput(
+                index=i,
+                text=req.detoks[i].text,
+                token_ids=seq.output_token_ids,
+                finish_reason=req.finish_reasons[i],
+                logprobs=list(req.logprobs[i]) if req.logprobs is not None else None,
+                stop_reason=req.stop_reasons[i],
+            )
+            for i, seq in enumerate(req.seqs)
+        ]
+        return RequestOutput(
+            request_id=req.request_id,
+            prompt_token_ids=req.prompt_token_ids,
+            outputs=completions,
+            finished=req.finished,
+            num_cached_tokens=req.seqs[0].num_cached_tokens,
+        )
+
+    # -- introspection -------------------------------------------------------------------
+
+    def stats(self) -> dict[str, int | float]:
+        bm = self.block_manager
+        return {
+            "num_total_blocks": bm.num_blocks,
+            "num_free_blocks": bm.num_free_blocks,
+            "num_cached_blocks": len(bm.cached),
+            "kv_cache_usage": bm.usage(),
+            "num_running": len(self.scheduler.running),
+            "num_waiting": len(self.scheduler.waiting),
+            "num_requests": len(self.requests),
+            "prefix_cache_queries": bm.stats.queries,
+            "prefix_cache_hits": bm.stats.hits,
+            "num_preemptions": self.scheduler.num_preemptions,
+            "block_size": bm.block_size,
+            "max_model_len": self.max_model_len,
+        }
+
+    def kv_state(self) -> dict:
+        bm = self.block_manager
+        return {"block_size": bm.block_size, "num_blocks": bm.num_blocks, "blocks": bm.block_states()}
+
+
+def _sample_generator(params: SamplingParams, index: int, device: torch.device) -> torch.Generator | None:
+    """Sample i of a seeded request draws from its own stream (seed + i): reproducible
+    whatever else is in the batch."""
+    if params.seed is None:
+        return None
+    return torch.Generator(device="cpu").manual_seed((params.seed + index) & 0xFFFF_FFFF_FFFF_FFFF)

@@ -1,0 +1,136 @@
+"""Turns a scheduler plan into tensors, runs one packed forward over the paged cache, samples.
+
+All scheduled tokens of all sequences form one flat batch (`input_ids` [1, T]); only the last
+token of each sequence that samples goes through the output projection.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from streamengine.config import DEFAULT_KV_CACHE_BYTES, EngineConfig
+from streamengine.models.attention import AttentionBackend, AttentionMetadata, TorchPagedAttention
+from streamengine.models.loader import LoadedModel
+from streamengine.sampling import Sampler, SamplerOutput, SamplingRow
+from streamengine.scheduler import SchedulerOutput
+
+
+def kv_bytes_per_block(model_config, block_size: int, dtype: torch.dtype) -> int:
+    num_layers, num_kv_heads, head_dim = model_shape(model_config)
+    elem = torch.empty((), dtype=dtype).element_size()
+    return 2 * num_layers * block_size * num_kv_heads * head_dim * elem  # K and V
+
+
+def model_shape(model_config) -> tuple[int, int, int]:
+    """(num_layers, num_kv_heads, head_dim) of a HF decoder config."""
+    heads = model_config.num_attention_heads
+    kv_heads = getattr(model_config, "num_key_value_heads", None) or heads
+    head_dim = getattr(model_config, "head_dim", None) or model_config.hidden_size // heads
+    return model_config.num_hidden_layers, kv_heads, head_dim
+
+
+def num_blocks_for(config: EngineConfig, model_config, dtype: torch.dtype) -> int:
+    if config.num_gpu_blocks is not None:
+        return config.num_gpu_blocks
+    budget = config.kv_cache_bytes or DEFAULT_KV_CACHE_BYTES
+    num_blocks = budget // kv_bytes_per_block(model_config, config.block_size, dtype)
+    if num_blocks < 1:
+        raise ValueError(f"kv_cache_bytes={budget} cannot hold a single block of this model")
+    return num_blocks
+
+
+def select_backend(name: str, device: torch.device) -> AttentionBackend:
+    if name == "torch" or (name == "auto" and device.type != "cuda"):
+        return TorchPagedAttention()
+    from streamengine.models.triton_backend import TritonPagedAttention  # needs triton
+
+    return TritonPagedAttention.create(device)
+
+
+class ModelRunner:
+    def __init__(self, loaded: LoadedModel, config: EngineConfig, device: torch.device) -> None:
+        self.model = loaded.model
+        self.device = device
+        self.dtype = getattr(torch, config.dtype)
+        self.block_size = config.block_size
+        self.num_blocks = num_blocks_for(config, self.model.config, self.dtype)
+        num_layers, num_kv_heads, head_dim = model_shape(self.model.config)
+        shape = (self.num_blocks, self.block_size, num_kv_heads, head_dim)
+        self.kv_caches = [
+            (torch.zeros(shape, dtype=self.dtype, device=device),
+             torch.zeros(shape, dtype=self.dtype, device=device))
+            for _ in range(num_layers)
+        ]
+        self.backend = select_backend(config.attention_backend, device)
+        self.decoder = self.model.get_decoder()
+        self.lm_head = self.model.get_output_embeddings()
+        self.sampler = Sampler()
+        self.generator = torch.Generator().manual_seed(config.seed)
+
+    @torch.inference_mode()
+    def execute(
+        self, plan: SchedulerOutput, rows: list[SamplingRow], row_sources: list[int]
+    ) -> SamplerOutput:
+        """Runs one step. The scheduled sequences that sample give one logits row each, in
+        plan order; sampling row j draws from logits row `row_sources[j]`."""
+        if plan.blocks_to_copy:
+            self._copy_blocks(plan.blocks_to_copy)
+        input_ids, positions, meta, logits_indices = self._prepare(plan)
+        hidden = self.decoder(
+            input_ids=input_ids, position_ids=positions, use_cache=False, attn_metadata=meta
+        ).last_hidden_state  # [1, T, hidden]
+        if not rows:
+            return SamplerOutput([], [])
+        logits = self.lm_head(hidden[0, logits_indices]).float()  # [num_samplers, vocab]
+        if len(row_sources) != len(logits_indices):
+            logits = logits[torch.tensor(row_sources, device=logits.device)]  # [num_rows, vocab]
+        return self.sampler(logits, rows, self.generator)
+
+    def _prepare(self, plan: SchedulerOutput):
+        bs = self.block_size
+        tokens: list[int] = []
+        positions: list[int] = []
+        slots: list[int] = []
+        query_lens: list[int] = []
+        seq_lens: list[int] = []
+        logits_indices: list[int] = []
+        tables: list[list[int]] = []
+        for item in plan.scheduled:
+            seq, start, n = item.seq, item.seq.num_computed_tokens, item.num_new_tokens
+            table = seq.block_table
+            tokens.extend(seq.token_ids[start:start + n])
+            positions.extend(range(start, start + n))
+            slots.extend(table[p // bs] * bs + p % bs for p in range(start, start + n))
+            query_lens.append(n)
+            seq_lens.append(start + n)
+            tables.append(table)
+            if item.samples:
+                logits_indices.append(len(tokens) - 1)
+        max_blocks = max(len(t) for t in tables)
+        padded = [t + [0] * (max_blocks - len(t)) for t in tables]
+        dev = self.device
+        starts = [0]
+        for n in query_lens:
+            starts.append(starts[-1] + n)
+        meta = AttentionMetadata(
+            slot_mapping=torch.tensor(slots, dtype=torch.int64, device=dev),
+            query_start_loc=torch.tensor(starts, dtype=torch.int32, device=dev),
+            seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=dev),
+            block_tables=torch.tensor(padded, dtype=torch.int32, device=dev),
+            query_lens_host=query_lens,
+            seq_lens_host=seq_lens,
+            max_query_len=max(query_lens),
+            kv_caches=self.kv_caches,
+            backend=self.backend,
+        )
+        self.backend.prepare(meta)
+        input_ids = torch.tensor([tokens], dtype=torch.int64, device=dev)  # [1, T]
+        pos = torch.tensor([positions], dtype=torch.int64, device=dev)  # [1, T]
+        return input_ids, pos, meta, torch.tensor(logits_indices, dtype=torch.int64, device=dev)
+
+    def _copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
+        src = torch.tensor([s for s, _ in pairs], device=self.device)
+        dst = torch.tensor([d for _, d in pairs], device=self.device)
+        for key_cache, value_cache in self.kv_caches:
+            key_cache[dst] = key_cache[src]
+            value_cache[dst] = value_cache[src]

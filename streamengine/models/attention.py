@@ -1,0 +1,155 @@
+"""The attention hook: transformers computes Q/K/V (with RoPE), we store K/V in the paged cache
+and attend through block tables.
+
+Any HF decoder whose attention goes through `ALL_ATTENTION_FUNCTIONS` runs unchanged: the
+packed batch is one "sequence" of T tokens (`input_ids` [1, T]); the per-request structure
+arrives as the `attn_metadata` keyword that the model passes down to every layer. The mask
+function returns None, so transformers never builds a T x T mask over the packed batch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import torch
+import torch.nn.functional as F
+from transformers import AttentionInterface
+from transformers.masking_utils import AttentionMaskInterface
+
+ATTN_IMPLEMENTATION = "streamengine_paged"
+
+
+@dataclass(slots=True)
+class AttentionMetadata:
+    """Where every token of one packed step lives. Built once per step by the model runner."""
+
+    slot_mapping: torch.Tensor  # [num_tokens] int64: cache slot of each new token
+    query_start_loc: torch.Tensor  # [num_seqs + 1] int32
+    seq_lens: torch.Tensor  # [num_seqs] int32: context incl. this step's tokens
+    block_tables: torch.Tensor  # [num_seqs, max_blocks] int32
+    query_lens_host: list[int]
+    seq_lens_host: list[int]
+    max_query_len: int
+    kv_caches: list[tuple[torch.Tensor, torch.Tensor]]  # per layer: [num_blocks, block_size, kv_heads, head_dim]
+    backend: AttentionBackend
+    prepared: dict = field(default_factory=dict)  # backend-specific tensors shared by all layers
+
+
+class AttentionBackend(Protocol):
+    def prepare(self, meta: AttentionMetadata) -> None: ...
+
+    def forward(
+        self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+        meta: AttentionMetadata, scale: float,
+    ) -> torch.Tensor: ...
+
+
+def paged_attention_forward(
+    module: torch.nn.Module,
+    query: torch.Tensor,  # [1, num_heads, T, head_dim]
+    key: torch.Tensor,  # [1, num_kv_heads, T, head_dim]
+    value: torch.Tensor,  # [1, num_kv_heads, T, head_dim]
+    attention_mask: torch.Tensor | None,
+    scaling: float | None = None,
+    attn_metadata: AttentionMetadata | None = None,
+    **kwargs,
+) -> tuple[torch.Tensor, None]:
+    if attn_metadata is None:
+        raise RuntimeError("streamengine paged attention called without attn_metadata")
+    q = query[0].transpose(0, 1)  # [T, num_heads, head_dim]
+    k = key[0].transpose(0, 1)  # [T, num_kv_heads, head_dim]
+    v = value[0].transpose(0, 1)
+    scale = scaling if scaling is not None else q.shape[-1] ** -0.5
+    out = attn_metadata.backend.forward(module.layer_idx, q, k, v, attn_metadata, scale)
+    return out.unsqueeze(0), None  # [1, T, num_heads, head_dim], as transformers expects
+
+
+def _no_mask(*args, **kwargs) -> None:
+    return None
+
+
+def register_paged_attention() -> None:
+    """Registers the hook under ATTN_IMPLEMENTATION (idempotent; the function is stateless:
+    everything per engine travels in `attn_metadata`)."""
+    AttentionInterface.register(ATTN_IMPLEMENTATION, paged_attention_forward)
+    AttentionMaskInterface.register(ATTN_IMPLEMENTATION, _no_mask)
+
+
+class TorchPagedAttention:
+    """The CPU path: PyTorch SDPA over K/V gathered through the block tables.
+
+    Decode rows (one query token) run as one batched SDPA over a padded gather; other rows
+    (prefill, chunked prefill, prefill after a cache hit) run per request with a causal mask
+    offset by their cached context. A prompt with no cached context attends to its own fresh
+    K/V directly, without reading the cache back.
+    """
+
+    def prepare(self, meta: AttentionMetadata) -> None:
+        decode = [i for i, n in enumerate(meta.query_lens_host) if n == 1]
+        p = meta.prepared
+        p["decode_rows"] = decode
+        p["other_rows"] = [i for i, n in enumerate(meta.query_lens_host) if n != 1]
+        if not decode:
+            return
+        block_size = meta.kv_caches[0][0].shape[1]
+        lens = meta.seq_lens[decode].long()  # [Bd]
+        max_len = int(max(meta.seq_lens_host[i] for i in decode))
+        pos = torch.arange(max_len, device=meta.seq_lens.device)  # [L]
+        tables = meta.block_tables[decode].long()  # [Bd, max_blocks]
+        blocks = tables.gather(1, (pos // block_size).expand(len(decode), -1))  # [Bd, L]
+        p["decode_slots"] = (blocks * block_size + pos % block_size).reshape(-1)  # [Bd * L]
+        p["decode_mask"] = (pos < lens[:, None])[:, None, None, :]  # [Bd, 1, 1, L]
+        p["decode_tokens"] = meta.query_start_loc[decode].long()  # [Bd]
+        p["decode_len"] = max_len
+
+    def forward(self, layer_idx, q, k, v, meta, scale):
+        key_cache, value_cache = meta.kv_caches[layer_idx]
+        num_kv_heads, head_dim = key_cache.shape[2], key_cache.shape[3]
+        flat_k = key_cache.view(-1, num_kv_heads, head_dim)  # [num_slots, kv_heads, head_dim]
+        flat_v = value_cache.view(-1, num_kv_heads, head_dim)
+        flat_k.index_copy_(0, meta.slot_mapping, k)
+        flat_v.index_copy_(0, meta.slot_mapping, v)
+        out = torch.empty_like(q)  # [T, num_heads, head_dim]
+        p = meta.prepared
+        if p["decode_rows"]:
+            self._decode(q, flat_k, flat_v, p, scale, out)
+        for i in p["other_rows"]:
+            self._prefill(i, q, k, v, flat_k, flat_v, meta, scale, out)
+        return out
+
+    @staticmethod
+    def _decode(q, flat_k, flat_v, p, scale, out) -> None:
+        tokens = p["decode_tokens"]
+        num_seqs, length = len(tokens), p["decode_len"]
+        num_kv_heads, head_dim = flat_k.shape[1], flat_k.shape[2]
+        group = q.shape[1] // num_kv_heads
+        # Query heads sharing a KV head become rows of one matrix: GQA without repeating K/V.
+        qd = q[tokens].view(num_seqs, num_kv_heads, group, head_dim)  # [Bd, kv_heads, group, D]
+        kd = flat_k[p["decode_slots"]].view(num_seqs, length, num_kv_heads, head_dim).transpose(1, 2)
+        vd = flat_v[p["decode_slots"]].view(num_seqs, length, num_kv_heads, head_dim).transpose(1, 2)
+        o = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=p["decode_mask"], scale=scale)
+        out[tokens] = o.reshape(num_seqs, -1, head_dim)  # [Bd, num_heads, D]
+
+    @staticmethod
+    def _prefill(i, q, k, v, flat_k, flat_v, meta, scale, out) -> None:
+        start = int(meta.query_start_loc[i])
+        q_len, ctx_len = meta.query_lens_host[i], meta.seq_lens_host[i]
+        end = start + q_len
+        qi = q[start:end].transpose(0, 1)  # [num_heads, q_len, D]
+        if ctx_len == q_len:  # nothing cached before this chunk: use the fresh K/V
+            ki = k[start:end].transpose(0, 1)  # [kv_heads, q_len, D]
+            vi = v[start:end].transpose(0, 1)
+            o = F.scaled_dot_product_attention(qi, ki, vi, is_causal=True, scale=scale, enable_gqa=True)
+        else:
+            block_size = meta.kv_caches[0][0].shape[1]
+            num_blocks = -(-ctx_len // block_size)
+            table = meta.block_tables[i, :num_blocks].long()
+            offsets = torch.arange(block_size, device=q.device)
+            slots = (table[:, None] * block_size + offsets).reshape(-1)[:ctx_len]
+            ki = flat_k[slots].transpose(0, 1)  # [kv_heads, ctx_len, D]
+            vi = flat_v[slots].transpose(0, 1)
+            qpos = torch.arange(ctx_len - q_len, ctx_len, device=q.device)[:, None]
+            mask = torch.arange(ctx_len, device=q.device)[None, :] <= qpos  # [q_len, ctx_len]
+            o = F.scaled_dot_product_attention(qi, ki, vi, attn_mask=mask, scale=scale, enable_gqa=True)
+        out[start:end] = o.transpose(0, 1)

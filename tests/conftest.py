@@ -1,0 +1,69 @@
+"""Shared fixtures: the default model (converted once, cached), tiny random models, uvloop."""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+import asyncio  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+
+def pytest_asyncio_loop_factories(config, item):
+    """Async tests run on uvloop, as the server does."""
+    import uvloop
+
+    return {"uvloop": uvloop.new_event_loop}
+
+
+@pytest.fixture(scope="session")
+def smollm_dir() -> Path:
+    """The default SmolLM2-135M-Instruct, converted from the packaged GGUF once per machine."""
+    from streamengine.models.loader import _converted_gguf, default_cache_dir, resolve_default_model
+
+    return _converted_gguf(resolve_default_model(), default_cache_dir())
+
+
+def _save_tiny(config, folder: Path, tokenizer_dir: Path) -> Path:
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    model.generation_config.eos_token_id = config.eos_token_id
+    model.save_pretrained(folder)
+    AutoTokenizer.from_pretrained(tokenizer_dir).save_pretrained(folder)
+    return folder
+
+
+_TINY = dict(
+    vocab_size=49152, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+    num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
+    bos_token_id=1, eos_token_id=2, pad_token_id=2, tie_word_embeddings=True,
+)
+
+
+@pytest.fixture(scope="session")
+def tiny_llama_dir(tmp_path_factory, smollm_dir) -> Path:
+    """A 2-layer random Llama (GQA 4:2) with SmolLM2's tokenizer: fast, and real text in/out."""
+    from transformers import LlamaConfig
+
+    return _save_tiny(LlamaConfig(**_TINY), tmp_path_factory.mktemp("tiny_llama"), smollm_dir)
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen2_dir(tmp_path_factory, smollm_dir) -> Path:
+    """A 2-layer random Qwen2 (q/k/v biases, GQA 6:2, head_dim 16) with SmolLM2's tokenizer."""
+    from transformers import Qwen2Config
+
+    cfg = dict(_TINY, hidden_size=96, num_attention_heads=6, num_key_value_heads=2)
+    return _save_tiny(Qwen2Config(**cfg), tmp_path_factory.mktemp("tiny_qwen2"), smollm_dir)
+
+
+def run_async(coro):
+    """For sync tests that need one coroutine run to completion on a fresh loop."""
+    return asyncio.run(coro)
