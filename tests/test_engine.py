@@ -1,0 +1,209 @@
+"""AsyncEngine behaviour: streaming, abort, early exit, seeds, bad input, lifecycle."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from streamengine import AsyncEngine, EngineConfig, SamplingParams
+
+
+@pytest.fixture
+async def engine(tiny_llama_dir):
+    async with AsyncEngine(EngineConfig(model=str(tiny_llama_dir), num_gpu_blocks=64)) as eng:
+        yield eng
+
+
+def all_blocks_free(engine: AsyncEngine) -> bool:
+    s = engine.stats()
+    return s["num_free_blocks"] == s["num_total_blocks"] and s["num_running"] == s["num_waiting"] == 0
+
+
+async def collect(engine, prompt, params, **kw):
+    outs = [out async for out in engine.generate(prompt, params, **kw)]
+    return outs
+
+
+async def test_streams_cumulative_outputs_until_finished(engine):
+    outs = await collect(engine, "Hello there", SamplingParams(temperature=0, max_tokens=12, ignore_eos=True))
+    assert outs[-1].finished and all(not o.finished for o in outs[:-1])
+    final = outs[-1].outputs[0]
+    assert final.finish_reason == "length" and len(final.token_ids) == 12
+    for a, b in zip(outs, outs[1:]):  # cumulative: each output extends the previous one
+        assert b.outputs[0].token_ids[: len(a.outputs[0].token_ids)] == a.outputs[0].token_ids
+    assert final.text == engine.tokenizer.decode(final.token_ids, skip_special_tokens=True)
+    assert all_blocks_free(engine)
+
+
+async def test_early_break_aborts_and_frees_blocks(engine):
+    params = SamplingParams(temperature=0, max_tokens=200, ignore_eos=True)
+    async for out in engine.generate("Tell me a long story", params):
+        if len(out.outputs[0].token_ids) >= 3:
+            break
+    await asyncio.sleep(0.2)  # the abort lands after the step in flight
+    assert all_blocks_free(engine)
+
+
+async def test_abort_ends_stream_with_abort_reason(engine):
+    params = SamplingParams(temperature=0, max_tokens=500, ignore_eos=True)
+    outs = []
+    async for out in engine.generate("Count to a thousand", params, request_id="r1"):
+        outs.append(out)
+        if len(outs) == 2:
+            await engine.abort("r1")
+    assert outs[-1].finished and outs[-1].outputs[0].finish_reason == "abort"
+    assert len(outs[-1].outputs[0].token_ids) < 500
+    assert all_blocks_free(engine)
+
+
+async def test_cancelled_consumer_frees_blocks(engine):
+    async def consume():
+        async for _ in engine.generate("Go on forever", SamplingParams(max_tokens=500, ignore_eos=True)):
+            pass
+
+    task = asyncio.create_task(consume())
+    await asyncio.sleep(0.3)
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    await asyncio.sleep(0.2)
+    assert all_blocks_free(engine)
+
+
+async def test_seeded_sampling_is_reproducible_regardless_of_batch(engine):
+    params = SamplingParams(temperature=1.0, top_p=0.9, seed=1234, max_tokens=16, ignore_eos=True)
+    alone = (await collect(engine, "Once upon a time", params))[-1].outputs[0].token_ids
+    noise = SamplingParams(temperature=1.0, max_tokens=16, ignore_eos=True)
+    results = await asyncio.gather(
+        collect(engine, "Something else entirely", noise),
+        collect(engine, "Once upon a time", params),
+        collect(engine, "And a third prompt here", noise),
+    )
+    assert results[1][-1].outputs[0].token_ids == alone
+    other = SamplingParams(temperature=1.0, top_p=0.9, seed=99, max_tokens=16, ignore_eos=True)
+    assert (await collect(engine, "Once upon a time", other))[-1].outputs[0].token_ids != alone
+
+
+async def test_stop_string_is_excluded_and_finishes(engine):
+    # Greedy output of the tiny model is deterministic: take a piece of it as the stop string.
+    free = (await collect(engine, "abc", SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)))[-1]
+    text = free.outputs[0].text
+    stop = text[len(text) // 2: len(text) // 2 + 3]
+    if not stop.strip():
+        pytest.skip("greedy text of the tiny model has no usable stop string")
+    out = (await collect(engine, "abc", SamplingParams(temperature=0, max_tokens=20, ignore_eos=True, stop=[stop])))[-1]
+    first = out.outputs[0]
+    assert first.finish_reason == "stop" and first.stop_reason == stop
+    assert first.text == text[: text.index(stop)]
+
+
+async def test_stop_token_ids(engine):
+    free = (await collect(engine, "xyz", SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)))[-1]
+    target = free.outputs[0].token_ids[4]
+    out = (await collect(engine, "xyz", SamplingParams(temperature=0, max_tokens=10, ignore_eos=True, stop_token_ids=[target])))[-1]
+    first = out.outputs[0]
+    cut = free.outputs[0].token_ids.index(target)
+    assert first.finish_reason == "stop" and first.stop_reason == target
+    assert first.token_ids == free.outputs[0].token_ids[: cut + 1]
+
+
+async def test_logprobs_returned_per_token(engine):
+    out = (await collect(engine, "Hi", SamplingParams(temperature=0, max_tokens=5, logprobs=3, ignore_eos=True)))[-1]
+    comp = out.outputs[0]
+    assert len(comp.logprobs) == 5
+    for token, lp in zip(comp.token_ids, comp.logprobs, strict=True):
+        assert token in lp and len(lp) >= 3
+        assert lp[token] == max(lp.values())  # greedy picks the most likely token
+
+
+async def test_parallel_samples_share_prompt_and_are_indexed(engine):
+    params = SamplingParams(n=3, temperature=1.0, seed=7, max_tokens=8, ignore_eos=True)
+    out = (await collect(engine, "The weather today is", params))[-1]
+    assert [c.index for c in out.outputs] == [0, 1, 2]
+    assert all(len(c.token_ids) == 8 and c.finish_reason == "length" for c in out.outputs)
+    again = (await collect(engine, "The weather today is", params))[-1]
+    assert [c.token_ids for c in again.outputs] == [c.token_ids for c in out.outputs]
+    assert all_blocks_free(engine)
+
+
+@pytest.mark.parametrize(
+    "kwargs, field",
+    [
+        ({"temperature": -1}, "temperature"),
+        ({"top_p": 0}, "top_p"),
+        ({"max_tokens": 0}, "max_tokens"),
+        ({"n": 0}, "n"),
+        ({"logprobs": 50}, "logprobs"),
+    ],
+)
+def test_bad_params_raise_clear_errors(kwargs, field):
+    with pytest.raises(ValueError, match=field):
+        SamplingParams(**kwargs)
+
+
+async def test_bad_requests_fail_alone(engine):
+    with pytest.raises(ValueError, match="max_tokens"):
+        await anext(engine.generate("hi", SamplingParams(max_tokens=10**6)))
+    with pytest.raises(ValueError, match="prompt"):
+        await anext(engine.generate("", SamplingParams()))
+    with pytest.raises(ValueError, match="out of range"):
+        await anext(engine.generate([10**9], SamplingParams()))
+    ok = await collect(engine, "still fine", SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))
+    assert ok[-1].finished and len(ok[-1].outputs[0].token_ids) == 4
+
+
+async def test_duplicate_request_id_rejected(engine):
+    params = SamplingParams(max_tokens=50, ignore_eos=True)
+    gen = engine.generate("one", params, request_id="dup")
+    await anext(gen)
+    with pytest.raises(ValueError, match="dup"):
+        await anext(engine.generate("two", params, request_id="dup"))
+    await gen.aclose()
+
+
+async def test_generate_requires_running_engine(tiny_llama_dir):
+    engine = AsyncEngine(EngineConfig(model=str(tiny_llama_dir), num_gpu_blocks=8))
+    with pytest.raises(RuntimeError, match="not running"):
+        await anext(engine.generate("hi"))
+
+
+def test_asyncio_run_twice_and_two_engines(tiny_llama_dir):
+    async def once():
+        cfg = EngineConfig(model=str(tiny_llama_dir), num_gpu_blocks=32)
+        async with AsyncEngine(cfg) as a, AsyncEngine(cfg) as b:
+            p = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+            ra, rb = await asyncio.gather(collect(a, "same prompt", p), collect(b, "same prompt", p))
+            assert ra[-1].outputs[0].token_ids == rb[-1].outputs[0].token_ids
+            assert a.stats()["prefix_cache_queries"] == b.stats()["prefix_cache_queries"] > 0
+            return ra[-1].outputs[0].token_ids
+
+    assert asyncio.run(once()) == asyncio.run(once())
+
+
+async def test_event_loop_stays_responsive_during_steps(engine):
+    params = SamplingParams(temperature=0, max_tokens=64, ignore_eos=True)
+    lags = []
+
+    async def ticker():
+        loop = asyncio.get_running_loop()
+        while True:
+            t = loop.time()
+            await asyncio.sleep(0.005)
+            lags.append(loop.time() - t - 0.005)
+
+    tick = asyncio.create_task(ticker())
+    await asyncio.gather(*(collect(engine, f"prompt {i}", params) for i in range(4)))
+    tick.cancel()
+    assert len(lags) > 5  # the loop kept ticking while the model ran in the worker thread
+
+
+def test_chat_template(tiny_llama_dir):
+    async def go():
+        async with AsyncEngine(EngineConfig(model=str(tiny_llama_dir), num_gpu_blocks=8)) as e:
+            return e.apply_chat_template([{"role": "user", "content": "Hi!"}])
+
+    text = asyncio.run(go())
+    assert "Hi!" in text and text.rstrip().endswith("assistant")
+    with pytest.raises(ValueError):
+        AsyncEngine.apply_chat_template(None, [{"role": "user"}])  # type: ignore[arg-type]
