@@ -102,9 +102,12 @@ class PrefixCacheStats:
 class BlockManager:
     """Hands out blocks a block at a time, shares them by refcount, caches full ones by hash."""
 
-    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True) -> None:
-        if num_blocks < 1 or block_size < 1:
-            raise ValueError("num_blocks and block_size must be >= 1")
+    def __init__(
+        self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
+        num_cpu_blocks: int = 0,
+    ) -> None:
+        if num_blocks < 1 or block_size < 1 or num_cpu_blocks < 0:
+            raise ValueError("num_blocks and block_size must be >= 1, num_cpu_blocks >= 0")
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
@@ -114,6 +117,9 @@ class BlockManager:
         self.stats = PrefixCacheStats()
         # (src, dst) block copies the runner must do before the next forward (copy-on-write)
         self.pending_copies: list[tuple[int, int]] = []
+        # The host pool for swapped-out sequences: a plain stack, no sharing or caching there.
+        self.num_cpu_blocks = num_cpu_blocks
+        self.cpu_free: list[int] = list(range(num_cpu_blocks - 1, -1, -1))
 
     # -- queries -------------------------------------------------------------------------
 
@@ -246,6 +252,11 @@ class BlockManager:
     def free(self, seq: Sequence) -> None:
         """Drops `seq`'s references, tail first, so a prefix outlives its own suffix in the
         cache. Blocks with no cached content go to the front of the queue: reuse them first."""
+        self.cpu_free.extend(reversed(seq.cpu_block_table))
+        seq.cpu_block_table = []
+        self._release_blocks(seq)
+
+    def _release_blocks(self, seq: Sequence) -> None:
         for block_id in reversed(seq.block_table):
             block = self.blocks[block_id]
             if block.ref_cnt <= 0:
@@ -258,6 +269,41 @@ class BlockManager:
                     self.free_queue.append(block)
         seq.block_table = []
         seq.num_cached_blocks = 0
+
+    # -- swapping -------------------------------------------------------------------------
+
+    @property
+    def num_free_cpu_blocks(self) -> int:
+        return len(self.cpu_free)
+
+    def can_swap_out(self, seq: Sequence) -> bool:
+        return 0 < len(seq.block_table) <= len(self.cpu_free)
+
+    def swap_out(self, seq: Sequence) -> list[tuple[int, int]]:
+        """Moves `seq` to the host pool: returns (device block, host block) copies to make
+        before the device blocks are reused. A block shared with another sequence is copied
+        too (the copy is private to `seq`; the device block stays with the other holders)."""
+        if not self.can_swap_out(seq):
+            raise NoFreeBlocksError("not enough free swap blocks")
+        mapping = [(block_id, self.cpu_free.pop()) for block_id in seq.block_table]
+        self._release_blocks(seq)
+        seq.cpu_block_table = [cpu for _, cpu in mapping]
+        return mapping
+
+    def can_swap_in(self, seq: Sequence, reserve: int = 0) -> bool:
+        return len(seq.cpu_block_table) + reserve <= self.num_free_blocks
+
+    def swap_in(self, seq: Sequence) -> list[tuple[int, int]]:
+        """Brings `seq` back into fresh device blocks: returns (host block, device block)
+        copies to make before its next forward."""
+        if not self.can_swap_in(seq):
+            raise NoFreeBlocksError("not enough free KV blocks to swap in")
+        mapping = [(cpu, self._pop_free().block_id) for cpu in seq.cpu_block_table]
+        self.cpu_free.extend(reversed(seq.cpu_block_table))
+        seq.cpu_block_table = []
+        seq.block_table = [gpu for _, gpu in mapping]
+        seq.num_cached_blocks = 0  # fresh blocks: register their hashes again as they fill
+        return mapping
 
     def fork(self, parent: Sequence, child: Sequence) -> None:
         """`child` shares every block of `parent` (refcount + 1), like fork(); writes into a

@@ -15,11 +15,11 @@ import torch
 from streamengine.block_manager import BlockManager
 from streamengine.config import EngineConfig
 from streamengine.detokenizer import IncrementalDetokenizer
-from streamengine.model_runner import ModelRunner
+from streamengine.model_runner import ModelRunner, kv_bytes_per_block
 from streamengine.models import LoadedModel, load_model
 from streamengine.outputs import CompletionOutput, RequestOutput
 from streamengine.sampling import SamplerOutput, SamplingParams, SamplingRow
-from streamengine.scheduler import Scheduler, SchedulerOutput
+from streamengine.scheduler import PreemptionPolicy, Scheduler, SchedulerOutput
 from streamengine.sequence import Sequence
 
 
@@ -71,9 +71,13 @@ class EngineCore:
         self.tokenizer = self.loaded.tokenizer
         self.runner = ModelRunner(self.loaded, config, self.device)
         self.block_manager = BlockManager(
-            self.runner.num_blocks, config.block_size, config.enable_prefix_caching
+            self.runner.num_blocks, config.block_size, config.enable_prefix_caching,
+            num_cpu_blocks=self.runner.num_cpu_blocks,
         )
-        self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens)
+        self.scheduler = Scheduler(
+            self.block_manager, config.max_num_seqs, config.max_num_batched_tokens,
+            self._preemption_policy(),
+        )
         self.max_model_len = self._max_model_len()
         self.eos_token_ids = self._eos_token_ids()
         self.vocab_size = self.loaded.model.config.vocab_size
@@ -90,10 +94,10 @@ class EngineCore:
         if request_id in self.requests:
             raise ValueError(f"request_id {request_id!r} is already in use")
         prompt_ids = self._tokenize(prompt)
-        max_tokens = self._check_length(len(prompt_ids), params)
+        self._check_length(len(prompt_ids), params)
         now = time.monotonic()
         seqs = [
-            Sequence(next(self._seq_ids), request_id, prompt_ids, cache_salt, now)
+            Sequence(next(self._seq_ids), request_id, prompt_ids, cache_salt, now, group_size=params.n)
             for _ in range(params.n)
         ]
         req = Request(
@@ -130,7 +134,7 @@ class EngineCore:
                 raise ValueError(f"prompt token id {t!r} is out of range [0, {self.vocab_size})")
         return list(prompt)
 
-    def _check_length(self, prompt_len: int, params: SamplingParams) -> int:
+    def _check_length(self, prompt_len: int, params: SamplingParams) -> None:
         room = self.max_model_len - prompt_len
         wanted = params.max_tokens if params.max_tokens is not None else 1
         if wanted > room:
@@ -139,7 +143,18 @@ class EngineCore:
                 f"context length of {self.max_model_len} tokens (model context and KV pool of "
                 f"{self.block_manager.num_blocks} blocks x {self.config.block_size})"
             )
-        return params.max_tokens if params.max_tokens is not None else room
+
+    def _preemption_policy(self) -> PreemptionPolicy:
+        """Rough per-device costs for "auto": recompute = 2 FLOPs per parameter per token,
+        swap = a block's bytes over the host link. Only their ratio matters."""
+        params = sum(p.numel() for p in self.loaded.model.parameters())
+        flops, link_bytes_s = (50e12, 20e9) if self.device.type == "cuda" else (80e9, 10e9)
+        block_bytes = kv_bytes_per_block(self.loaded.model.config, self.config.block_size, self.runner.dtype)
+        return PreemptionPolicy(
+            mode=self.config.preemption_mode,
+            recompute_cost_per_token=2 * params / flops,
+            swap_cost_per_block=block_bytes / link_bytes_s,
+        )
 
     def _max_model_len(self) -> int:
         pool = self.block_manager.num_blocks * self.config.block_size
@@ -163,7 +178,7 @@ class EngineCore:
         req = self.requests.get(request_id)
         if req is None:
             return None
-        for i, seq in enumerate(req.seqs):
+        for i in range(len(req.seqs)):
             if req.finish_reasons[i] is None:
                 req.finish_reasons[i] = reason
                 req.detoks[i].finish()
@@ -313,6 +328,9 @@ class EngineCore:
             "num_total_blocks": bm.num_blocks,
             "num_free_blocks": bm.num_free_blocks,
             "num_cached_blocks": len(bm.cached),
+            # Sharing: physical blocks in use vs the block-table entries that point at them.
+            "num_used_blocks": bm.num_blocks - bm.num_free_blocks,
+            "num_logical_blocks": sum(len(s.block_table) for s in self._live_seqs()),
             "kv_cache_usage": bm.usage(),
             "num_running": len(self.scheduler.running),
             "num_waiting": len(self.scheduler.waiting),
@@ -320,9 +338,19 @@ class EngineCore:
             "prefix_cache_queries": bm.stats.queries,
             "prefix_cache_hits": bm.stats.hits,
             "num_preemptions": self.scheduler.num_preemptions,
+            "num_swapped": len(self.scheduler.swapped),
+            "num_swap_outs": self.scheduler.num_swap_outs,
+            "num_swap_blocks": bm.num_cpu_blocks,
+            "num_swap_blocks_free": bm.num_free_cpu_blocks,
             "block_size": bm.block_size,
             "max_model_len": self.max_model_len,
         }
+
+    def _live_seqs(self):
+        for req in self.requests.values():
+            for seq in req.seqs:
+                if not seq.is_finished:
+                    yield seq
 
     def kv_state(self) -> dict:
         bm = self.block_manager

@@ -61,6 +61,18 @@ class ModelRunner:
              torch.zeros(shape, dtype=self.dtype, device=device))
             for _ in range(num_layers)
         ]
+        self.num_cpu_blocks = config.swap_space_bytes // kv_bytes_per_block(
+            self.model.config, self.block_size, self.dtype
+        )
+        pin = device.type == "cuda"
+        self.cpu_caches = [
+            (torch.zeros((self.num_cpu_blocks, *shape[1:]), dtype=self.dtype, pin_memory=pin),
+             torch.zeros((self.num_cpu_blocks, *shape[1:]), dtype=self.dtype, pin_memory=pin))
+            for _ in range(num_layers if self.num_cpu_blocks else 0)
+        ]
+        # Swaps run on their own stream on CUDA; the forward waits on an event, so blocks
+        # swapped out are not overwritten before their copy has landed.
+        self.swap_stream = torch.cuda.Stream(device) if pin else None
         self.backend = select_backend(config.attention_backend, device)
         self.decoder = self.model.get_decoder()
         self.lm_head = self.model.get_output_embeddings()
@@ -73,6 +85,8 @@ class ModelRunner:
     ) -> SamplerOutput:
         """Runs one step. The scheduled sequences that sample give one logits row each, in
         plan order; sampling row j draws from logits row `row_sources[j]`."""
+        if plan.blocks_to_swap_out or plan.blocks_to_swap_in:
+            self._swap(plan.blocks_to_swap_out, plan.blocks_to_swap_in)
         if plan.blocks_to_copy:
             self._copy_blocks(plan.blocks_to_copy)
         input_ids, positions, meta, logits_indices = self._prepare(plan)
@@ -127,6 +141,32 @@ class ModelRunner:
         input_ids = torch.tensor([tokens], dtype=torch.int64, device=dev)  # [1, T]
         pos = torch.tensor([positions], dtype=torch.int64, device=dev)  # [1, T]
         return input_ids, pos, meta, torch.tensor(logits_indices, dtype=torch.int64, device=dev)
+
+    def _swap(self, out_pairs: list[tuple[int, int]], in_pairs: list[tuple[int, int]]) -> None:
+        if self.swap_stream is None:
+            self._swap_copies(out_pairs, in_pairs)
+            return
+        self.swap_stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(self.swap_stream):
+            self._swap_copies(out_pairs, in_pairs)
+        done = torch.cuda.Event()
+        done.record(self.swap_stream)
+        torch.cuda.current_stream(self.device).wait_event(done)
+
+    def _swap_copies(self, out_pairs, in_pairs) -> None:
+        for (key_cache, value_cache), (cpu_k, cpu_v) in zip(self.kv_caches, self.cpu_caches, strict=True):
+            if out_pairs:
+                dev = torch.tensor([d for d, _ in out_pairs], device=self.device)
+                host = torch.tensor([h for _, h in out_pairs])
+                # Synchronous device-to-host: the host copy must be complete before the
+                # index_put on the CPU side reads it.
+                cpu_k[host] = key_cache[dev].cpu()
+                cpu_v[host] = value_cache[dev].cpu()
+            if in_pairs:
+                host = torch.tensor([h for h, _ in in_pairs])
+                dev = torch.tensor([d for _, d in in_pairs], device=self.device)
+                key_cache[dev] = cpu_k[host].to(self.device, non_blocking=True)
+                value_cache[dev] = cpu_v[host].to(self.device, non_blocking=True)
 
     def _copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
         src = torch.tensor([s for s, _ in pairs], device=self.device)

@@ -1,4 +1,5 @@
-"""Iteration-level continuous batching under a token budget, with preemption by recompute.
+"""Iteration-level continuous batching under a token budget, with preemption by swap or
+recompute.
 
 Each step the scheduler decides, for every sequence it runs, how many of its tokens to compute
 (`num_new_tokens`). One rule covers every phase: `num_computed_tokens` catches up to
@@ -33,6 +34,8 @@ class SchedulerOutput:
 
     scheduled: list[ScheduledSeq] = field(default_factory=list)
     blocks_to_copy: list[tuple[int, int]] = field(default_factory=list)
+    blocks_to_swap_out: list[tuple[int, int]] = field(default_factory=list)  # (device, host)
+    blocks_to_swap_in: list[tuple[int, int]] = field(default_factory=list)  # (host, device)
     preempted: list[Sequence] = field(default_factory=list)
 
     @property
@@ -44,21 +47,48 @@ class SchedulerOutput:
         return not self.scheduled
 
 
+@dataclass(slots=True)
+class PreemptionPolicy:
+    """How to preempt: "recompute", "swap" (recompute when the host pool is full) or "auto".
+
+    "auto" compares estimated costs per victim: recomputing redoes the forward pass of its
+    computed tokens; swapping moves its blocks out and back. Multi-sequence groups are always
+    swapped when possible, since recomputing them would re-prefill each sample separately.
+    """
+
+    mode: str = "recompute"
+    recompute_cost_per_token: float = 1.0  # seconds, estimated by the engine for its device
+    swap_cost_per_block: float = 0.0
+
+    def should_swap(self, seq: Sequence, block_manager: BlockManager) -> bool:
+        if self.mode == "recompute" or not block_manager.can_swap_out(seq):
+            return False
+        if self.mode == "swap" or seq.group_size > 1:
+            return True
+        swap = 2 * len(seq.block_table) * self.swap_cost_per_block  # out and back in
+        return swap < seq.num_computed_tokens * self.recompute_cost_per_token
+
+
 class Scheduler:
-    """Running sequences first (oldest first), then waiting ones in arrival order (FCFS)."""
+    """Running sequences first (oldest first), then swapped ones, then waiting ones, each in
+    arrival order (FCFS)."""
 
     def __init__(
         self,
         block_manager: BlockManager,
         max_num_seqs: int,
         max_num_batched_tokens: int,
+        preemption: PreemptionPolicy | None = None,
     ) -> None:
         self.block_manager = block_manager
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
+        self.preemption = preemption or PreemptionPolicy()
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
+        self.swapped: list[Sequence] = []  # arrival order
         self.num_preemptions = 0
+        self.num_swap_outs = 0
         # Admission keeps ~1% of the pool free so a new prompt does not force the very next
         # decode step to preempt (the same watermark vLLM uses).
         self.watermark_blocks = block_manager.num_blocks // 100
@@ -73,12 +103,14 @@ class Scheduler:
         bisect.insort(self.running, seq, key=_arrival)
 
     def has_work(self) -> bool:
-        return bool(self.waiting or self.running)
+        return bool(self.waiting or self.running or self.swapped)
 
     def remove(self, seq: Sequence) -> None:
         """Takes a sequence out of the queues and returns its blocks (finish or abort)."""
         if seq in self.running:
             self.running.remove(seq)
+        elif seq in self.swapped:
+            self.swapped.remove(seq)
         elif seq in self.waiting:
             self.waiting.remove(seq)
         self.block_manager.free(seq)
@@ -88,6 +120,8 @@ class Scheduler:
         out = SchedulerOutput()
         budget = self._schedule_running(out, self.max_num_batched_tokens)
         if not out.preempted:
+            budget = self._schedule_swapped(out, budget)
+        if not out.preempted and not self.swapped:
             self._schedule_waiting(out, budget)
         out.blocks_to_copy = self.block_manager.take_pending_copies()
         return out
@@ -108,7 +142,10 @@ class Scheduler:
         """Allocates for `seq`, preempting the newest running sequences until it fits."""
         while not self.block_manager.allocate_slots(seq, n):
             victim = self.running.pop()
-            self._preempt(victim)
+            if self.preemption.should_swap(victim, self.block_manager):
+                self._swap_out(victim, out)
+            else:
+                self._preempt(victim)
             out.preempted.append(victim)
             if victim is seq:
                 return False
@@ -123,6 +160,34 @@ class Scheduler:
         seq.num_preemptions += 1
         self.num_preemptions += 1
         self.waiting.appendleft(seq)
+
+    def _swap_out(self, seq: Sequence, out: SchedulerOutput) -> None:
+        """Swap preemption: the blocks go to the host pool; the sequence keeps its computed
+        tokens and resumes, ahead of every waiting request, once blocks free up."""
+        out.blocks_to_swap_out.extend(self.block_manager.swap_out(seq))
+        seq.status = SequenceStatus.SWAPPED
+        seq.num_preemptions += 1
+        self.num_preemptions += 1
+        self.num_swap_outs += 1
+        bisect.insort(self.swapped, seq, key=_arrival)
+
+    def _schedule_swapped(self, out: SchedulerOutput, budget: int) -> int:
+        bm = self.block_manager
+        while self.swapped and budget > 0 and len(self.running) < self.max_num_seqs:
+            seq = self.swapped[0]
+            n = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            need = bm.blocks_needed(seq.num_tokens) - len(seq.cpu_block_table)
+            if not bm.can_swap_in(seq, reserve=max(0, need) + self.watermark_blocks):
+                break
+            self.swapped.pop(0)
+            out.blocks_to_swap_in.extend(bm.swap_in(seq))
+            if not bm.allocate_slots(seq, n):  # cannot fail: room was checked above
+                raise RuntimeError("swap-in left no room for the next token")
+            seq.status = SequenceStatus.RUNNING
+            bisect.insort(self.running, seq, key=_arrival)
+            out.scheduled.append(ScheduledSeq.of(seq, n))
+            budget -= n
+        return budget
 
     def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> None:
         bm = self.block_manager

@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 class SequenceStatus(enum.Enum):
     WAITING = "waiting"
     RUNNING = "running"
+    SWAPPED = "swapped"  # preempted with its blocks copied to the host pool
     FINISHED = "finished"
 
 
@@ -33,9 +34,11 @@ class Sequence:
     # of `token_ids` (computed lazily, so len(block_hashes) <= num_tokens // block_size).
     block_table: list[int] = field(default_factory=list)
     block_hashes: list[bytes] = field(default_factory=list)
+    cpu_block_table: list[int] = field(default_factory=list)  # host blocks while SWAPPED
     num_cached_blocks: int = 0  # leading blocks already registered in the prefix cache
     num_cached_tokens: int = 0  # prompt tokens found in the prefix cache at first admission
     num_preemptions: int = 0
+    group_size: int = 1  # sequences of the same request (n > 1): they share blocks
 
     def __post_init__(self) -> None:
         if not self.token_ids:

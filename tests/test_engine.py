@@ -30,7 +30,7 @@ async def test_streams_cumulative_outputs_until_finished(engine):
     assert outs[-1].finished and all(not o.finished for o in outs[:-1])
     final = outs[-1].outputs[0]
     assert final.finish_reason == "length" and len(final.token_ids) == 12
-    for a, b in zip(outs, outs[1:]):  # cumulative: each output extends the previous one
+    for a, b in zip(outs, outs[1:], strict=False):  # cumulative: each output extends the previous one
         assert b.outputs[0].token_ids[: len(a.outputs[0].token_ids)] == a.outputs[0].token_ids
     assert final.text == engine.tokenizer.decode(final.token_ids, skip_special_tokens=True)
     assert all_blocks_free(engine)

@@ -112,7 +112,7 @@ async def test_prefix_cache_hits_give_same_output(tiny_llama_dir):
         got = []
         cached = []
         for ids in prompts:  # one after another: later ones hit the system prompt's blocks
-            async for out in engine.generate(ids, SamplingParams(temperature=0, max_tokens=16)):
+            async for out in engine.generate(ids, SamplingParams(temperature=0, max_tokens=16)):  # noqa: B007
                 pass
             got.append(out.outputs[0].token_ids)
             cached.append(out.num_cached_tokens)

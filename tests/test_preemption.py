@@ -1,0 +1,110 @@
+"""Memory pressure: swap to the host pool and recompute give the same outputs as no pressure,
+and every device and host block comes back."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from streamengine import AsyncEngine, EngineConfig, SamplingParams
+from streamengine.model_runner import kv_bytes_per_block
+
+PROMPTS = [f"Request number {i} asks about {'many things ' * (i % 3 + 1)}" for i in range(6)]
+
+
+async def run_all(folder, params_list, **cfg):
+    async with AsyncEngine(EngineConfig(model=str(folder), **cfg)) as engine:
+
+        async def one(prompt, params):
+            async for out in engine.generate(prompt, params):  # noqa: B007
+                pass
+            return [c.token_ids for c in out.outputs]
+
+        outs = await asyncio.gather(*(one(p, sp) for p, sp in zip(PROMPTS, params_list, strict=True)))
+        return outs, engine.stats()
+
+
+def swap_bytes(folder, blocks: int) -> int:
+    import torch
+    from transformers import AutoConfig
+
+    return blocks * kv_bytes_per_block(AutoConfig.from_pretrained(folder), 16, torch.float32)
+
+
+def mixed_params() -> list[SamplingParams]:
+    # Half greedy, half seeded sampling (one with n=2, sharing its prompt blocks).
+    return [
+        SamplingParams(temperature=0, max_tokens=40, ignore_eos=True) if i % 2 == 0
+        else SamplingParams(temperature=0.8, seed=i, max_tokens=40, ignore_eos=True, n=2 if i == 1 else 1)
+        for i in range(len(PROMPTS))
+    ]
+
+
+@pytest.fixture(scope="module")
+def unpressured(tiny_llama_dir):
+    outs, stats = asyncio.run(run_all(tiny_llama_dir, mixed_params(), num_gpu_blocks=256))
+    assert stats["num_preemptions"] == 0
+    return outs
+
+
+@pytest.mark.parametrize("mode", ["swap", "recompute", "auto"])
+async def test_outputs_identical_under_pressure(tiny_llama_dir, unpressured, mode):
+    outs, stats = await run_all(
+        tiny_llama_dir, mixed_params(), num_gpu_blocks=12, preemption_mode=mode,
+        swap_space_bytes=swap_bytes(tiny_llama_dir, 64),
+    )
+    assert outs == unpressured
+    assert stats["num_preemptions"] > 0
+    if mode == "swap":
+        assert stats["num_swap_outs"] > 0
+    if mode == "recompute":
+        assert stats["num_swap_outs"] == 0
+    assert stats["num_free_blocks"] == stats["num_total_blocks"]
+    assert stats["num_swap_blocks_free"] == stats["num_swap_blocks"] == 64
+
+
+async def test_swap_falls_back_to_recompute_when_host_pool_is_full(tiny_llama_dir, unpressured):
+    outs, stats = await run_all(
+        tiny_llama_dir, mixed_params(), num_gpu_blocks=12, preemption_mode="swap",
+        swap_space_bytes=swap_bytes(tiny_llama_dir, 3),
+    )
+    assert outs == unpressured
+    assert stats["num_swap_blocks_free"] == 3 and stats["num_free_blocks"] == 12
+
+
+async def test_abort_while_swapped_frees_host_blocks(tiny_llama_dir):
+    cfg = EngineConfig(
+        model=str(tiny_llama_dir), num_gpu_blocks=10, preemption_mode="swap",
+        swap_space_bytes=swap_bytes(tiny_llama_dir, 64),
+    )
+    params = SamplingParams(temperature=0, max_tokens=120, ignore_eos=True)
+    async with AsyncEngine(cfg) as engine:
+
+        async def consume(prompt):
+            async for _ in engine.generate(prompt, params):
+                pass
+
+        tasks = [asyncio.create_task(consume(p)) for p in PROMPTS]
+        for _ in range(400):  # wait until somebody is swapped out, then cancel everyone
+            await asyncio.sleep(0.01)
+            if engine.stats()["num_swapped"] > 0:
+                break
+        assert engine.stats()["num_swapped"] > 0
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        await asyncio.sleep(0.3)
+        s = engine.stats()
+    assert s["num_free_blocks"] == s["num_total_blocks"]
+    assert s["num_swap_blocks_free"] == s["num_swap_blocks"]
+    assert s["num_running"] == s["num_waiting"] == s["num_swapped"] == 0
+
+
+async def test_request_larger_than_pool_fails_cleanly(tiny_llama_dir):
+    cfg = EngineConfig(model=str(tiny_llama_dir), num_gpu_blocks=4, swap_space_bytes=swap_bytes(tiny_llama_dir, 8))
+    async with AsyncEngine(cfg) as engine:
+        with pytest.raises(ValueError, match="maximum context length"):
+            await anext(engine.generate("hello " * 80, SamplingParams(max_tokens=8)))
+        ok = [o async for o in engine.generate("hello", SamplingParams(max_tokens=4, ignore_eos=True))]
+        assert ok[-1].finished

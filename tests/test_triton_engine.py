@@ -1,0 +1,59 @@
+"""The engine's greedy output with the Triton backend (interpreted on CPU) equals the torch
+backend's. Runs in a subprocess: TRITON_INTERPRET must be set before triton is imported."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from streamengine import AsyncEngine, EngineConfig
+
+SCRIPT = r"""
+import asyncio, json, sys
+from streamengine import AsyncEngine, EngineConfig, SamplingParams
+
+async def run(backend):
+    cfg = EngineConfig(model=sys.argv[1], attention_backend=backend, num_gpu_blocks=24,
+                       max_num_batched_tokens=24)
+    p = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    async with AsyncEngine(cfg) as eng:
+        async def one(prompt):
+            async for out in eng.generate(prompt, p):
+                pass
+            return out.outputs[0].token_ids
+        # A shared 2-block prefix: the second request prefills after a cache hit; 24 tokens of
+        # budget chunk the first prompt; decode rows and prefill rows share steps.
+        prefix = list(range(100, 132))
+        first = await one(prefix + [7, 8, 9])
+        rest = await asyncio.gather(one(prefix + [10, 11]), one([5, 6, 7]))
+        return [first, *rest]
+
+print(json.dumps({b: asyncio.run(run(b)) for b in ("torch", "triton")}))
+"""
+
+
+@pytest.mark.slow
+def test_triton_backend_matches_torch_backend(tiny_llama_dir):
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    proc = subprocess.run(
+        [sys.executable, "-c", SCRIPT, str(tiny_llama_dir)], env=env, capture_output=True,
+        text=True, timeout=900,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert result["triton"] == result["torch"]
+
+
+def test_triton_backend_refused_on_cpu_without_interpreter(tiny_llama_dir):
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        pytest.skip("interpreter enabled in this process")
+    from streamengine.kernels import triton_interpreted
+
+    if triton_interpreted():
+        pytest.skip("triton already imported in interpreter mode by another test module")
+    with pytest.raises(ValueError, match="CUDA"):
+        AsyncEngine(EngineConfig(model=str(tiny_llama_dir), attention_backend="triton", num_gpu_blocks=8))
