@@ -1,9 +1,13 @@
-"""streamengine: an asyncio-native, embeddable LLM serving engine built on PagedAttention."""
+"""streamengine: an asyncio-native, embeddable LLM serving engine built on PagedAttention.
 
-from streamengine.config import EngineConfig
-from streamengine.engine import AsyncEngine, EngineDeadError
-from streamengine.outputs import CompletionOutput, RequestOutput
-from streamengine.sampling import SamplingParams
+The public names are imported lazily, so the pure-Python parts (block manager, scheduler)
+load without torch.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING
 
 __all__ = [
     "AsyncEngine",
@@ -14,3 +18,24 @@ __all__ = [
     "SamplingParams",
 ]
 __version__ = "0.1.0"
+
+_WHERE = {
+    "AsyncEngine": "streamengine.engine",
+    "EngineDeadError": "streamengine.engine",
+    "EngineConfig": "streamengine.config",
+    "CompletionOutput": "streamengine.outputs",
+    "RequestOutput": "streamengine.outputs",
+    "SamplingParams": "streamengine.sampling",
+}
+
+if TYPE_CHECKING:
+    from streamengine.config import EngineConfig
+    from streamengine.engine import AsyncEngine, EngineDeadError
+    from streamengine.outputs import CompletionOutput, RequestOutput
+    from streamengine.sampling import SamplingParams
+
+
+def __getattr__(name: str):
+    if name in _WHERE:
+        return getattr(importlib.import_module(_WHERE[name]), name)
+    raise AttributeError(f"module 'streamengine' has no attribute {name!r}")

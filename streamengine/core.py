@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from streamengine.beam_search import BeamSearchState
 from streamengine.block_manager import BlockManager
 from streamengine.config import EngineConfig
 from streamengine.detokenizer import IncrementalDetokenizer
@@ -20,7 +21,7 @@ from streamengine.models import LoadedModel, load_model
 from streamengine.outputs import CompletionOutput, RequestOutput
 from streamengine.sampling import SamplerOutput, SamplingParams, SamplingRow
 from streamengine.scheduler import PreemptionPolicy, Scheduler, SchedulerOutput
-from streamengine.sequence import Sequence
+from streamengine.sequence import Sequence, SequenceStatus
 
 
 @dataclass(slots=True, eq=False)
@@ -39,6 +40,9 @@ class Request:
     arrival_time: float
     num_cached_tokens: int = 0
     pending_children: list[Sequence] = field(default_factory=list)  # forked after the prompt
+    beam: BeamSearchState | None = None  # beam search: `seqs` are the live beams
+    beam_pending: dict[int, torch.Tensor] = field(default_factory=dict)  # seq_id -> logprobs
+    beam_results: list[list[int]] = field(default_factory=list)  # best finished beams
 
     @property
     def finished(self) -> bool:
@@ -52,6 +56,7 @@ class StepPlan:
     plan: SchedulerOutput
     rows: list[SamplingRow] = field(default_factory=list)
     row_sources: list[int] = field(default_factory=list)  # logits row of each sampling row
+    beam_sources: list[int] = field(default_factory=list)  # logits rows of beam-search beams
     num_logits: int = 0
 
 
@@ -96,31 +101,48 @@ class EngineCore:
         prompt_ids = self._tokenize(prompt)
         self._check_length(len(prompt_ids), params)
         now = time.monotonic()
+        num_seqs = 1 if params.use_beam_search else params.n
+        group = params.beam_width if params.use_beam_search else params.n
         seqs = [
-            Sequence(next(self._seq_ids), request_id, prompt_ids, cache_salt, now, group_size=params.n)
-            for _ in range(params.n)
+            Sequence(next(self._seq_ids), request_id, prompt_ids, cache_salt, now, group_size=group)
+            for _ in range(num_seqs)
         ]
         req = Request(
             request_id=request_id,
             prompt_token_ids=prompt_ids,
             params=params,
             seqs=seqs,
-            detoks=[IncrementalDetokenizer(self.tokenizer, prompt_ids, params) for _ in seqs],
+            detoks=[IncrementalDetokenizer(self.tokenizer, prompt_ids, params) for _ in range(params.n)],
             rows=[
                 SamplingRow(params, _sample_generator(params, i, self.device), prompt_ids, [])
-                for i in range(params.n)
+                for i in range(num_seqs)
             ],
-            logprobs=[[] for _ in seqs] if params.logprobs is not None else None,
+            logprobs=[[] for _ in range(params.n)] if params.logprobs is not None else None,
             finish_reasons=[None] * params.n,
             stop_reasons=[None] * params.n,
             arrival_time=now,
         )
         req.pending_children = seqs[1:]  # forked from sample 0 once its prompt is computed
+        if params.use_beam_search:
+            req.beam = self._beam_state(len(prompt_ids), params)
         self.requests[request_id] = req
         for i, seq in enumerate(seqs):
             self._seq_of[seq.seq_id] = (req, i)
         self.scheduler.add(seqs[0])
         return req
+
+    def _beam_state(self, prompt_len: int, params: SamplingParams) -> BeamSearchState:
+        max_new = params.max_tokens if params.max_tokens is not None else self.max_model_len
+        stops = [] if params.ignore_eos else sorted(self.eos_token_ids)
+        stops += [t for t in params.stop_token_ids if t not in stops]
+        return BeamSearchState(
+            width=params.beam_width,
+            prompt_len=prompt_len,
+            max_length=min(prompt_len + max_new, self.max_model_len),
+            stop_token_ids=stops,
+            length_penalty=params.length_penalty,
+            early_stopping=params.early_stopping,
+        )
 
     def _tokenize(self, prompt: str | list[int]) -> list[int]:
         if isinstance(prompt, str):
@@ -205,9 +227,12 @@ class EngineCore:
                 continue
             source = step.num_logits
             step.num_logits += 1
+            req, i = self._seq_of[item.seq.seq_id]
+            if req.beam is not None:
+                step.beam_sources.append(source)
+                continue
             step.rows.append(self._row(item.seq))
             step.row_sources.append(source)
-            req, i = self._seq_of[item.seq.seq_id]
             if i == 0 and req.pending_children:
                 # The prompt's last logits are shared: every child draws its first token
                 # from them with its own generator, then forks the parent's blocks.
@@ -222,8 +247,8 @@ class EngineCore:
         row.output_token_ids = seq.output_token_ids
         return row
 
-    def execute(self, step: StepPlan) -> SamplerOutput:
-        return self.runner.execute(step.plan, step.rows, step.row_sources)
+    def execute(self, step: StepPlan) -> tuple[SamplerOutput, torch.Tensor | None]:
+        return self.runner.execute(step.plan, step.rows, step.row_sources, step.beam_sources)
 
     def step(self) -> list[RequestOutput]:
         """Synchronous convenience: one full step (used by tests and benchmarks)."""
@@ -232,9 +257,12 @@ class EngineCore:
             return []
         return self.process(step, self.execute(step))
 
-    def process(self, step: StepPlan, result: SamplerOutput) -> list[RequestOutput]:
+    def process(self, step: StepPlan, result: tuple[SamplerOutput, torch.Tensor | None]) -> list[RequestOutput]:
+        sampler_out, beam_logprobs = result
         touched: dict[str, Request] = {}
-        sampled = iter(zip(result.token_ids, result.logprobs, strict=True))
+        sampled = iter(zip(sampler_out.token_ids, sampler_out.logprobs, strict=True))
+        beam_rows = iter(beam_logprobs if beam_logprobs is not None else ())
+        beam_reqs: dict[str, Request] = {}
         for item in step.plan.scheduled:
             seq = item.seq
             seq.num_computed_tokens += item.num_new_tokens
@@ -242,16 +270,68 @@ class EngineCore:
             req, i = self._seq_of[seq.seq_id]
             if not item.samples:
                 continue
+            if req.beam is not None:
+                req.beam_pending[seq.seq_id] = next(beam_rows)
+                beam_reqs[req.request_id] = req
+                continue
             children = self._fork_children(req, i, seq)
             for s, index in [(seq, i), *((c, self._seq_of[c.seq_id][1]) for c in children)]:
                 token, logprobs = next(sampled)
                 self._append_token(req, index, s, token, logprobs)
             touched[req.request_id] = req
+        for req in beam_reqs.values():
+            if len(req.beam_pending) == len(req.seqs) and self._beam_step(req):
+                touched[req.request_id] = req  # beam search streams only its final result
         outputs = [self._output(req) for req in touched.values()]
         for req in touched.values():
             if req.finished:
                 self._release(req)
         return outputs
+
+    def _beam_step(self, req: Request) -> bool:
+        """Advances a beam request once every live beam has its next-token log-probs.
+        Returns True when the search is over."""
+        live = req.seqs
+        logprobs = torch.stack([req.beam_pending.pop(s.seq_id) for s in live])  # [beams, vocab]
+        step = req.beam.step([s.output_token_ids for s in live], logprobs)
+        if step.done:
+            req.beam_results = [list(t) for t in req.beam.finished_tokens[: req.params.n]]
+            for i, tokens in enumerate(req.beam_results):
+                stopped = bool(tokens) and tokens[-1] in req.beam.stop_token_ids
+                req.finish_reasons[i] = "stop" if stopped else "length"
+            for i in range(len(req.beam_results), req.params.n):
+                req.finish_reasons[i] = "length"
+            return True
+        first_use: dict[int, int] = {}
+        new_beams: list[Sequence] = []
+        for j, parent_index in enumerate(step.parents):  # forks first: they copy the parent
+            if parent_index in first_use:
+                new_beams.append(self._fork_beam(req, live[parent_index]))
+            else:
+                first_use[parent_index] = j
+                new_beams.append(live[parent_index])  # the first child continues in place
+        for seq, token in zip(new_beams, step.tokens, strict=True):
+            seq.token_ids.append(token)
+        for index, seq in enumerate(live):
+            if index not in first_use:  # a dropped beam frees its blocks
+                self.scheduler.remove(seq)
+                self._seq_of.pop(seq.seq_id, None)
+        req.seqs = new_beams
+        for index, seq in enumerate(new_beams):
+            self._seq_of[seq.seq_id] = (req, index)
+        return False
+
+    def _fork_beam(self, req: Request, parent: Sequence) -> Sequence:
+        child = Sequence(
+            next(self._seq_ids), req.request_id, req.prompt_token_ids, parent.cache_salt,
+            parent.arrival_time, token_ids=list(parent.token_ids), group_size=parent.group_size,
+        )
+        if parent.status is SequenceStatus.RUNNING:
+            self.block_manager.fork(parent, child)
+            self.scheduler.add_running(child)
+        else:  # parent preempted meanwhile: the child recomputes (mostly prefix-cache hits)
+            self.scheduler.add_preempted(child)
+        return child
 
     def _fork_children(self, req: Request, i: int, parent: Sequence) -> list[Sequence]:
         """Samples 1..n-1 start as copies of sample 0 right after the prompt: they share all
@@ -301,6 +381,8 @@ class EngineCore:
         return None, None
 
     def _output(self, req: Request) -> RequestOutput:
+        if req.beam is not None:
+            return self._beam_output(req)
         completions = [
             CompletionOutput(
                 index=i,
@@ -318,6 +400,17 @@ class EngineCore:
             outputs=completions,
             finished=req.finished,
             num_cached_tokens=req.seqs[0].num_cached_tokens,
+        )
+
+    def _beam_output(self, req: Request) -> RequestOutput:
+        completions = []
+        for i in range(req.params.n):
+            tokens = req.beam_results[i] if i < len(req.beam_results) else []
+            text = self.tokenizer.decode(tokens, skip_special_tokens=req.params.skip_special_tokens)
+            completions.append(CompletionOutput(i, text, tokens, req.finish_reasons[i]))
+        return RequestOutput(
+            req.request_id, req.prompt_token_ids, completions, req.finished,
+            req.seqs[0].num_cached_tokens if req.seqs else 0,
         )
 
     # -- introspection -------------------------------------------------------------------

@@ -81,10 +81,12 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(
-        self, plan: SchedulerOutput, rows: list[SamplingRow], row_sources: list[int]
-    ) -> SamplerOutput:
+        self, plan: SchedulerOutput, rows: list[SamplingRow], row_sources: list[int],
+        beam_sources: list[int] = (),
+    ) -> tuple[SamplerOutput, torch.Tensor | None]:
         """Runs one step. The scheduled sequences that sample give one logits row each, in
-        plan order; sampling row j draws from logits row `row_sources[j]`."""
+        plan order; sampling row j draws from logits row `row_sources[j]`; beam-search rows
+        get their full log-softmax back instead of a sampled token."""
         if plan.blocks_to_swap_out or plan.blocks_to_swap_in:
             self._swap(plan.blocks_to_swap_out, plan.blocks_to_swap_in)
         if plan.blocks_to_copy:
@@ -93,12 +95,17 @@ class ModelRunner:
         hidden = self.decoder(
             input_ids=input_ids, position_ids=positions, use_cache=False, attn_metadata=meta
         ).last_hidden_state  # [1, T, hidden]
-        if not rows:
-            return SamplerOutput([], [])
+        if len(logits_indices) == 0:
+            return SamplerOutput([], []), None
         logits = self.lm_head(hidden[0, logits_indices]).float()  # [num_samplers, vocab]
-        if len(row_sources) != len(logits_indices):
+        beam = None
+        if beam_sources:
+            beam = torch.log_softmax(logits[list(beam_sources)], dim=-1).cpu()  # [beams, vocab]
+        if not rows:
+            return SamplerOutput([], []), beam
+        if row_sources != list(range(len(logits_indices))):
             logits = logits[torch.tensor(row_sources, device=logits.device)]  # [num_rows, vocab]
-        return self.sampler(logits, rows, self.generator)
+        return self.sampler(logits, rows, self.generator), beam
 
     def _prepare(self, plan: SchedulerOutput):
         bs = self.block_size

@@ -102,6 +102,12 @@ class Scheduler:
         seq.status = SequenceStatus.RUNNING
         bisect.insort(self.running, seq, key=_arrival)
 
+    def add_preempted(self, seq: Sequence) -> None:
+        """A sequence that must (re)compute from scratch, ahead of later arrivals."""
+        seq.status = SequenceStatus.WAITING
+        seq.num_computed_tokens = 0
+        self.waiting.appendleft(seq)
+
     def has_work(self) -> bool:
         return bool(self.waiting or self.running or self.swapped)
 
@@ -131,6 +137,9 @@ class Scheduler:
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
             n = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            if n == 0:  # a beam waiting for its siblings' logits: nothing to compute
+                i += 1
+                continue
             if not self._make_room(seq, n, out):
                 break  # seq itself was preempted, and everything after it before it
             out.scheduled.append(ScheduledSeq.of(seq, n))
@@ -177,7 +186,8 @@ class Scheduler:
             seq = self.swapped[0]
             n = min(seq.num_tokens - seq.num_computed_tokens, budget)
             need = bm.blocks_needed(seq.num_tokens) - len(seq.cpu_block_table)
-            if not bm.can_swap_in(seq, reserve=max(0, need) + self.watermark_blocks):
+            reserve = max(0, need) + (self.watermark_blocks if self.running else 0)
+            if not bm.can_swap_in(seq, reserve=reserve):
                 break
             self.swapped.pop(0)
             out.blocks_to_swap_in.extend(bm.swap_in(seq))
@@ -185,7 +195,8 @@ class Scheduler:
                 raise RuntimeError("swap-in left no room for the next token")
             seq.status = SequenceStatus.RUNNING
             bisect.insort(self.running, seq, key=_arrival)
-            out.scheduled.append(ScheduledSeq.of(seq, n))
+            if n:
+                out.scheduled.append(ScheduledSeq.of(seq, n))
             budget -= n
         return budget
 

@@ -1,0 +1,107 @@
+"""Beam search over one request, with the selection rules of transformers' `generate`.
+
+The engine keeps one `Sequence` per live beam; beams share their common history through the
+block manager (a new beam is a fork of its parent, its first write into a shared partial block
+is copied). This module only decides, from the beams' next-token log-probs, which
+continuations live on and which hypotheses are finished. The arithmetic (float32 sums, top-k
+over all beams' candidates, length penalty, early-stop heuristic) follows transformers so the
+results match `generate(num_beams=k, do_sample=False)` token for token.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+_NEG = -1.0e9  # transformers' "impossible" score
+
+
+@dataclass(slots=True)
+class BeamStep:
+    parents: list[int]  # for each new running beam, the index of the beam it extends
+    tokens: list[int]  # and the token it appends
+    done: bool
+
+
+@dataclass(slots=True)
+class BeamSearchState:
+    width: int
+    prompt_len: int
+    max_length: int  # prompt + max new tokens, absolute
+    stop_token_ids: list[int]
+    length_penalty: float = 1.0
+    early_stopping: bool = False
+    running_scores: torch.Tensor = field(init=False)  # [width] float32
+    finished_scores: torch.Tensor = field(init=False)  # [width] float32, best first
+    finished_flags: torch.Tensor = field(init=False)  # [width] bool
+    finished_tokens: list[list[int]] = field(init=False)  # output tokens of each slot
+    improvable: bool = True  # transformers' "early stop heuristic unsatisfied"
+
+    def __post_init__(self) -> None:
+        # All beams start as the prompt; only the first counts, so the first step does not
+        # pick the same continuation k times.
+        self.running_scores = torch.full((self.width,), _NEG, dtype=torch.float32)
+        self.running_scores[0] = 0.0
+        self.finished_scores = torch.full((self.width,), _NEG, dtype=torch.float32)
+        self.finished_flags = torch.zeros(self.width, dtype=torch.bool)
+        self.finished_tokens = [[] for _ in range(self.width)]
+
+    def step(self, beam_outputs: list[list[int]], logprobs: torch.Tensor) -> BeamStep:
+        """One step. `beam_outputs[i]` are the output tokens of running beam i and
+        `logprobs[i]` its next-token log-softmax [vocab]. Before the first step there is one
+        live beam; it stands in for all `width` identical starting beams."""
+        if logprobs.shape[0] == 1 and self.width > 1:
+            logprobs = logprobs.expand(self.width, -1)
+            beam_outputs = beam_outputs * self.width
+        cur_len = self.prompt_len + len(beam_outputs[0])
+        vocab = logprobs.shape[1]
+        num_stops = len(self.stop_token_ids)
+        keep = max(2, 1 + num_stops) * self.width
+        total = (logprobs.float() + self.running_scores[:, None]).reshape(-1)  # [width * vocab]
+        cand_scores, cand_index = torch.topk(total, k=keep)
+        cand_beams = (cand_index // vocab).tolist()
+        cand_tokens = (cand_index % vocab).tolist()
+        at_max = cur_len + 1 >= self.max_length
+        hits = torch.tensor([at_max or t in self.stop_token_ids for t in cand_tokens])  # [keep]
+
+        self._update_finished(beam_outputs, cand_scores, cand_beams, cand_tokens, hits, cur_len)
+        running = cand_scores + hits.float() * _NEG
+        order = torch.topk(running, k=self.width).indices
+        self.running_scores = running[order]
+        self.improvable = self.improvable and self._can_improve(cur_len + 1)
+        all_finished_early = bool(self.finished_flags.all()) and self.early_stopping
+        done = not self.improvable or all_finished_early or bool(hits.all())
+        return BeamStep([cand_beams[i] for i in order.tolist()], [cand_tokens[i] for i in order.tolist()], done)
+
+    def _update_finished(self, beam_outputs, cand_scores, cand_beams, cand_tokens, hits, cur_len) -> None:
+        top_k = torch.zeros_like(hits)
+        top_k[: self.width] = True
+        just_finished = hits & top_k
+        scores = cand_scores / ((cur_len + 1 - self.prompt_len) ** self.length_penalty)
+        if bool(self.finished_flags.all()) and self.early_stopping:
+            scores = scores + _NEG
+        if not self.improvable:
+            scores = scores + _NEG
+        scores = scores + (~just_finished).float() * _NEG
+        merged = torch.cat((self.finished_scores, scores))
+        merged_flags = torch.cat((self.finished_flags, just_finished))
+        new_tokens = [beam_outputs[b] + [t] for b, t in zip(cand_beams, cand_tokens, strict=True)]
+        merged_tokens = self.finished_tokens + new_tokens
+        best = torch.topk(merged, k=self.width).indices
+        self.finished_scores = merged[best]
+        self.finished_flags = merged_flags[best]
+        self.finished_tokens = [merged_tokens[i] for i in best.tolist()]
+
+    def _can_improve(self, cur_len: int) -> bool:
+        if self.early_stopping == "never" and self.length_penalty > 0.0:
+            best_len = self.max_length - self.prompt_len
+        else:
+            best_len = cur_len - self.prompt_len
+        best_running = self.running_scores[0] / (best_len**self.length_penalty)
+        worst = torch.where(self.finished_flags, self.finished_scores.min(), torch.tensor(_NEG))
+        return bool((best_running > worst).any())
+
+    def best(self) -> tuple[list[int], float]:
+        """The best finished hypothesis (output tokens, score)."""
+        return self.finished_tokens[0], float(self.finished_scores[0])

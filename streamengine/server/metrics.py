@@ -1,0 +1,114 @@
+"""Prometheus metrics with vLLM's names under a `streamengine:` prefix.
+
+Each app owns its own CollectorRegistry, so two servers (or two tests) in one process never
+collide on metric names. Engine state (running/waiting requests, KV usage, prefix-cache and
+preemption counters) is read from `engine.stats()` at scrape time; per-request latencies and
+token counts are recorded by the server as it streams.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterator
+from typing import Any
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+PREFIX = "streamengine:"
+
+_TTFT_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0)
+_ITL_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 2.5, 5.0)
+_E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0)
+
+
+class _EngineStatsCollector(Collector):
+    """Reads the engine's own counters at scrape time, so they can never drift from it."""
+
+    def __init__(self, stats: Callable[[], dict[str, Any]]) -> None:
+        self._stats = stats
+
+    def collect(self) -> Iterator[Metric]:
+        stats = self._stats()
+        yield _gauge("num_requests_running", "Requests in the running batch.", stats.get("num_running", 0))
+        yield _gauge("num_requests_waiting", "Requests waiting to be scheduled.", stats.get("num_waiting", 0))
+        total = stats.get("num_total_blocks", 0) or 0
+        free = stats.get("num_free_blocks", 0) or 0
+        usage = (total - free) / total if total else 0.0
+        yield _gauge("kv_cache_usage_perc", "Fraction of KV-cache blocks in use (1 = full).", usage)
+        yield _counter("prefix_cache_queries", "Prompt tokens looked up in the prefix cache.", stats.get("prefix_cache_queries", 0))
+        yield _counter("prefix_cache_hits", "Prompt tokens found in the prefix cache.", stats.get("prefix_cache_hits", 0))
+        # CounterMetricFamily appends `_total`, giving vLLM's `num_preemptions_total`.
+        yield _counter("num_preemptions", "Preemptions since start.", stats.get("num_preemptions", 0))
+
+
+def _gauge(name: str, doc: str, value: float) -> GaugeMetricFamily:
+    return GaugeMetricFamily(PREFIX + name, doc, value=float(value))
+
+
+def _counter(name: str, doc: str, value: float) -> CounterMetricFamily:
+    return CounterMetricFamily(PREFIX + name, doc, value=float(value))
+
+
+class ServerMetrics:
+    """The metrics of one app. `render()` gives the Prometheus text exposition."""
+
+    def __init__(self, stats: Callable[[], dict[str, Any]]) -> None:
+        self.registry = CollectorRegistry(auto_describe=True)
+        self.registry.register(_EngineStatsCollector(stats))
+        reg = self.registry
+        self.prompt_tokens = Counter(PREFIX + "prompt_tokens", "Prompt tokens processed.", registry=reg)
+        self.generation_tokens = Counter(PREFIX + "generation_tokens", "Tokens generated.", registry=reg)
+        self.ttft = Histogram(
+            PREFIX + "time_to_first_token_seconds", "Time from request arrival to its first token.",
+            buckets=_TTFT_BUCKETS, registry=reg,
+        )
+        self.itl = Histogram(
+            PREFIX + "inter_token_latency_seconds", "Time between consecutive output tokens.",
+            buckets=_ITL_BUCKETS, registry=reg,
+        )
+        self.e2e = Histogram(
+            PREFIX + "e2e_request_latency_seconds", "Time from request arrival to its end.",
+            buckets=_E2E_BUCKETS, registry=reg,
+        )
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
+
+    def recorder(self) -> RequestRecorder:
+        return RequestRecorder(self)
+
+
+class RequestRecorder:
+    """Latency bookkeeping for one request; created when the request arrives."""
+
+    __slots__ = ("_arrival", "_last_token_time", "_metrics", "_prompt_counted")
+
+    def __init__(self, metrics: ServerMetrics) -> None:
+        self._metrics = metrics
+        self._arrival = time.monotonic()
+        self._last_token_time: float | None = None
+        self._prompt_counted = False
+
+    def on_step(self, prompt_tokens: int, new_tokens: int, longest_delta: int, finished: bool) -> None:
+        """`new_tokens` counts all samples of the step; `longest_delta` is the most any one
+        sample gained (more than 1 when the engine coalesced steps for a slow consumer)."""
+        now = time.monotonic()
+        m = self._metrics
+        if not self._prompt_counted:
+            m.prompt_tokens.inc(prompt_tokens)
+            self._prompt_counted = True
+        if new_tokens:
+            m.generation_tokens.inc(new_tokens)
+            if self._last_token_time is None:
+                m.ttft.observe(now - self._arrival)
+            else:
+                # A coalesced step carries several tokens per sample: spread its gap over them.
+                steps = max(longest_delta, 1)
+                gap = (now - self._last_token_time) / steps
+                for _ in range(steps):
+                    m.itl.observe(gap)
+            self._last_token_time = now
+        if finished:
+            m.e2e.observe(now - self._arrival)

@@ -1,0 +1,102 @@
+"""What one app's routes share: the engine, limits, security policy, metrics, live sessions."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from aiohttp import web
+
+from streamengine.server.metrics import ServerMetrics
+from streamengine.server.security import KeyRing, OriginPolicy, Tenant
+
+if TYPE_CHECKING:
+    from streamengine.server.websocket import Connection
+
+DEFAULT_MAX_MESSAGE_BYTES = 1 << 20
+"""WebSocket messages above this get a `message_too_large` error (the socket stays open)."""
+INLINE_TOKENIZE_CHARS = 8192
+"""Longer prompts are tokenized in a worker thread rather than on the event loop."""
+HARD_LIMIT_FACTOR = 4
+"""aiohttp closes the socket (1009) above this multiple, so no frame can balloon memory."""
+DEFAULT_MAX_BODY_BYTES = 4 << 20
+"""HTTP request bodies above this are answered 413."""
+
+
+class PromptTooLong(ValueError):
+    """The prompt has more tokens than the server's `max_prompt_tokens`."""
+
+
+@dataclass(slots=True, eq=False)
+class ServerState:
+    engine: Any  # streamengine.AsyncEngine (typed loosely: tests may pass the real one only)
+    model_name: str
+    keys: KeyRing
+    origins: OriginPolicy
+    max_prompt_tokens: int | None
+    metrics: ServerMetrics
+    max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES
+    created: int = field(default_factory=lambda: int(time.time()))
+    connections: set[Connection] = field(default_factory=set)
+    # Engine request ids of HTTP requests in flight, aborted on shutdown so handlers end fast.
+    http_requests: set[str] = field(default_factory=set)
+    shutting_down: bool = False
+    _tokenizer_pool: ThreadPoolExecutor | None = None
+
+    async def tokenize_async(self, prompt: str | list[int]) -> list[int]:
+        """`tokenize`, off the event loop for long prompts so other streams keep flowing."""
+        if not isinstance(prompt, str) or len(prompt) <= INLINE_TOKENIZE_CHARS:
+            return self.tokenize(prompt)
+        if self._tokenizer_pool is None:
+            # one worker: the tokenizer is never used by two of our threads at once
+            self._tokenizer_pool = ThreadPoolExecutor(1, thread_name_prefix="streamengine-tokenize")
+        return await asyncio.get_running_loop().run_in_executor(self._tokenizer_pool, self.tokenize, prompt)
+
+    def close(self) -> None:
+        if self._tokenizer_pool is not None:
+            self._tokenizer_pool.shutdown(wait=False, cancel_futures=True)
+            self._tokenizer_pool = None
+
+    def tokenize(self, prompt: str | list[int]) -> list[int]:
+        """Token ids exactly as the engine would make them, checked against the server limit.
+
+        The server tokenizes once and hands the ids to the engine, so the limit is enforced
+        before any work is queued and the prompt is not tokenized twice.
+        """
+        if isinstance(prompt, str):
+            if not prompt:
+                raise ValueError("prompt must not be empty")
+            ids = self.engine.tokenizer.encode(prompt, add_special_tokens=True)
+        else:
+            ids = list(prompt)
+        if self.max_prompt_tokens is not None and len(ids) > self.max_prompt_tokens:
+            raise PromptTooLong(
+                f"prompt has {len(ids)} tokens, more than this server's limit of "
+                f"{self.max_prompt_tokens} (--max-prompt-tokens)"
+            )
+        return ids
+
+    def chat_prompt(self, messages: Sequence[dict[str, str]]) -> str:
+        if not messages:
+            raise ValueError("messages must not be empty")
+        return self.engine.apply_chat_template(list(messages))
+
+
+STATE_KEY = web.AppKey("streamengine_state", ServerState)
+# RequestKey arrived in aiohttp 3.12; older versions take a plain string key.
+TENANT_KEY: Any = (
+    web.RequestKey("streamengine_tenant", Tenant) if hasattr(web, "RequestKey") else "streamengine_tenant"
+)
+
+
+def get_state(request: web.Request) -> ServerState:
+    return request.app[STATE_KEY]
+
+
+def new_request_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex}"

@@ -1,0 +1,125 @@
+"""One request's stream as deltas: the shared core of the WebSocket and OpenAI routes.
+
+The engine yields cumulative text and token ids (one update per step, several tokens at once
+when it coalesced for a slow consumer); clients want what is new. `stream_request` turns the
+one into the other, records the request's metrics, and aborts the request in the engine
+whenever the consumer stops early (disconnect, cancellation, error).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Any
+
+from streamengine.server.metrics import RequestRecorder
+
+
+@dataclass(slots=True)
+class SampleDelta:
+    index: int
+    text: str
+    token_ids: list[int]
+    logprobs: list[dict[int, float]] | None
+    finish_reason: str | None
+
+
+@dataclass(slots=True)
+class StepUpdate:
+    deltas: list[SampleDelta]
+    finished: bool
+    prompt_tokens: int
+    cached_tokens: int
+    completion_tokens: int  # all samples, so far
+    finish_reasons: list[str | None]  # per sample index, so far
+
+
+@dataclass(slots=True)
+class _SampleCursor:
+    text_len: int = 0
+    num_tokens: int = 0
+    finish_reason: str | None = None
+
+
+@dataclass(slots=True)
+class DeltaTracker:
+    """Remembers how much of each sample has been sent, so each update carries only news."""
+
+    cursors: dict[int, _SampleCursor] = field(default_factory=dict)
+
+    def update(self, out: Any) -> StepUpdate:
+        deltas: list[SampleDelta] = []
+        for sample in out.outputs:
+            cursor = self.cursors.setdefault(sample.index, _SampleCursor())
+            delta = self._advance(cursor, sample)
+            if delta is not None:
+                deltas.append(delta)
+        completion = sum(c.num_tokens for c in self.cursors.values())
+        reasons = [self.cursors[i].finish_reason for i in sorted(self.cursors)]
+        return StepUpdate(
+            deltas=deltas,
+            finished=bool(out.finished),
+            prompt_tokens=len(out.prompt_token_ids),
+            cached_tokens=int(out.num_cached_tokens or 0),
+            completion_tokens=completion,
+            finish_reasons=reasons,
+        )
+
+    @staticmethod
+    def _advance(cursor: _SampleCursor, sample: Any) -> SampleDelta | None:
+        if cursor.finish_reason is not None:
+            return None  # already reported finished: later updates repeat the same sample
+        new_ids = list(sample.token_ids[cursor.num_tokens :])
+        new_text = sample.text[cursor.text_len :]
+        logprobs = None
+        if sample.logprobs is not None:
+            logprobs = list(sample.logprobs[cursor.num_tokens : cursor.num_tokens + len(new_ids)])
+        if not new_ids and not new_text and sample.finish_reason is None:
+            return None
+        cursor.num_tokens = len(sample.token_ids)
+        cursor.text_len = len(sample.text)
+        cursor.finish_reason = sample.finish_reason
+        return SampleDelta(sample.index, new_text, new_ids, logprobs, sample.finish_reason)
+
+
+async def stream_request(
+    engine: Any,
+    prompt: str | list[int],
+    params: Any,
+    *,
+    request_id: str,
+    cache_salt: str | None,
+    recorder: RequestRecorder,
+) -> AsyncIterator[StepUpdate]:
+    """Deltas of one engine request. Leaving early (break, cancel, error) aborts it.
+
+    ValueError from the engine (bad params, prompt too long) propagates from the first step.
+    """
+    tracker = DeltaTracker()
+    stream = engine.generate(prompt, params, request_id=request_id, cache_salt=cache_salt)
+    finished = False
+    try:
+        async for out in stream:
+            update = tracker.update(out)
+            longest = max((len(d.token_ids) for d in update.deltas), default=0)
+            new_tokens = sum(len(d.token_ids) for d in update.deltas)
+            recorder.on_step(update.prompt_tokens, new_tokens, longest, update.finished)
+            finished = update.finished
+            yield update
+            if finished:
+                return
+    finally:
+        if not finished:
+            await _close_quietly(engine, stream, request_id)
+
+
+async def _close_quietly(engine: Any, stream: Any, request_id: str) -> None:
+    # Closing the engine's iterator aborts the request; the explicit abort is a belt-and-braces
+    # guarantee that its blocks are freed even if the iterator was never started.
+    aclose = getattr(stream, "aclose", None)
+    if aclose is not None:
+        with contextlib.suppress(Exception):
+            await aclose()
+    with contextlib.suppress(Exception):
+        await engine.abort(request_id)

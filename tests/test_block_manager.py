@@ -1,0 +1,809 @@
+"""Block manager: exact block ids, refcounts and eviction order on tiny pools, plus a
+stateful property test that checks refcounts, the free queue, the prefix cache and the
+(simulated) K/V contents after every operation."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from hypothesis import HealthCheck, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import (
+    RuleBasedStateMachine,
+    initialize,
+    invariant,
+    precondition,
+    rule,
+)
+
+from streamengine.block_manager import (
+    BlockManager,
+    FreeBlockQueue,
+    KVBlock,
+    NoFreeBlocksError,
+    hash_block,
+)
+from streamengine.sequence import Sequence
+
+BS = 4
+
+
+def make_seq(seq_id: int, tokens: list[int], salt: str | None = None) -> Sequence:
+    return Sequence(seq_id, f"r{seq_id}", list(tokens), cache_salt=salt, arrival_time=float(seq_id))
+
+
+def free_ids(bm: BlockManager) -> list[int]:
+    return [b.block_id for b in bm.free_queue]
+
+
+def refs(bm: BlockManager) -> list[int]:
+    return [b.ref_cnt for b in bm.blocks]
+
+
+def prefill(bm: BlockManager, seq: Sequence, cached: list[KVBlock] = ()) -> None:
+    """Allocates and 'computes' every remaining token of `seq`, then registers full blocks."""
+    computed = len(cached) * bm.block_size if cached else seq.num_computed_tokens
+    assert bm.allocate_slots(seq, seq.num_tokens - computed, cached)
+    seq.num_computed_tokens = seq.num_tokens
+    bm.cache_full_blocks(seq)
+
+
+def append_token(bm: BlockManager, seq: Sequence, token: int) -> None:
+    """One decode step: the sampled token is appended, then its slot is allocated and filled."""
+    seq.token_ids.append(token)
+    assert bm.allocate_slots(seq, 1)
+    seq.num_computed_tokens += 1
+    bm.cache_full_blocks(seq)
+
+
+# -- construction and allocation ---------------------------------------------------------
+
+
+@pytest.mark.parametrize("num_blocks, block_size", [(0, 4), (4, 0), (-1, 4)])
+def test_rejects_empty_pool(num_blocks: int, block_size: int) -> None:
+    with pytest.raises(ValueError):
+        BlockManager(num_blocks, block_size)
+
+
+def test_allocation_takes_blocks_in_free_queue_order() -> None:
+    bm = BlockManager(8, BS)
+    a = make_seq(0, list(range(10)))
+    assert bm.allocate_slots(a, 10)
+    assert a.block_table == [0, 1, 2]
+    assert refs(bm) == [1, 1, 1, 0, 0, 0, 0, 0]
+    assert free_ids(bm) == [3, 4, 5, 6, 7]
+    assert bm.num_free_blocks == 5
+    assert bm.usage() == pytest.approx(3 / 8)
+    b = make_seq(1, [1])
+    assert bm.allocate_slots(b, 1)
+    assert b.block_table == [3]
+
+
+def test_allocate_grows_only_when_the_last_block_is_full() -> None:
+    bm = BlockManager(8, BS)
+    a = make_seq(0, list(range(6)))
+    assert bm.allocate_slots(a, 6)
+    a.num_computed_tokens = 6
+    assert bm.allocate_slots(a, 2)  # fills block 1 to 8 tokens: no new block
+    assert a.block_table == [0, 1]
+    assert bm.allocate_slots(a, 3)  # 6 + 3 = 9 tokens: a third block
+    assert a.block_table == [0, 1, 2]
+    assert bm.allocate_slots(a, 0)
+    assert a.block_table == [0, 1, 2]
+    assert bm.blocks_needed(0) == 0 and bm.blocks_needed(4) == 1 and bm.blocks_needed(5) == 2
+
+
+def test_allocate_returns_false_and_changes_nothing_when_short() -> None:
+    bm = BlockManager(4, BS)
+    a = make_seq(0, list(range(12)))
+    assert bm.allocate_slots(a, 12)
+    b = make_seq(1, list(range(8)))
+    before = (refs(bm), free_ids(bm), list(a.block_table))
+    assert not bm.can_allocate(b, 8)
+    assert not bm.allocate_slots(b, 8)
+    assert (refs(bm), free_ids(bm), list(a.block_table)) == before
+    assert b.block_table == [] and b.num_computed_tokens == 0
+    # exactly enough fits, but not when a reserve must stay free
+    assert not bm.allocate_slots(b, 4, reserve=1)
+    assert bm.num_free_blocks == 1 and b.block_table == []
+    assert bm.can_allocate(b, 4)
+    assert bm.allocate_slots(b, 4)
+    assert b.block_table == [3] and bm.num_free_blocks == 0
+
+
+# -- free and eviction order -------------------------------------------------------------
+
+
+def test_free_puts_uncached_blocks_at_the_front() -> None:
+    bm = BlockManager(8, BS, enable_prefix_caching=False)
+    a = make_seq(0, list(range(10)))
+    b = make_seq(1, list(range(5)))
+    assert bm.allocate_slots(a, 10) and bm.allocate_slots(b, 5)
+    assert a.block_table == [0, 1, 2] and b.block_table == [3, 4]
+    bm.free(a)
+    # tail first, each to the front: the queue ends up head..tail, reused before 5, 6, 7
+    assert free_ids(bm) == [0, 1, 2, 5, 6, 7]
+    assert a.block_table == [] and refs(bm)[:3] == [0, 0, 0]
+    c = make_seq(2, list(range(4)))
+    assert bm.allocate_slots(c, 4)
+    assert c.block_table == [0]
+
+
+def test_free_puts_cached_blocks_at_the_back_tail_first() -> None:
+    bm = BlockManager(8, BS)
+    a = make_seq(0, list(range(10)))  # two full (hashed) blocks + a partial one
+    prefill(bm, a)
+    assert a.block_table == [0, 1, 2] and a.num_cached_blocks == 2
+    bm.free(a)
+    # partial block 2 to the front; hashed blocks to the back, the tail block (1) first,
+    # so the prefix block 0 is evicted last
+    assert free_ids(bm) == [2, 3, 4, 5, 6, 7, 1, 0]
+    assert bm.block_states() == [1, 1, 0, 0, 0, 0, 0, 0]
+    big = make_seq(1, [99] * 28)  # 7 blocks: everything uncached, then the LRU tail (1)
+    assert bm.allocate_slots(big, 28)
+    assert big.block_table == [2, 3, 4, 5, 6, 7, 1]
+    assert free_ids(bm) == [0]
+    assert bm.blocks[0].block_hash is not None and bm.blocks[1].block_hash is None
+
+
+def test_free_of_a_shared_block_only_drops_a_reference() -> None:
+    bm = BlockManager(8, BS)
+    a = make_seq(0, list(range(8)))
+    prefill(bm, a)
+    child = make_seq(1, list(range(8)))
+    bm.fork(a, child)
+    bm.free(a)
+    assert refs(bm)[:2] == [1, 1]
+    assert 0 not in free_ids(bm) and 1 not in free_ids(bm)
+    bm.free(child)
+    assert free_ids(bm)[-2:] == [1, 0] and bm.num_free_blocks == 8
+
+
+def test_double_free_raises() -> None:
+    bm = BlockManager(4, BS)
+    a = make_seq(0, list(range(5)))
+    assert bm.allocate_slots(a, 5)
+    alias = make_seq(1, list(range(5)))
+    alias.block_table = list(a.block_table)  # a table entry without its reference
+    bm.free(a)
+    with pytest.raises(RuntimeError, match="double free"):
+        bm.free(alias)
+    stray = make_seq(2, [1])
+    stray.block_table = [3]  # never allocated
+    with pytest.raises(RuntimeError, match="double free of block 3"):
+        bm.free(stray)
+
+
+def test_freeing_a_sequence_twice_is_a_no_op() -> None:
+    bm = BlockManager(4, BS)
+    a = make_seq(0, list(range(5)))
+    assert bm.allocate_slots(a, 5)
+    bm.free(a)
+    bm.free(a)  # its table was emptied by the first free
+    assert bm.num_free_blocks == 4 and refs(bm) == [0, 0, 0, 0]
+
+
+# -- prefix cache --------------------------------------------------------------------------
+
+
+def test_prefix_hit_shares_blocks() -> None:
+    bm = BlockManager(8, BS)
+    prompt = list(range(10))
+    a = make_seq(0, prompt)
+    prefill(bm, a)
+    b = make_seq(1, prompt)
+    hits = bm.find_cached_blocks(b)
+    assert [blk.block_id for blk in hits] == [0, 1]
+    assert bm.allocate_slots(b, 2, hits)
+    assert b.block_table == [0, 1, 3]
+    assert b.num_computed_tokens == 8 and b.num_cached_blocks == 2
+    assert refs(bm)[:4] == [2, 2, 1, 1]
+    assert bm.block_states()[:4] == [3, 3, 2, 2]
+
+
+@pytest.mark.parametrize(
+    "prompt_len, expected_hits", [(4, 0), (5, 1), (7, 1), (8, 1), (9, 2), (12, 2), (13, 3)]
+)
+def test_hit_is_capped_so_one_token_is_left(prompt_len: int, expected_hits: int) -> None:
+    bm = BlockManager(8, BS)
+    a = make_seq(0, list(range(16)))
+    prefill(bm, a)
+    b = make_seq(1, list(range(prompt_len)))
+    hits = bm.find_cached_blocks(b)
+    assert len(hits) == expected_hits == (prompt_len - 1) // BS
+    assert [blk.block_id for blk in hits] == list(range(expected_hits))
+
+
+def test_hit_stops_at_the_first_miss() -> None:
+    bm = BlockManager(8, BS)
+    a = make_seq(0, list(range(16)))
+    prefill(bm, a)
+    b = make_seq(1, [0, 1, 2, 3, 4, 5, 6, 99, 8, 9, 10, 11, 12])  # block 1 differs
+    assert [blk.block_id for blk in bm.find_cached_blocks(b)] == [0]
+
+
+def test_cache_salt_separates_tenants() -> None:
+    bm = BlockManager(8, BS)
+    prompt = list(range(9))
+    a = make_seq(0, prompt, salt="alice")
+    prefill(bm, a)
+    assert bm.find_cached_blocks(make_seq(1, prompt, salt="bob")) == []
+    assert bm.find_cached_blocks(make_seq(2, prompt)) == []
+    assert bm.find_cached_blocks(make_seq(3, prompt, salt="")) == []
+    assert len(bm.find_cached_blocks(make_seq(4, prompt, salt="alice"))) == 2
+    assert hash_block(None, [1, 2], "x") != hash_block(None, [1, 2], None)
+    assert hash_block(None, [1, 2], "x") != hash_block(None, [1, 2], "y")
+
+
+def test_hash_chain_depends_on_the_parent() -> None:
+    bm = BlockManager(8, BS)
+    a = make_seq(0, [1, 1, 1, 1, 7, 7, 7, 7, 0])
+    prefill(bm, a)
+    b = make_seq(1, [2, 2, 2, 2, 7, 7, 7, 7, 0])  # same second block, other parent
+    bm.compute_block_hashes(b)
+    assert b.block_hashes[1] not in bm.cached
+    assert b.block_hashes[1] != a.block_hashes[1]
+    assert bm.find_cached_blocks(b) == []
+    assert a.block_hashes[1] == hash_block(a.block_hashes[0], [7, 7, 7, 7], None)
+    assert hash_block(b"p" * 16, [7], None) != hash_block(b"q" * 16, [7], None)
+    assert hash_block(None, [1, 2], None) != hash_block(None, [2, 1], None)
+
+
+def test_block_hashes_are_computed_lazily_for_full_blocks_only() -> None:
+    bm = BlockManager(8, BS)
+    s = make_seq(0, list(range(7)))
+    assert len(bm.compute_block_hashes(s)) == 1
+    s.token_ids.append(7)
+    assert len(bm.compute_block_hashes(s)) == 2
+    assert s.block_hashes[0] == hash_block(None, [0, 1, 2, 3], None)
+
+
+_HASH_SCRIPT = """
+import sys, types
+pkg = types.ModuleType("streamengine")
+pkg.__path__ = [sys.argv[1]]  # skip the package __init__ (it imports torch): only hashing here
+sys.modules["streamengine"] = pkg
+from streamengine.block_manager import hash_block
+root = hash_block(None, [1, 2, 3, 4], None)
+print(root.hex(), hash_block(root, [5, 6, 7, 49151], "tenant").hex())
+"""
+
+
+def test_hashes_are_stable_across_processes() -> None:
+    root = hash_block(None, [1, 2, 3, 4], None)
+    expected = f"{root.hex()} {hash_block(root, [5, 6, 7, 49151], 'tenant').hex()}"
+    pkg_dir = Path(__file__).resolve().parents[1] / "streamengine"
+    for seed in ("0", "12345"):
+        env = dict(os.environ, PYTHONHASHSEED=seed)
+        proc = subprocess.run(
+            [sys.executable, "-c", _HASH_SCRIPT, str(pkg_dir)],
+            capture_output=True, text=True, env=env, timeout=60, check=True,
+        )
+        assert proc.stdout.strip() == expected
+    assert len(root) == 16
+
+
+def test_cache_full_blocks_registers_only_computed_full_blocks() -> None:
+    bm = BlockManager(8, BS)
+    a = make_seq(0, list(range(10)))
+    assert bm.allocate_slots(a, 10)
+    a.num_computed_tokens = 7
+    bm.cache_full_blocks(a)
+    assert a.num_cached_blocks == 1 and list(bm.cached.values()) == [bm.blocks[0]]
+    a.num_computed_tokens = 10
+    bm.cache_full_blocks(a)
+    assert a.num_cached_blocks == 2
+    assert {h: b.block_id for h, b in bm.cached.items()} == {
+        a.block_hashes[0]: 0, a.block_hashes[1]: 1,
+    }
+    assert bm.blocks[2].block_hash is None
+
+
+def test_duplicate_content_keeps_the_first_block() -> None:
+    bm = BlockManager(8, BS)
+    prompt = list(range(8))
+    a, b = make_seq(0, prompt), make_seq(1, prompt)
+    # both admitted before either is cached: the same content computed twice
+    assert bm.allocate_slots(a, 8) and bm.allocate_slots(b, 8)
+    for s in (a, b):
+        s.num_computed_tokens = 8
+        bm.cache_full_blocks(s)
+    assert sorted(b.block_id for b in bm.cached.values()) == [0, 1]
+    assert bm.blocks[2].block_hash is None and bm.blocks[3].block_hash is None
+    bm.free(b)
+    assert free_ids(bm)[:2] == [2, 3]  # unhashed duplicates are reused first
+
+
+def test_lazy_eviction_keeps_hash_until_reallocated() -> None:
+    bm = BlockManager(4, BS)
+    prompt = list(range(9))
+    a = make_seq(0, prompt)
+    prefill(bm, a)
+    bm.free(a)
+    assert free_ids(bm) == [2, 3, 1, 0]
+    assert bm.block_states() == [1, 1, 0, 0]
+    assert len(bm.cached) == 2
+    # a hit while free: the block leaves the middle of the queue
+    b = make_seq(1, list(range(5)))
+    hits = bm.find_cached_blocks(b)
+    assert [blk.block_id for blk in hits] == [0]
+    assert bm.allocate_slots(b, 1, hits)
+    assert b.block_table == [0, 2] and free_ids(bm) == [3, 1]
+    bm.free(b)
+    assert free_ids(bm) == [2, 3, 1, 0]
+    # reallocating the cached blocks evicts them: their dict entries are gone
+    c = make_seq(2, [50] * 16)
+    assert bm.allocate_slots(c, 16)
+    assert c.block_table == [2, 3, 1, 0]
+    assert bm.cached == {} and all(blk.block_hash is None for blk in bm.blocks)
+    bm.free(c)
+    assert bm.find_cached_blocks(make_seq(3, prompt)) == []
+
+
+def test_hit_on_free_cached_blocks_counts_against_capacity() -> None:
+    bm = BlockManager(4, BS)
+    prompt = list(range(9))
+    a = make_seq(0, prompt)
+    prefill(bm, a)
+    bm.free(a)
+    filler = make_seq(1, [50])
+    assert bm.allocate_slots(filler, 1)  # takes block 2: free = [3, 1(hash), 0(hash)]
+    b = make_seq(2, prompt + list(range(9, 16)))
+    hits = bm.find_cached_blocks(b)
+    assert [blk.block_id for blk in hits] == [0, 1]
+    # 16 tokens = 4 blocks: 2 hits + 2 new, but only block 3 is free besides the hits
+    before = (refs(bm), free_ids(bm), dict(bm.cached))
+    assert not bm.can_allocate(b, 8, hits)
+    assert not bm.allocate_slots(b, 8, hits)
+    assert (refs(bm), free_ids(bm), dict(bm.cached)) == before
+    assert b.block_table == [] and b.num_computed_tokens == 0
+    assert bm.allocate_slots(b, 4, hits)
+    assert b.block_table == [0, 1, 3] and bm.num_free_blocks == 0
+
+
+def test_cached_hits_need_an_empty_table() -> None:
+    bm = BlockManager(8, BS)
+    a = make_seq(0, list(range(9)))
+    prefill(bm, a)
+    b = make_seq(1, list(range(9)))
+    hits = bm.find_cached_blocks(b)
+    assert bm.allocate_slots(b, 1)
+    with pytest.raises(ValueError):
+        bm.allocate_slots(b, 1, hits)
+
+
+def test_prefix_caching_disabled() -> None:
+    bm = BlockManager(8, BS, enable_prefix_caching=False)
+    a = make_seq(0, list(range(9)))
+    prefill(bm, a)
+    assert bm.cached == {} and a.num_cached_blocks == 0
+    assert bm.find_cached_blocks(make_seq(1, list(range(9)))) == []
+
+
+def test_reset_prefix_cache() -> None:
+    bm = BlockManager(8, BS)
+    a = make_seq(0, list(range(9)))
+    prefill(bm, a)
+    b = make_seq(1, list(range(9)))
+    prefill(bm, b, bm.find_cached_blocks(b))
+    bm.free(a)
+    bm.reset_prefix_cache()
+    assert bm.cached == {} and all(blk.block_hash is None for blk in bm.blocks)
+    assert bm.find_cached_blocks(make_seq(2, list(range(9)))) == []
+    assert b.block_table[:2] == [0, 1] and refs(bm)[:2] == [1, 1]  # data kept for b
+
+
+# -- fork and copy-on-write --------------------------------------------------------------
+
+
+def test_fork_shares_all_blocks_and_copies_on_write() -> None:
+    bm = BlockManager(8, BS)
+    parent = make_seq(0, list(range(6)))  # one full block + a partial one
+    prefill(bm, parent)
+    child = make_seq(1, list(range(6)))
+    bm.fork(parent, child)
+    assert child.block_table == [0, 1] and refs(bm)[:2] == [2, 2]
+    assert child.num_computed_tokens == 6 and child.block_hashes == parent.block_hashes
+    assert child.num_cached_blocks == parent.num_cached_blocks == 1
+    assert bm.block_states()[:3] == [3, 3, 0]
+
+    append_token(bm, parent, 100)  # writes into the shared partial block: copy it first
+    assert parent.block_table == [0, 2]
+    assert child.block_table == [0, 1]
+    assert bm.pending_copies == [(1, 2)]
+    assert refs(bm)[:3] == [2, 1, 1]
+
+    append_token(bm, child, 200)  # block 1 is the child's alone now: written in place
+    assert child.block_table == [0, 1]
+    assert bm.take_pending_copies() == [(1, 2)]
+    assert bm.pending_copies == [] and bm.take_pending_copies() == []
+
+    bm.free(parent)
+    bm.free(child)
+    assert bm.num_free_blocks == 8 and refs(bm) == [0] * 8
+
+
+def test_fork_at_a_block_boundary_needs_no_copy() -> None:
+    bm = BlockManager(8, BS)
+    parent = make_seq(0, list(range(8)))
+    prefill(bm, parent)
+    child = make_seq(1, list(range(8)))
+    bm.fork(parent, child)
+    append_token(bm, parent, 1)
+    append_token(bm, child, 2)
+    assert parent.block_table == [0, 1, 2] and child.block_table == [0, 1, 3]
+    assert bm.pending_copies == [] and refs(bm)[:4] == [2, 2, 1, 1]
+
+
+def test_copy_on_write_with_several_children() -> None:
+    bm = BlockManager(8, BS)
+    parent = make_seq(0, [5, 5, 5])
+    prefill(bm, parent)
+    kids = [make_seq(i, [5, 5, 5]) for i in (1, 2)]
+    for kid in kids:
+        bm.fork(parent, kid)
+    assert refs(bm)[0] == 3
+    append_token(bm, kids[0], 1)
+    append_token(bm, parent, 2)
+    append_token(bm, kids[1], 3)  # the last holder writes in place
+    assert kids[0].block_table == [1] and parent.block_table == [2]
+    assert kids[1].block_table == [0]
+    assert bm.take_pending_copies() == [(0, 1), (0, 2)]
+    assert refs(bm)[:3] == [1, 1, 1]
+
+
+def test_copy_on_write_needs_a_free_block() -> None:
+    bm = BlockManager(2, BS)
+    parent = make_seq(0, list(range(6)))
+    prefill(bm, parent)  # both blocks
+    child = make_seq(1, list(range(6)))
+    bm.fork(parent, child)
+    parent.token_ids.append(9)
+    before = (refs(bm), list(parent.block_table), list(child.block_table))
+    assert not bm.allocate_slots(parent, 1)  # fits in the block, but the copy needs one more
+    assert (refs(bm), list(parent.block_table), list(child.block_table)) == before
+    assert bm.pending_copies == []
+
+
+def test_fork_into_a_non_empty_table_raises() -> None:
+    bm = BlockManager(8, BS)
+    parent, child = make_seq(0, [1, 2]), make_seq(1, [1, 2])
+    prefill(bm, parent)
+    assert bm.allocate_slots(child, 2)
+    with pytest.raises(ValueError):
+        bm.fork(parent, child)
+
+
+def test_block_states_codes() -> None:
+    bm = BlockManager(5, BS)
+    a = make_seq(0, list(range(6)))
+    prefill(bm, a)  # block 0 full (hashed), block 1 partial
+    other = make_seq(1, list(range(6)))
+    bm.fork(a, other)
+    b = make_seq(2, list(range(10, 18)))
+    prefill(bm, b)  # blocks 2, 3, both hashed
+    bm.free(b)
+    assert bm.block_states() == [3, 3, 1, 1, 0]
+    bm.free(other)
+    assert bm.block_states() == [2, 2, 1, 1, 0]
+
+
+# -- swapping ------------------------------------------------------------------------------
+
+
+def test_swap_out_and_in_move_blocks_between_pools() -> None:
+    bm = BlockManager(6, BS, num_cpu_blocks=3)
+    a = make_seq(0, list(range(6)))
+    prefill(bm, a)  # blocks 0 (hashed), 1
+    child = make_seq(1, list(range(6)))
+    bm.fork(a, child)
+    assert bm.can_swap_out(a)
+    assert bm.swap_out(a) == [(0, 0), (1, 1)]  # the shared blocks stay with the child
+    assert a.block_table == [] and a.cpu_block_table == [0, 1] and a.num_computed_tokens == 6
+    assert refs(bm)[:2] == [1, 1] and bm.num_free_cpu_blocks == 1
+    assert not bm.can_swap_out(child)  # 2 blocks, 1 host block left
+    with pytest.raises(NoFreeBlocksError):
+        bm.swap_out(child)
+    assert child.block_table == [0, 1] and bm.num_free_cpu_blocks == 1
+    assert bm.can_swap_in(a, reserve=2) and not bm.can_swap_in(a, reserve=3)  # 4 free
+    assert bm.swap_in(a) == [(0, 2), (1, 3)]  # fresh device blocks, host blocks returned
+    assert a.block_table == [2, 3] and a.cpu_block_table == [] and a.num_cached_blocks == 0
+    assert bm.num_free_cpu_blocks == 3
+    for s in (a, child):
+        bm.free(s)
+    assert bm.num_free_blocks == 6
+
+
+def test_free_of_a_swapped_sequence_returns_its_host_blocks() -> None:
+    bm = BlockManager(4, BS, num_cpu_blocks=2)
+    a = make_seq(0, list(range(5)))
+    prefill(bm, a)
+    bm.swap_out(a)
+    assert bm.num_free_cpu_blocks == 0 and bm.num_free_blocks == 4
+    bm.free(a)
+    assert bm.num_free_cpu_blocks == 2 and a.cpu_block_table == []
+    with pytest.raises(ValueError):
+        BlockManager(4, BS, num_cpu_blocks=-1)
+
+
+# -- the free queue ------------------------------------------------------------------------
+
+
+def test_free_queue_operations() -> None:
+    blocks = [KVBlock(i) for i in range(6)]
+    q = FreeBlockQueue(blocks)
+    assert [b.block_id for b in q] == [0, 1, 2, 3, 4, 5] and q.num_free == 6
+    q.remove(blocks[3])
+    assert [b.block_id for b in q] == [0, 1, 2, 4, 5] and q.num_free == 5
+    assert blocks[3].prev is None and blocks[3].next is None
+    q.appendleft(blocks[3])
+    q.remove(blocks[5])
+    q.append(blocks[5])
+    assert [b.block_id for b in q] == [3, 0, 1, 2, 4, 5]
+    assert [q.popleft().block_id for _ in range(6)] == [3, 0, 1, 2, 4, 5]
+    assert q.num_free == 0 and list(q) == []
+    with pytest.raises(NoFreeBlocksError):
+        q.popleft()
+
+
+def test_free_queue_removal_does_not_scan(monkeypatch: pytest.MonkeyPatch) -> None:
+    blocks = [KVBlock(i) for i in range(10_000)]
+    q = FreeBlockQueue(blocks)
+
+    def no_scan(self):  # a removal that walks the list would have to iterate
+        raise AssertionError("scanned the free queue")
+
+    monkeypatch.setattr(FreeBlockQueue, "__iter__", no_scan)
+    for i in range(1, 9_999, 2):
+        q.remove(blocks[i])
+    q.appendleft(blocks[1])
+    q.append(blocks[3])
+    assert q.num_free == 5_003
+    monkeypatch.undo()
+    ids = [b.block_id for b in q]
+    assert ids[:3] == [1, 0, 2] and ids[-2:] == [9_999, 3] and len(ids) == 5_003
+
+
+# -- stateful property test ----------------------------------------------------------------
+
+VOCAB = st.integers(0, 1)  # tiny prompt vocabulary: prefixes repeat, so hits are common
+SAMPLED = st.integers(0, 7)  # wider for sampled tokens: forks soon diverge
+
+
+class BlockManagerMachine(RuleBasedStateMachine):
+    """Random admissions, prefix hits, chunked growth, forks and frees on a tiny pool.
+
+    Besides the refcount and queue invariants it simulates the K/V bytes: every slot stores
+    (salt, prefix up to and including its token), which is what the real K/V depends on.
+    Pending copies are applied before each write. Every computed position of every live
+    sequence must then read back its own prefix: this catches a missing copy-on-write, a
+    bad prefix hit, a hit across salts, or a block handed to two writers."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.bm: BlockManager | None = None
+        self.live: list[Sequence] = []
+        self.swapped: list[Sequence] = []
+        self.store: dict[int, list[object]] = {}
+        self.cpu_store: dict[int, list[object]] = {}
+        self.next_id = 0
+
+    @initialize(
+        num_blocks=st.integers(3, 10),
+        block_size=st.sampled_from([1, 2, 2, 3, 4]),
+        num_cpu_blocks=st.integers(0, 6),
+    )
+    def setup(self, num_blocks: int, block_size: int, num_cpu_blocks: int) -> None:
+        self.bm = BlockManager(num_blocks, block_size, num_cpu_blocks=num_cpu_blocks)
+        self.store = {i: [None] * block_size for i in range(num_blocks)}
+
+    # -- helpers
+
+    def _snapshot(self, seq: Sequence) -> tuple:
+        bm = self.bm
+        return (
+            refs(bm), free_ids(bm), {h: b.block_id for h, b in bm.cached.items()},
+            [b.block_hash for b in bm.blocks], list(bm.pending_copies),
+            list(seq.block_table), seq.num_computed_tokens, seq.num_cached_blocks,
+        )
+
+    def _compute(self, seq: Sequence, n: int) -> None:
+        """What the runner does: copy first, then write K/V for the next n positions."""
+        for src, dst in self.bm.take_pending_copies():
+            self.store[dst] = list(self.store[src])
+        bs = self.bm.block_size
+        for pos in range(seq.num_computed_tokens, seq.num_computed_tokens + n):
+            block_id = seq.block_table[pos // bs]
+            self.store[block_id][pos % bs] = (seq.cache_salt, tuple(seq.token_ids[: pos + 1]))
+        seq.num_computed_tokens += n
+        self.bm.cache_full_blocks(seq)
+
+    def _allocate(self, seq: Sequence, n: int, cached: list[KVBlock] = ()) -> bool:
+        before = self._snapshot(seq)
+        ok = self.bm.allocate_slots(seq, n, cached)
+        if not ok:
+            assert self._snapshot(seq) == before, "a failed allocation changed state"
+        return ok
+
+    # -- rules
+
+    @rule(
+        tokens=st.lists(VOCAB, min_size=1, max_size=12),
+        salt=st.sampled_from([None, "a"]),
+        use_cache=st.booleans(),
+        chunk=st.integers(1, 12),
+    )
+    def admit(self, tokens: list[int], salt: str | None, use_cache: bool, chunk: int) -> None:
+        seq = Sequence(self.next_id, f"r{self.next_id}", tokens, cache_salt=salt)
+        self.next_id += 1
+        cached = self.bm.find_cached_blocks(seq) if use_cache else []
+        assert len(cached) <= (seq.num_tokens - 1) // self.bm.block_size
+        assert len({b.block_id for b in cached}) == len(cached)
+        n = min(chunk, seq.num_tokens - len(cached) * self.bm.block_size)
+        if not self._allocate(seq, n, cached):
+            return
+        assert seq.num_computed_tokens == len(cached) * self.bm.block_size
+        assert seq.block_table[: len(cached)] == [b.block_id for b in cached]
+        self._compute(seq, n)
+        self.live.append(seq)
+
+    @precondition(lambda self: self.live)
+    @rule(data=st.data(), chunk=st.integers(1, 6), token=SAMPLED)
+    def grow(self, data: st.DataObject, chunk: int, token: int) -> None:
+        seq = data.draw(st.sampled_from(self.live))
+        if seq.num_computed_tokens == seq.num_tokens:
+            seq.token_ids.append(token)  # the token sampled from the last step
+        n = min(chunk, seq.num_tokens - seq.num_computed_tokens)
+        if self._allocate(seq, n):  # on failure the scheduler would preempt someone
+            self._compute(seq, n)
+
+    @precondition(lambda self: self.live)
+    @rule(data=st.data())
+    def fork(self, data: st.DataObject) -> None:
+        parent = data.draw(st.sampled_from(self.live))
+        child = Sequence(
+            self.next_id, f"r{self.next_id}", list(parent.prompt_token_ids),
+            cache_salt=parent.cache_salt, token_ids=list(parent.token_ids),
+        )
+        self.next_id += 1
+        self.bm.fork(parent, child)
+        assert child.block_table == parent.block_table
+        self.live.append(child)
+
+    @precondition(lambda self: self.live or self.swapped)
+    @rule(data=st.data())
+    def free(self, data: st.DataObject) -> None:
+        seq = data.draw(st.sampled_from(self.live + self.swapped))
+        (self.live if seq in self.live else self.swapped).remove(seq)
+        self.bm.free(seq)
+        assert seq.block_table == [] and seq.cpu_block_table == []
+
+    @precondition(lambda self: self.live)
+    @rule(data=st.data())
+    def swap_out(self, data: st.DataObject) -> None:
+        seq = data.draw(st.sampled_from(self.live))
+        if not self.bm.can_swap_out(seq):
+            before = self._snapshot(seq)
+            with pytest.raises(NoFreeBlocksError):
+                self.bm.swap_out(seq)
+            assert self._snapshot(seq) == before
+            return
+        table = list(seq.block_table)
+        mapping = self.bm.swap_out(seq)
+        assert [dev for dev, _ in mapping] == table
+        for dev, cpu in mapping:  # the runner copies before the device blocks are reused
+            self.cpu_store[cpu] = list(self.store[dev])
+        assert seq.block_table == [] and seq.cpu_block_table == [cpu for _, cpu in mapping]
+        self.live.remove(seq)
+        self.swapped.append(seq)
+
+    @precondition(lambda self: self.swapped)
+    @rule(data=st.data())
+    def swap_in(self, data: st.DataObject) -> None:
+        seq = data.draw(st.sampled_from(self.swapped))
+        if not self.bm.can_swap_in(seq):
+            return
+        host = list(seq.cpu_block_table)
+        mapping = self.bm.swap_in(seq)
+        assert [cpu for cpu, _ in mapping] == host
+        for cpu, dev in mapping:
+            self.store[dev] = list(self.cpu_store[cpu])
+        assert seq.block_table == [dev for _, dev in mapping] and seq.cpu_block_table == []
+        self.swapped.remove(seq)
+        self.live.append(seq)
+
+    # -- invariants
+
+    @invariant()
+    def refcounts_match_tables(self) -> None:
+        if self.bm is None:
+            return
+        counts = [0] * self.bm.num_blocks
+        for seq in self.live:
+            assert len(set(seq.block_table)) == len(seq.block_table), "block twice in a table"
+            assert len(seq.block_table) == self.bm.blocks_needed(seq.num_computed_tokens)
+            for block_id in seq.block_table:
+                counts[block_id] += 1
+        assert refs(self.bm) == counts
+
+    @invariant()
+    def host_blocks_are_owned_once(self) -> None:
+        if self.bm is None:
+            return
+        owned = [cpu for seq in self.swapped for cpu in seq.cpu_block_table]
+        assert sorted(owned + self.bm.cpu_free) == list(range(self.bm.num_cpu_blocks))
+        assert self.bm.num_free_cpu_blocks == len(self.bm.cpu_free)
+        bs = self.bm.block_size
+        for seq in self.swapped:
+            assert seq.block_table == []
+            assert len(seq.cpu_block_table) == self.bm.blocks_needed(seq.num_computed_tokens)
+            for pos in range(seq.num_computed_tokens):
+                got = self.cpu_store[seq.cpu_block_table[pos // bs]][pos % bs]
+                assert got == (seq.cache_salt, tuple(seq.token_ids[: pos + 1]))
+        for seq in self.live:
+            assert seq.cpu_block_table == []
+
+    @invariant()
+    def free_queue_holds_exactly_the_unreferenced_blocks(self) -> None:
+        if self.bm is None:
+            return
+        ids = free_ids(self.bm)
+        assert len(ids) == len(set(ids)) == self.bm.num_free_blocks
+        assert set(ids) == {b.block_id for b in self.bm.blocks if b.ref_cnt == 0}
+
+    @invariant()
+    def cache_dict_is_consistent(self) -> None:
+        if self.bm is None:
+            return
+        for h, block in self.bm.cached.items():
+            assert block.block_hash == h
+        hashed = [b for b in self.bm.blocks if b.block_hash is not None]
+        assert len(hashed) == len(self.bm.cached)
+        for block in hashed:
+            assert self.bm.cached[block.block_hash] is block
+            assert None not in self.store[block.block_id], "a cached block is not full"
+
+    @invariant()
+    def kv_reads_back_for_every_live_sequence(self) -> None:
+        if self.bm is None:
+            return
+        bs = self.bm.block_size
+        for seq in self.live:
+            for pos in range(seq.num_computed_tokens):
+                got = self.store[seq.block_table[pos // bs]][pos % bs]
+                assert got == (seq.cache_salt, tuple(seq.token_ids[: pos + 1])), (seq, pos)
+
+    @invariant()
+    def cached_hashes_name_their_content(self) -> None:
+        if self.bm is None:
+            return
+        for seq in self.live:
+            for i, h in enumerate(seq.block_hashes[: seq.num_computed_tokens // self.bm.block_size]):
+                block = self.bm.cached.get(h)
+                if block is not None:
+                    last = self.store[block.block_id][-1]
+                    assert last == (seq.cache_salt, tuple(seq.token_ids[: (i + 1) * self.bm.block_size]))
+
+    def teardown(self) -> None:
+        if self.bm is None:
+            return
+        for seq in self.live + self.swapped:
+            self.bm.free(seq)
+        # no leak: every block is back, exactly once
+        assert sorted(self.bm.cpu_free) == list(range(self.bm.num_cpu_blocks))
+        assert self.bm.num_free_blocks == self.bm.num_blocks
+        assert sorted(free_ids(self.bm)) == list(range(self.bm.num_blocks))
+        assert refs(self.bm) == [0] * self.bm.num_blocks
+
+
+BlockManagerMachine.TestCase.settings = settings(
+    max_examples=150,
+    stateful_step_count=30,
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow],
+)
+test_block_manager_state_machine = BlockManagerMachine.TestCase
