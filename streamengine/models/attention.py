@@ -93,15 +93,13 @@ class TorchPagedAttention:
         if not decode:
             return
         block_size = meta.kv_caches[0][0].shape[1]
-        lens = meta.seq_lens[decode].long()  # [Bd]
         max_len = int(max(meta.seq_lens_host[i] for i in decode))
-        pos = torch.arange(max_len, device=meta.seq_lens.device)  # [L]
-        tables = meta.block_tables[decode].long()  # [Bd, max_blocks]
-        blocks = tables.gather(1, (pos // block_size).expand(len(decode), -1))  # [Bd, L]
-        p["decode_slots"] = (blocks * block_size + pos % block_size).reshape(-1)  # [Bd * L]
-        p["decode_mask"] = (pos < lens[:, None])[:, None, None, :]  # [Bd, 1, 1, L]
+        num_blocks = -(-max_len // block_size)
+        # Gather whole blocks (contiguous block_size x kv_heads x head_dim runs), not slots.
+        p["decode_blocks"] = meta.block_tables[decode, :num_blocks].long()  # [Bd, nb]
+        pos = torch.arange(num_blocks * block_size, device=meta.seq_lens.device)  # [L]
+        p["decode_mask"] = (pos < meta.seq_lens[decode].long()[:, None])[:, None, None, :]  # [Bd, 1, 1, L]
         p["decode_tokens"] = meta.query_start_loc[decode].long()  # [Bd]
-        p["decode_len"] = max_len
 
     def forward(self, layer_idx, q, k, v, meta, scale):
         key_cache, value_cache = meta.kv_caches[layer_idx]
@@ -113,21 +111,21 @@ class TorchPagedAttention:
         out = torch.empty_like(q)  # [T, num_heads, head_dim]
         p = meta.prepared
         if p["decode_rows"]:
-            self._decode(q, flat_k, flat_v, p, scale, out)
+            self._decode(q, key_cache, value_cache, p, scale, out)
         for i in p["other_rows"]:
             self._prefill(i, q, k, v, flat_k, flat_v, meta, scale, out)
         return out
 
     @staticmethod
-    def _decode(q, flat_k, flat_v, p, scale, out) -> None:
-        tokens = p["decode_tokens"]
-        num_seqs, length = len(tokens), p["decode_len"]
-        num_kv_heads, head_dim = flat_k.shape[1], flat_k.shape[2]
+    def _decode(q, key_cache, value_cache, p, scale, out) -> None:
+        tokens, blocks = p["decode_tokens"], p["decode_blocks"]
+        num_seqs = len(tokens)
+        num_kv_heads, head_dim = key_cache.shape[2], key_cache.shape[3]
         group = q.shape[1] // num_kv_heads
         # Query heads sharing a KV head become rows of one matrix: GQA without repeating K/V.
         qd = q[tokens].view(num_seqs, num_kv_heads, group, head_dim)  # [Bd, kv_heads, group, D]
-        kd = flat_k[p["decode_slots"]].view(num_seqs, length, num_kv_heads, head_dim).transpose(1, 2)
-        vd = flat_v[p["decode_slots"]].view(num_seqs, length, num_kv_heads, head_dim).transpose(1, 2)
+        kd = key_cache[blocks].view(num_seqs, -1, num_kv_heads, head_dim).transpose(1, 2)  # [Bd, kv_heads, L, D]
+        vd = value_cache[blocks].view(num_seqs, -1, num_kv_heads, head_dim).transpose(1, 2)
         o = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=p["decode_mask"], scale=scale)
         out[tokens] = o.reshape(num_seqs, -1, head_dim)  # [Bd, num_heads, D]
 
