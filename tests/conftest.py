@@ -7,11 +7,17 @@ import os
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
+import torch  # noqa: E402
+
+# Triton decides interpreter mode once, when it is first imported (transformers imports it
+# early through torch._dynamo): without a GPU, run the kernel tests interpreted on CPU tensors.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
 import asyncio  # noqa: E402
 from pathlib import Path  # noqa: E402
 
 import pytest  # noqa: E402
-import torch  # noqa: E402
 
 
 def pytest_asyncio_loop_factories(config, item):

@@ -1,0 +1,258 @@
+"""Paged attention kernel benchmark (CUDA only): latency and achieved bandwidth.
+
+For a grid of batch x context x head configurations it times the Triton `paged_attention`
+over a paged cache with shuffled physical blocks, next to torch SDPA over contiguous K/V of
+the same sizes (the cost paging is measured against), and checks that both agree.
+
+    python bench/kernels.py [--quick] [--json bench/results/kernels_gpu.json] [--dtype bf16]
+
+Decode: every request has one new token and `context` cached tokens. Prefill: every request
+processes `context` new tokens causally. Bandwidth = bytes of K and V read (each request's
+context once) / time; prefill also reports TFLOP/s of the causal QK^T and PV matmuls.
+Without CUDA it prints "bench/kernels.py needs CUDA" and exits with status 2 (nothing measured,
+so a calling script can tell a skipped run from a successful one).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+EXIT_NO_CUDA = 2
+DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}
+# (num_heads, num_kv_heads, head_dim): SmolLM2-135M, a Llama-3-8B layer, a multi-head layer.
+HEADS = [(9, 3, 64), (32, 8, 128), (32, 32, 128)]
+
+
+@dataclass(slots=True)
+class Case:
+    kind: str  # "decode" | "prefill"
+    batch: int
+    context: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+
+
+@dataclass(slots=True)
+class Row:
+    kind: str
+    batch: int
+    context: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    kv_bytes: int
+    paged_ms: float
+    sdpa_ms: float
+    paged_gbps: float
+    sdpa_gbps: float
+    paged_tflops: float | None
+    sdpa_tflops: float | None
+    paged_over_sdpa: float  # time ratio: > 1 means paged is slower
+    max_abs_diff: float
+
+
+def cases(quick: bool) -> list[Case]:
+    heads = HEADS[:2] if quick else HEADS
+    decode_batches = [1, 32] if quick else [1, 8, 32, 128]
+    decode_contexts = [512, 4096] if quick else [512, 2048, 8192]
+    prefill = (
+        [(1, 2048), (4, 512)] if quick else [(1, 512), (1, 2048), (1, 8192), (4, 512), (4, 2048)]
+    )
+    out = [
+        Case("decode", b, c, h, kv, d)
+        for h, kv, d in heads
+        for b in decode_batches
+        for c in decode_contexts
+    ]
+    out += [Case("prefill", b, c, h, kv, d) for h, kv, d in heads for b, c in prefill]
+    return out
+
+
+def time_ms(fn: Callable[[], object], device: torch.device, warmup: int, iters: int) -> float:
+    """Median wall time of fn in milliseconds (CUDA events on CUDA)."""
+    for _ in range(warmup):
+        fn()
+    samples = []
+    for _ in range(iters):
+        if device.type == "cuda":
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            end.record()
+            end.synchronize()
+            samples.append(start.elapsed_time(end))
+        else:
+            t0 = time.perf_counter()
+            fn()
+            samples.append((time.perf_counter() - t0) * 1e3)
+    return statistics.median(samples)
+
+
+def build_inputs(case: Case, dtype: torch.dtype, device: torch.device, block_size: int) -> dict:
+    """Contiguous K/V [batch, kv_heads, context, head_dim] and the same data in a paged pool."""
+    gen = torch.Generator(device=device).manual_seed(0)
+    b, ctx, h, kv, d = case.batch, case.context, case.num_heads, case.num_kv_heads, case.head_dim
+    q_len = 1 if case.kind == "decode" else ctx
+    k = torch.randn(b, kv, ctx, d, generator=gen, device=device, dtype=dtype)
+    v = torch.randn(b, kv, ctx, d, generator=gen, device=device, dtype=dtype)
+    q = torch.randn(b, h, q_len, d, generator=gen, device=device, dtype=dtype)
+    blocks_per_seq = -(-ctx // block_size)
+    num_blocks = b * blocks_per_seq
+    perm = torch.randperm(num_blocks, generator=gen, device=device)  # scattered blocks
+    block_tables = perm.view(b, blocks_per_seq).to(torch.int32)
+    padded = blocks_per_seq * block_size
+    key_cache = torch.empty(num_blocks, block_size, kv, d, device=device, dtype=dtype)
+    value_cache = torch.empty_like(key_cache)
+    # [b, ctx, kv, d] padded to whole blocks, then written block by block into the pool
+    k_tok = F.pad(k.transpose(1, 2), (0, 0, 0, 0, 0, padded - ctx))
+    v_tok = F.pad(v.transpose(1, 2), (0, 0, 0, 0, 0, padded - ctx))
+    key_cache[perm] = k_tok.reshape(num_blocks, block_size, kv, d)
+    value_cache[perm] = v_tok.reshape(num_blocks, block_size, kv, d)
+    query = q.permute(0, 2, 1, 3).reshape(b * q_len, h, d)  # [b * q_len, h, d] packed
+    seq_lens = torch.full((b,), ctx, dtype=torch.int32, device=device)
+    query_start_loc = torch.arange(0, b + 1, dtype=torch.int32, device=device) * q_len
+    return dict(
+        q=q, k=k, v=v, query=query, key_cache=key_cache, value_cache=value_cache,
+        block_tables=block_tables, seq_lens=seq_lens, query_start_loc=query_start_loc,
+        q_len=q_len,
+    )  # fmt: skip
+
+
+def sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool) -> torch.Tensor:
+    """SDPA with grouped KV heads; expands K/V on torch builds without enable_gqa."""
+    try:
+        return F.scaled_dot_product_attention(q, k, v, is_causal=causal, enable_gqa=True)
+    except TypeError:
+        group = q.shape[1] // k.shape[1]
+        k, v = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)
+        return F.scaled_dot_product_attention(q, k, v, is_causal=causal)
+
+
+def run_case(case: Case, dtype: torch.dtype, device: torch.device, args: argparse.Namespace) -> Row:
+    from streamengine.kernels import paged_attention
+
+    x = build_inputs(case, dtype, device, args.block_size)
+    scale = case.head_dim**-0.5
+    out = torch.empty_like(x["query"])
+    causal = case.kind == "prefill"
+
+    def paged() -> torch.Tensor:
+        return paged_attention(
+            x["query"], x["key_cache"], x["value_cache"], x["block_tables"], x["seq_lens"],
+            x["query_start_loc"], scale, max_query_len=x["q_len"], out=out,
+            max_seq_len=case.context,
+        )  # fmt: skip
+
+    def dense() -> torch.Tensor:
+        return sdpa(x["q"], x["k"], x["v"], causal)
+
+    paged_ms = time_ms(paged, device, args.warmup, args.iters)
+    sdpa_ms = time_ms(dense, device, args.warmup, args.iters)
+    want = dense().permute(0, 2, 1, 3).reshape_as(out).float()
+    diff = (paged().float() - want).abs().max().item()
+    elem = torch.empty((), dtype=dtype).element_size()
+    kv_bytes = 2 * case.batch * case.context * case.num_kv_heads * case.head_dim * elem
+    flops = None
+    if causal:  # QK^T and PV over the causal half
+        flops = 2 * 2 * case.batch * case.num_heads * case.head_dim * case.context**2 / 2
+    return Row(
+        kind=case.kind,
+        batch=case.batch,
+        context=case.context,
+        num_heads=case.num_heads,
+        num_kv_heads=case.num_kv_heads,
+        head_dim=case.head_dim,
+        kv_bytes=kv_bytes,
+        paged_ms=paged_ms,
+        sdpa_ms=sdpa_ms,
+        paged_gbps=kv_bytes / paged_ms / 1e6,
+        sdpa_gbps=kv_bytes / sdpa_ms / 1e6,
+        paged_tflops=None if flops is None else flops / paged_ms / 1e9,
+        sdpa_tflops=None if flops is None else flops / sdpa_ms / 1e9,
+        paged_over_sdpa=paged_ms / sdpa_ms,
+        max_abs_diff=diff,
+    )
+
+
+def format_table(rows: list[Row]) -> str:
+    head = (
+        f"{'kind':8}{'B':>5}{'ctx':>7}{'H/KV/D':>12}{'paged ms':>10}{'sdpa ms':>10}"
+        f"{'paged GB/s':>12}{'sdpa GB/s':>11}{'TFLOP/s p/s':>14}{'ratio':>7}{'maxdiff':>9}"
+    )
+    lines = [head, "-" * len(head)]
+    for r in rows:
+        tflops = "" if r.paged_tflops is None else f"{r.paged_tflops:.0f}/{r.sdpa_tflops:.0f}"
+        shape = f"{r.num_heads}/{r.num_kv_heads}/{r.head_dim}"
+        lines.append(
+            f"{r.kind:8}{r.batch:>5}{r.context:>7}{shape:>12}{r.paged_ms:>10.3f}{r.sdpa_ms:>10.3f}"
+            f"{r.paged_gbps:>12.0f}{r.sdpa_gbps:>11.0f}{tflops:>14}{r.paged_over_sdpa:>7.2f}"
+            f"{r.max_abs_diff:>9.1e}"
+        )
+    return "\n".join(lines)
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--quick", action="store_true", help="a small grid (about a minute)")
+    p.add_argument("--json", type=Path, default=None, help="write the results here")
+    p.add_argument("--dtype", choices=sorted(DTYPES), default="fp16")
+    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--iters", type=int, default=None, help="timed runs (default 10 quick, 30 full)")
+    args = p.parse_args(argv)
+    if args.iters is None:
+        args.iters = 10 if args.quick else 30
+    if args.block_size < 1 or args.warmup < 0 or args.iters < 1:
+        p.error("--block-size and --iters must be >= 1, --warmup >= 0")
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    if not torch.cuda.is_available():
+        print("bench/kernels.py needs CUDA (no CUDA device here); nothing measured")
+        return EXIT_NO_CUDA
+    import triton
+
+    device = torch.device("cuda")
+    dtype = DTYPES[args.dtype]
+    rows = []
+    for case in cases(args.quick):
+        rows.append(run_case(case, dtype, device, args))
+        print(f"  {case.kind} B={case.batch} ctx={case.context} heads={case.num_heads}/{case.num_kv_heads}/{case.head_dim}: "
+              f"paged {rows[-1].paged_ms:.3f} ms, sdpa {rows[-1].sdpa_ms:.3f} ms", flush=True)  # fmt: skip
+        torch.cuda.empty_cache()
+    print(format_table(rows))
+    if args.json is not None:
+        meta = {
+            "device": torch.cuda.get_device_name(device),
+            "torch": torch.__version__,
+            "triton": triton.__version__,
+            "python": platform.python_version(),
+            "dtype": args.dtype,
+            "block_size": args.block_size,
+            "iters": args.iters,
+            "quick": args.quick,
+        }
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(
+            json.dumps({"meta": meta, "rows": [asdict(r) for r in rows]}, indent=2)
+        )
+        print(f"wrote {args.json}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

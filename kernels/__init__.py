@@ -1,0 +1,48 @@
+"""Triton kernels for paged attention and the KV cache, with their PyTorch references.
+
+Import as `streamengine.kernels`. The Triton wrappers launch compiled kernels on CUDA
+tensors, or interpreted ones on CPU tensors when TRITON_INTERPRET=1 was set before triton was
+first imported (slow: tests only). The `ref_*` functions are plain PyTorch and are the CPU
+path of the engine.
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "copy_blocks",
+    "paged_attention",
+    "ref_copy_blocks",
+    "ref_paged_attention",
+    "ref_reshape_and_cache",
+    "reshape_and_cache",
+    "swap_blocks",
+    "triton_available",
+    "triton_interpreted",
+]
+
+if __name__ != "streamengine.kernels":
+    # Imported as a bare top-level `kernels`: with the repository root on sys.path (python -m
+    # from the checkout), transformers' probe for the Hugging Face `kernels` package imports
+    # this folder. Stay an empty module then (transformers sees no version and ignores it)
+    # instead of importing torch and triton, and a second copy of every kernel, as a side effect.
+    __all__ = []
+else:
+    import torch
+
+    from ._launch import runs_interpreted
+    from .copy_blocks import copy_blocks, swap_blocks
+    from .paged_attention import _paged_attention_kernel, paged_attention
+    from .reference import ref_copy_blocks, ref_paged_attention, ref_reshape_and_cache
+    from .reshape_and_cache import reshape_and_cache
+
+    def triton_interpreted() -> bool:
+        """Whether the kernels run in the Triton interpreter (so also on CPU tensors, slowly)."""
+        return runs_interpreted(_paged_attention_kernel)
+
+    def triton_available() -> bool:
+        """Whether the Triton kernels can run here: a CUDA device, or the Triton interpreter.
+
+        The interpreter is for tests: an engine on CPU should still choose the torch path
+        (select the Triton backend by tensor device, not by this function alone).
+        """
+        return torch.cuda.is_available() or triton_interpreted()

@@ -1,0 +1,415 @@
+"""Paged attention over a packed varlen batch (decode, prefill, chunked prefill, cached prefix).
+
+One program owns (query tile, KV head, request [, KV split]). Its rows are the query tokens
+of the tile times the query heads that share the KV head (GQA/MQA), so every K/V element read
+from the cache serves all heads of its group. The program walks the request's keys in tiles
+of TILE_N positions, finds each key's physical block through the block table, and merges the
+tiles with the online softmax (running max m, running sum l, rescaled accumulator), all in
+fp32. Keys are masked causally by absolute position: the new tokens of request i sit at
+positions seq_len - query_len .. seq_len - 1 and the earlier ones are the cached context.
+
+Long decodes with few (request, KV head) pairs leave most of a GPU idle, so the key range can
+be split over several programs (split-KV); each writes its own softmax-normalised fp32 result
+plus its log-sum-exp, and a short torch reduction weighs and sums them.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import triton
+import triton.language as tl
+
+from ._launch import check_int_tensor, check_launchable, check_same_device, runs_interpreted
+
+_NAME = "paged_attention"
+_FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+_LOG2E = 1.4426950408889634
+_LN2 = 0.6931471805599453
+
+
+@triton.jit
+def _paged_attention_kernel(
+    out_ptr,  # [num_tokens, num_heads, head_dim] (or fp32 partials, see PARTIAL)
+    lse_ptr,  # [num_splits, num_tokens, num_heads] fp32, written only when PARTIAL
+    query_ptr,  # [num_tokens, num_heads, head_dim]
+    key_cache_ptr,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    value_cache_ptr,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    block_tables_ptr,  # [num_seqs, max_blocks_per_seq] int32
+    seq_lens_ptr,  # [num_seqs] int32, context length including the new tokens
+    query_start_loc_ptr,  # [num_seqs + 1] int32, cumulative query lengths
+    qk_scale,  # float: softmax scale * log2(e), so the kernel can use exp2
+    kv_split_len,  # int: keys per split (a multiple of TILE_N); ignored unless PARTIAL
+    num_splits,  # int: splits per request (1 unless PARTIAL)
+    stride_qt,  # query strides (elements); the head_dim stride is 1
+    stride_qh,
+    stride_ot,  # out strides; for PARTIAL, out is [num_splits, num_tokens, num_heads, head_dim]
+    stride_oh,
+    stride_os,  # out split stride (PARTIAL only)
+    stride_ls,  # lse strides (PARTIAL only)
+    stride_lt,
+    stride_kb,  # key cache strides: block, slot in block, head
+    stride_ks,
+    stride_kh,
+    stride_vb,  # value cache strides: block, slot in block, head
+    stride_vs,
+    stride_vh,
+    stride_bt,  # block table row stride
+    BLOCK_SIZE: tl.constexpr,  # tokens per KV block
+    HEAD_DIM: tl.constexpr,
+    HEAD_DIM_P: tl.constexpr,  # HEAD_DIM rounded up to a power of two, masked
+    GROUP: tl.constexpr,  # query heads per KV head
+    GROUP_P: tl.constexpr,  # GROUP rounded up to a power of two, masked
+    BLOCK_Q: tl.constexpr,  # query tokens per program
+    BLOCK_R: tl.constexpr,  # rows per program: max(16, BLOCK_Q * GROUP_P), tl.dot needs >= 16
+    TILE_N: tl.constexpr,  # key positions per iteration (>= 16 for tl.dot)
+    PARTIAL: tl.constexpr,  # write this split's fp32 result + lse for the split-KV merge
+    UPCAST: tl.constexpr,  # do the dots in fp32 (bf16 in the CPU interpreter is wrong otherwise)
+    DOT_PRECISION: tl.constexpr,  # "ieee" for fp32 inputs (no TF32 rounding), else None
+):
+    pid_q = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    pid_z = tl.program_id(2)
+    seq = pid_z // num_splits
+    split = pid_z % num_splits
+
+    q_begin = tl.load(query_start_loc_ptr + seq).to(tl.int64)
+    q_len = tl.load(query_start_loc_ptr + seq + 1).to(tl.int64) - q_begin
+    tile_start = pid_q * BLOCK_Q
+    if tile_start >= q_len:
+        return
+    seq_len = tl.load(seq_lens_ptr + seq).to(tl.int64)
+    prefix_len = seq_len - q_len  # tokens already in the cache before this step
+
+    rows = tl.arange(0, BLOCK_R)
+    row_tok = rows // GROUP_P  # query token of the row, within the tile
+    row_head = rows % GROUP_P  # query head of the row, within the KV head's group
+    tok = tile_start + row_tok
+    row_valid = (row_tok < BLOCK_Q) & (tok < q_len) & (row_head < GROUP)
+    head = (kv_head * GROUP + row_head).to(tl.int64)
+    q_pos = prefix_len + tok  # absolute position of each row's token
+
+    dims = tl.arange(0, HEAD_DIM_P)
+    dim_ok = dims < HEAD_DIM
+    q_offs = (q_begin + tok) * stride_qt + head * stride_qh  # [BLOCK_R] int64
+    q = tl.load(
+        query_ptr + q_offs[:, None] + dims[None, :],
+        mask=row_valid[:, None] & dim_ok[None, :],
+        other=0.0,
+    )  # [BLOCK_R, HEAD_DIM_P]
+    if UPCAST:
+        q = q.to(tl.float32)
+
+    # Keys past the last query token of the tile are masked for every row: stop there.
+    last_tok = tl.minimum(tile_start + BLOCK_Q, q_len)
+    kv_end = prefix_len + last_tok
+    kv_begin = 0
+    if PARTIAL:
+        kv_begin = split * kv_split_len
+        kv_end = tl.minimum(kv_end, kv_begin + kv_split_len)
+
+    m_i = tl.full([BLOCK_R], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_R], tl.float32)
+    acc = tl.zeros([BLOCK_R, HEAD_DIM_P], tl.float32)
+    bt_row = block_tables_ptr + seq.to(tl.int64) * stride_bt
+    kv_head64 = kv_head.to(tl.int64)
+    for start in range(kv_begin, kv_end, TILE_N):
+        pos = start + tl.arange(0, TILE_N)  # [TILE_N] key positions
+        pos_ok = pos < kv_end
+        block = tl.load(bt_row + pos // BLOCK_SIZE, mask=pos_ok, other=0).to(tl.int64)
+        slot = pos % BLOCK_SIZE
+        k_offs = block * stride_kb + slot * stride_ks + kv_head64 * stride_kh  # [TILE_N]
+        k = tl.load(
+            key_cache_ptr + k_offs[None, :] + dims[:, None],
+            mask=pos_ok[None, :] & dim_ok[:, None],
+            other=0.0,
+        )  # [HEAD_DIM_P, TILE_N]
+        if UPCAST:
+            k = k.to(tl.float32)
+        s = tl.dot(q, k, input_precision=DOT_PRECISION) * qk_scale  # [BLOCK_R, TILE_N]
+        visible = (pos[None, :] <= q_pos[:, None]) & pos_ok[None, :]
+        s = tl.where(visible, s, float("-inf"))
+
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        # A row that has seen no visible key yet keeps m = -inf; shift it by 0 instead so
+        # exp2 gives 0 rather than NaN.
+        m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
+        p = tl.exp2(s - m_ref[:, None])  # [BLOCK_R, TILE_N]
+        alpha = tl.exp2(m_i - m_ref)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        m_i = m_new
+
+        v_offs = block * stride_vb + slot * stride_vs + kv_head64 * stride_vh
+        v = tl.load(
+            value_cache_ptr + v_offs[:, None] + dims[None, :],
+            mask=pos_ok[:, None] & dim_ok[None, :],
+            other=0.0,
+        )  # [TILE_N, HEAD_DIM_P]
+        if UPCAST:
+            v = v.to(tl.float32)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+
+    out_offs = (q_begin + tok) * stride_ot + head * stride_oh  # [BLOCK_R] int64
+    out_mask = row_valid[:, None] & dim_ok[None, :]
+    l_safe = tl.where(l_i > 0.0, l_i, 1.0)
+    result = acc / l_safe[:, None]  # [BLOCK_R, HEAD_DIM_P]
+    if PARTIAL:
+        # fp32 result of this split plus its log-sum-exp (base 2); an empty split stores 0
+        # with lse = -inf, which the merge weighs with 0.
+        split64 = split.to(tl.int64)
+        tl.store(
+            out_ptr + split64 * stride_os + out_offs[:, None] + dims[None, :], result, mask=out_mask
+        )
+        lse = tl.where(l_i > 0.0, m_i + tl.log2(l_safe), float("-inf"))
+        lse_offs = split64 * stride_ls + (q_begin + tok) * stride_lt + head
+        tl.store(lse_ptr + lse_offs, lse, mask=row_valid)
+    else:
+        tl.store(
+            out_ptr + out_offs[:, None] + dims[None, :],
+            result.to(out_ptr.dtype.element_ty),
+            mask=out_mask,
+        )
+
+
+# Fixed when the module is imported (Triton decides at decoration time).
+_INTERPRETED = runs_interpreted(_paged_attention_kernel)
+
+
+def _check_inputs(
+    query: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    query_start_loc: torch.Tensor,
+) -> None:
+    if query.dim() != 3:
+        raise ValueError(
+            f"{_NAME}: query must be [num_tokens, num_heads, head_dim], got {tuple(query.shape)}"
+        )
+    if key_cache.dim() != 4 or key_cache.shape != value_cache.shape:
+        raise ValueError(
+            f"{_NAME}: key_cache and value_cache must both be [num_blocks, block_size, num_kv_heads, "
+            f"head_dim], got {tuple(key_cache.shape)} and {tuple(value_cache.shape)}"
+        )
+    if query.dtype not in _FLOAT_DTYPES:
+        raise ValueError(f"{_NAME}: query dtype {query.dtype} not in {_FLOAT_DTYPES}")
+    if key_cache.dtype != query.dtype or value_cache.dtype != query.dtype:
+        raise ValueError(
+            f"{_NAME}: query, key_cache, value_cache dtypes differ: "
+            f"{query.dtype}, {key_cache.dtype}, {value_cache.dtype}"
+        )
+    num_heads, head_dim = query.shape[1], query.shape[2]
+    num_kv_heads = key_cache.shape[2]
+    if key_cache.shape[3] != head_dim:
+        raise ValueError(
+            f"{_NAME}: head_dim {head_dim} of query != {key_cache.shape[3]} of the cache"
+        )
+    if num_kv_heads == 0 or num_heads % num_kv_heads != 0:
+        raise ValueError(
+            f"{_NAME}: num_heads {num_heads} is not a multiple of num_kv_heads {num_kv_heads}"
+        )
+    if not 1 <= head_dim <= 256:
+        raise ValueError(f"{_NAME}: head_dim {head_dim} outside 1..256")
+    for arg, t in (("query", query), ("key_cache", key_cache), ("value_cache", value_cache)):
+        if t.stride(-1) != 1:
+            raise ValueError(f"{_NAME}: {arg} needs a unit stride on head_dim, got {t.stride()}")
+    check_int_tensor(_NAME, "block_tables", block_tables, 2)
+    check_int_tensor(_NAME, "seq_lens", seq_lens, 1)
+    check_int_tensor(_NAME, "query_start_loc", query_start_loc, 1)
+    num_seqs = seq_lens.shape[0]
+    if block_tables.shape[0] != num_seqs or query_start_loc.shape[0] != num_seqs + 1:
+        raise ValueError(
+            f"{_NAME}: block_tables {tuple(block_tables.shape)}, seq_lens {tuple(seq_lens.shape)} and "
+            f"query_start_loc {tuple(query_start_loc.shape)} disagree on the number of requests"
+        )
+    if (
+        block_tables.stride(-1) != 1
+        or not seq_lens.is_contiguous()
+        or not query_start_loc.is_contiguous()
+    ):
+        raise ValueError(
+            f"{_NAME}: block_tables rows, seq_lens and query_start_loc must be contiguous"
+        )
+    check_same_device(
+        _NAME,
+        query,
+        key_cache=key_cache,
+        value_cache=value_cache,
+        block_tables=block_tables,
+        seq_lens=seq_lens,
+        query_start_loc=query_start_loc,
+    )
+
+
+def _check_out(out: torch.Tensor, query: torch.Tensor) -> None:
+    if out.shape != query.shape or out.dtype != query.dtype or out.device != query.device:
+        raise ValueError(
+            f"{_NAME}: out must match query ({tuple(query.shape)}, {query.dtype}, {query.device}), "
+            f"got ({tuple(out.shape)}, {out.dtype}, {out.device})"
+        )
+    if out.stride(-1) != 1:
+        raise ValueError(f"{_NAME}: out needs a unit stride on head_dim, got {out.stride()}")
+
+
+def _tile_config(max_query_len: int, group: int, head_dim_p: int) -> tuple[int, int, int, int, int]:
+    """(GROUP_P, BLOCK_Q, BLOCK_R, TILE_N, num_warps) for one launch."""
+    group_p = triton.next_power_of_2(group)
+    block_q = (
+        1
+        if max_query_len <= 1
+        else min(triton.next_power_of_2(max_query_len), max(1, 64 // group_p))
+    )
+    block_r = max(16, block_q * group_p)
+    tile_n = 64 if head_dim_p <= 64 else 32
+    num_warps = 8 if block_r * head_dim_p >= 128 * 128 else 4
+    return group_p, block_q, block_r, tile_n, num_warps
+
+
+@functools.cache
+def _num_sms(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+def _choose_num_splits(
+    query: torch.Tensor,
+    max_query_len: int,
+    max_seq_len: int,
+    num_seqs: int,
+    num_kv_heads: int,
+    tile_n: int,
+) -> int:
+    """Split the key range only for decode batches on CUDA that would leave most SMs idle."""
+    if max_query_len != 1 or query.device.type != "cuda" or _INTERPRETED:
+        return 1
+    programs = num_seqs * num_kv_heads
+    num_sms = _num_sms(
+        query.device.index if query.device.index is not None else torch.cuda.current_device()
+    )
+    if programs >= num_sms or max_seq_len < 8 * tile_n:
+        return 1
+    by_occupancy = triton.cdiv(2 * num_sms, programs)
+    by_length = max_seq_len // (4 * tile_n)  # every split keeps at least 4 key tiles
+    return max(1, min(by_occupancy, by_length, 64))
+
+
+def paged_attention(
+    query: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    scale: float,
+    max_query_len: int | None = None,
+    out: torch.Tensor | None = None,
+    *,
+    max_seq_len: int | None = None,
+    num_kv_splits: int | None = None,
+) -> torch.Tensor:
+    """Causal attention of a packed varlen batch of queries over the paged KV cache.
+
+    query [num_tokens, num_heads, head_dim]; key_cache/value_cache [num_blocks, block_size,
+    num_kv_heads, head_dim]; block_tables [num_seqs, max_blocks_per_seq] int32; seq_lens
+    [num_seqs] int32 (context length including the new tokens, which must already be in the
+    cache); query_start_loc [num_seqs + 1] int32. Returns out [num_tokens, num_heads, head_dim]
+    in query's dtype; out, when given, receives it (any strides with a unit head_dim stride).
+
+    max_query_len must be >= every query length (None: read from query_start_loc, a device
+    sync on CUDA); it sizes the grid. max_seq_len must be >= every seq_len (None: the block
+    table width times block_size); with num_kv_splits (None: a heuristic that splits only
+    decode batches on CUDA that would leave SMs idle) it sizes split-KV. Values inside the
+    index tensors are trusted: checking them would need a device sync.
+    """
+    _check_inputs(query, key_cache, value_cache, block_tables, seq_lens, query_start_loc)
+    if out is None:
+        out = torch.empty_like(query)
+    else:
+        _check_out(out, query)
+    num_tokens, num_heads, head_dim = query.shape
+    num_seqs = seq_lens.shape[0]
+    if num_tokens == 0 or num_seqs == 0:
+        return out
+    if max_query_len is None:
+        max_query_len = int((query_start_loc[1:] - query_start_loc[:-1]).max().item())
+    if max_query_len <= 0:
+        return out
+    block_size, num_kv_heads = key_cache.shape[1], key_cache.shape[2]
+    group = num_heads // num_kv_heads
+    head_dim_p = max(16, triton.next_power_of_2(head_dim))
+    group_p, block_q, block_r, tile_n, num_warps = _tile_config(max_query_len, group, head_dim_p)
+    if max_seq_len is None:
+        max_seq_len = block_tables.shape[1] * block_size
+    if num_kv_splits is None:
+        num_kv_splits = _choose_num_splits(
+            query, max_query_len, max_seq_len, num_seqs, num_kv_heads, tile_n
+        )
+    if num_kv_splits < 1:
+        raise ValueError(f"{_NAME}: num_kv_splits must be >= 1, got {num_kv_splits}")
+    kv_split_len = triton.cdiv(triton.cdiv(max(max_seq_len, 1), num_kv_splits), tile_n) * tile_n
+    partial = num_kv_splits > 1
+    if partial:
+        # [num_splits, num_tokens, num_heads, head_dim] fp32 partials and their lse (base 2).
+        target = query.new_empty(
+            (num_kv_splits, num_tokens, num_heads, head_dim), dtype=torch.float32
+        )
+        lse = query.new_empty((num_kv_splits, num_tokens, num_heads), dtype=torch.float32)
+    else:
+        target = out
+        lse = out  # never touched without PARTIAL; saves an allocation per call
+
+    check_launchable(_NAME, _paged_attention_kernel, query.device)
+    grid = (triton.cdiv(max_query_len, block_q), num_kv_heads, num_seqs * num_kv_splits)
+    _paged_attention_kernel[grid](
+        out_ptr=target,
+        lse_ptr=lse,
+        query_ptr=query,
+        key_cache_ptr=key_cache,
+        value_cache_ptr=value_cache,
+        block_tables_ptr=block_tables,
+        seq_lens_ptr=seq_lens,
+        query_start_loc_ptr=query_start_loc,
+        qk_scale=float(scale) * _LOG2E,
+        kv_split_len=kv_split_len,
+        num_splits=num_kv_splits,
+        stride_qt=query.stride(0),
+        stride_qh=query.stride(1),
+        stride_ot=target.stride(-3),
+        stride_oh=target.stride(-2),
+        stride_os=target.stride(0) if partial else 0,
+        stride_ls=lse.stride(0) if partial else 0,
+        stride_lt=lse.stride(1) if partial else 0,
+        stride_kb=key_cache.stride(0),
+        stride_ks=key_cache.stride(1),
+        stride_kh=key_cache.stride(2),
+        stride_vb=value_cache.stride(0),
+        stride_vs=value_cache.stride(1),
+        stride_vh=value_cache.stride(2),
+        stride_bt=block_tables.stride(0),
+        BLOCK_SIZE=block_size,
+        HEAD_DIM=head_dim,
+        HEAD_DIM_P=head_dim_p,
+        GROUP=group,
+        GROUP_P=group_p,
+        BLOCK_Q=block_q,
+        BLOCK_R=block_r,
+        TILE_N=tile_n,
+        PARTIAL=partial,
+        UPCAST=_INTERPRETED and query.dtype == torch.bfloat16,
+        DOT_PRECISION="ieee" if query.dtype == torch.float32 else None,
+        num_warps=num_warps,
+        num_stages=2,
+    )
+    if partial:
+        _merge_splits(target, lse, out)
+    return out
+
+
+def _merge_splits(partials: torch.Tensor, lse: torch.Tensor, out: torch.Tensor) -> None:
+    """out = sum_s w_s * o_s with w_s = 2^lse_s / sum_s 2^lse_s (each split's softmax mass)."""
+    # partials: [num_splits, num_tokens, num_heads, head_dim] fp32, each split normalised
+    # lse:      [num_splits, num_tokens, num_heads] fp32, base 2, -inf for an empty split
+    weights = torch.softmax(lse * _LN2, dim=0)  # [num_splits, num_tokens, num_heads]
+    merged = (partials * weights.unsqueeze(-1)).sum(dim=0)  # [num_tokens, num_heads, head_dim]
+    out.copy_(merged)
