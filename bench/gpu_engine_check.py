@@ -30,7 +30,11 @@ from streamengine.model_runner import kv_bytes_per_block  # noqa: E402
 
 def model_folder(tmp: Path) -> Path:
     try:
-        from streamengine.models.loader import _converted_gguf, default_cache_dir, resolve_default_model
+        from streamengine.models.loader import (
+            _converted_gguf,
+            default_cache_dir,
+            resolve_default_model,
+        )
 
         return _converted_gguf(resolve_default_model(), default_cache_dir())
     except FileNotFoundError:
