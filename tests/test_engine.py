@@ -118,9 +118,10 @@ async def test_logprobs_returned_per_token(engine):
 
 
 async def test_parallel_samples_share_prompt_and_are_indexed(engine):
-    params = SamplingParams(n=3, temperature=1.0, seed=7, max_tokens=8, ignore_eos=True)
+    params = SamplingParams(n=4, temperature=1.0, seed=7, max_tokens=8, ignore_eos=True)
     out = (await collect(engine, "The weather today is", params))[-1]
-    assert [c.index for c in out.outputs] == [0, 1, 2]
+    assert [c.index for c in out.outputs] == [0, 1, 2, 3]
+    assert len({tuple(c.token_ids) for c in out.outputs}) > 1  # own seed stream per sample
     assert all(len(c.token_ids) == 8 and c.finish_reason == "length" for c in out.outputs)
     again = (await collect(engine, "The weather today is", params))[-1]
     assert [c.token_ids for c in again.outputs] == [c.token_ids for c in out.outputs]
