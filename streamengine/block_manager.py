@@ -160,11 +160,17 @@ class BlockManager:
             hits.append(block)
         return hits
 
-    def cache_full_blocks(self, seq: Sequence) -> None:
-        """Registers the blocks that became full and computed since the last call."""
+    def cache_full_blocks(self, seq: Sequence, num_tokens: int | None = None) -> None:
+        """Registers the blocks that became full since the last call, counting the first
+        `num_tokens` tokens (default: the computed ones).
+
+        The scheduler passes the tokens it has just scheduled: their K/V are written before any
+        attention reads in the same forward pass (layer by layer), so a request admitted later
+        in the same step may already share them."""
         if not self.enable_prefix_caching:
             return
-        num_full = min(seq.num_computed_tokens // self.block_size, len(seq.block_table))
+        upto = seq.num_computed_tokens if num_tokens is None else num_tokens
+        num_full = min(upto // self.block_size, len(seq.block_table))
         if num_full <= seq.num_cached_blocks:
             return
         hashes = self.compute_block_hashes(seq)

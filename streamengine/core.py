@@ -345,7 +345,9 @@ class EngineCore:
         return children
 
     def fail(self, step: StepPlan) -> list[RequestOutput]:
-        """A step raised: end the requests it touched with "error", keep the engine going."""
+        """A step raised: end the requests it touched with "error", keep the engine going.
+        Blocks registered for this step may hold no K/V: forget all cached content."""
+        self.block_manager.reset_prefix_cache()
         failed = {
             self._seq_of[s.seq.seq_id][0].request_id
             for s in step.plan.scheduled

@@ -132,6 +132,11 @@ class Scheduler:
         out.blocks_to_copy = self.block_manager.take_pending_copies()
         return out
 
+    def _append(self, out: SchedulerOutput, seq: Sequence, n: int) -> None:
+        out.scheduled.append(ScheduledSeq.of(seq, n))
+        # Full blocks this step will compute become hits for requests admitted after it.
+        self.block_manager.cache_full_blocks(seq, seq.num_computed_tokens + n)
+
     def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:
         i = 0
         while i < len(self.running) and budget > 0:
@@ -142,7 +147,7 @@ class Scheduler:
                 continue
             if not self._make_room(seq, n, out):
                 break  # seq itself was preempted, and everything after it before it
-            out.scheduled.append(ScheduledSeq.of(seq, n))
+            self._append(out, seq, n)
             budget -= n
             i += 1
         return budget
@@ -196,7 +201,7 @@ class Scheduler:
             seq.status = SequenceStatus.RUNNING
             bisect.insort(self.running, seq, key=_arrival)
             if n:
-                out.scheduled.append(ScheduledSeq.of(seq, n))
+                self._append(out, seq, n)
             budget -= n
         return budget
 
@@ -219,7 +224,7 @@ class Scheduler:
             # Running stays in arrival order: preemption takes the newest (least work lost),
             # so a re-admitted old request is not the next victim again (no thrash).
             bisect.insort(self.running, seq, key=_arrival)
-            out.scheduled.append(ScheduledSeq.of(seq, n))
+            self._append(out, seq, n)
             budget -= n
 
 

@@ -130,3 +130,24 @@ async def test_preemption_by_recompute_keeps_outputs(tiny_llama_dir):
     assert got == expected
     assert stats["num_preemptions"] > 0
     assert stats["num_free_blocks"] == stats["num_total_blocks"]
+
+
+async def test_requests_in_one_step_share_a_prefix_being_computed(tiny_llama_dir):
+    """Blocks scheduled in a step are hits for requests admitted later in the same step: every
+    layer writes all new K/V before any attention reads them."""
+    tok = AutoTokenizer.from_pretrained(tiny_llama_dir)
+    system = tok.encode("Shared system prompt for every tenant request. " * 8)
+    prompts = [system + tok.encode(q) for q in (" First question?", " Second one", " Third")]
+    expected = hf_greedy(tiny_llama_dir, prompts, 12)
+    async with AsyncEngine(EngineConfig(model=str(tiny_llama_dir))) as engine:
+
+        async def one(ids):
+            async for out in engine.generate(ids, SamplingParams(temperature=0, max_tokens=12)):  # noqa: B007
+                pass
+            return out
+
+        outs = await asyncio.gather(*(one(ids) for ids in prompts))
+    assert [o.outputs[0].token_ids for o in outs] == expected
+    shared = (len(system) // 16) * 16
+    assert outs[0].num_cached_tokens == 0
+    assert all(o.num_cached_tokens >= shared for o in outs[1:])
