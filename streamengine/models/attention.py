@@ -108,26 +108,34 @@ class TorchPagedAttention:
         flat_v = value_cache.view(-1, num_kv_heads, head_dim)
         flat_k.index_copy_(0, meta.slot_mapping, k)
         flat_v.index_copy_(0, meta.slot_mapping, v)
-        out = torch.empty_like(q)  # [T, num_heads, head_dim]
         p = meta.prepared
+        if not p["other_rows"]:  # pure decode step: one query token per row, in row order
+            return self._decode_rows(q, key_cache, value_cache, p, scale)
+        out = torch.empty_like(q)  # [T, num_heads, head_dim]
         if p["decode_rows"]:
             self._decode(q, key_cache, value_cache, p, scale, out)
         for i in p["other_rows"]:
             self._prefill(i, q, k, v, flat_k, flat_v, meta, scale, out)
         return out
 
+    @classmethod
+    def _decode(cls, q, key_cache, value_cache, p, scale, out) -> None:
+        tokens = p["decode_tokens"]
+        out[tokens] = cls._decode_rows(q[tokens], key_cache, value_cache, p, scale)
+
     @staticmethod
-    def _decode(q, key_cache, value_cache, p, scale, out) -> None:
-        tokens, blocks = p["decode_tokens"], p["decode_blocks"]
-        num_seqs = len(tokens)
+    def _decode_rows(qd, key_cache, value_cache, p, scale) -> torch.Tensor:
+        """qd [Bd, num_heads, D], one query token per decode row -> [Bd, num_heads, D]."""
+        blocks = p["decode_blocks"]
+        num_seqs = blocks.shape[0]
         num_kv_heads, head_dim = key_cache.shape[2], key_cache.shape[3]
-        group = q.shape[1] // num_kv_heads
+        group = qd.shape[1] // num_kv_heads
         # Query heads sharing a KV head become rows of one matrix: GQA without repeating K/V.
-        qd = q[tokens].view(num_seqs, num_kv_heads, group, head_dim)  # [Bd, kv_heads, group, D]
+        qd = qd.reshape(num_seqs, num_kv_heads, group, head_dim)  # [Bd, kv_heads, group, D]
         kd = key_cache[blocks].view(num_seqs, -1, num_kv_heads, head_dim).transpose(1, 2)  # [Bd, kv_heads, L, D]
         vd = value_cache[blocks].view(num_seqs, -1, num_kv_heads, head_dim).transpose(1, 2)
         o = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=p["decode_mask"], scale=scale)
-        out[tokens] = o.reshape(num_seqs, -1, head_dim)  # [Bd, num_heads, D]
+        return o.reshape(num_seqs, -1, head_dim)  # [Bd, num_heads, D]
 
     @staticmethod
     def _prefill(i, q, k, v, flat_k, flat_v, meta, scale, out) -> None:
