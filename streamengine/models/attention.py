@@ -76,30 +76,60 @@ def register_paged_attention() -> None:
     AttentionMaskInterface.register(ATTN_IMPLEMENTATION, _no_mask)
 
 
+@dataclass(slots=True)
+class DecodeGroup:
+    """Decode rows of similar context length, attended in one batched SDPA."""
+
+    tokens: torch.Tensor  # [G] int64: their query token in the packed batch
+    blocks: torch.Tensor  # [G * num_blocks] int64: block tables cut to the group's longest
+    mask: torch.Tensor  # [G, 1, 1, num_blocks * block_size] bool: True = a real token
+
+
+def group_by_length(rows: list[int], lens: list[int], min_ratio: float = 0.6) -> list[list[int]]:
+    """Splits decode rows into groups sorted by length, each group's shortest at least
+    `min_ratio` of its longest, so padding to the longest wastes under 1 / min_ratio. Context
+    lengths are heavy-tailed: one padded batch would copy the longest context for every row."""
+    groups: list[list[int]] = []
+    head = 0
+    for i in sorted(rows, key=lambda r: -lens[r]):
+        if groups and lens[i] >= min_ratio * head:
+            groups[-1].append(i)
+        else:
+            groups.append([i])
+            head = lens[i]
+    return [sorted(g) for g in groups]  # batch order inside a group
+
+
 class TorchPagedAttention:
     """The CPU path: PyTorch SDPA over K/V gathered through the block tables.
 
-    Decode rows (one query token) run as one batched SDPA over a padded gather; other rows
-    (prefill, chunked prefill, prefill after a cache hit) run per request with a causal mask
-    offset by their cached context. A prompt with no cached context attends to its own fresh
-    K/V directly, without reading the cache back.
+    Decode rows (one query token) run as batched SDPAs over padded block gathers, grouped by
+    context length; other rows (prefill, chunked prefill, prefill after a cache hit) run per
+    request with a causal mask offset by their cached context. A prompt with no cached context
+    attends to its own fresh K/V directly, without reading the cache back.
     """
 
     def prepare(self, meta: AttentionMetadata) -> None:
         decode = [i for i, n in enumerate(meta.query_lens_host) if n == 1]
         p = meta.prepared
-        p["decode_rows"] = decode
         p["other_rows"] = [i for i, n in enumerate(meta.query_lens_host) if n != 1]
-        if not decode:
-            return
+        p["decode_groups"] = [self._group(meta, rows) for rows in group_by_length(decode, meta.seq_lens_host)]
+        # A pure-decode step in a single group needs no gather of queries or scatter of outputs.
+        p["direct"] = not p["other_rows"] and len(p["decode_groups"]) == 1
+
+    @staticmethod
+    def _group(meta: AttentionMetadata, rows: list[int]) -> DecodeGroup:
         block_size = meta.kv_caches[0][0].shape[1]
-        max_len = int(max(meta.seq_lens_host[i] for i in decode))
-        num_blocks = -(-max_len // block_size)
-        # Gather whole blocks (contiguous block_size x kv_heads x head_dim runs), not slots.
-        p["decode_blocks"] = meta.block_tables[decode, :num_blocks].long()  # [Bd, nb]
-        pos = torch.arange(num_blocks * block_size, device=meta.seq_lens.device)  # [L]
-        p["decode_mask"] = (pos < meta.seq_lens[decode].long()[:, None])[:, None, None, :]  # [Bd, 1, 1, L]
-        p["decode_tokens"] = meta.query_start_loc[decode].long()  # [Bd]
+        dev = meta.seq_lens.device
+        num_blocks = -(-max(meta.seq_lens_host[r] for r in rows) // block_size)
+        index = torch.tensor(rows, device=dev)
+        pos = torch.arange(num_blocks * block_size, device=dev)  # [L]
+        return DecodeGroup(
+            tokens=meta.query_start_loc[index].long(),
+            # Whole blocks (contiguous block_size x kv_heads x head_dim runs), not single slots.
+            blocks=meta.block_tables[index, :num_blocks].long().reshape(-1),
+            mask=(pos < meta.seq_lens[index].long()[:, None])[:, None, None, :],
+        )
 
     def forward(self, layer_idx, q, k, v, meta, scale):
         key_cache, value_cache = meta.kv_caches[layer_idx]
@@ -109,33 +139,28 @@ class TorchPagedAttention:
         flat_k.index_copy_(0, meta.slot_mapping, k)
         flat_v.index_copy_(0, meta.slot_mapping, v)
         p = meta.prepared
-        if not p["other_rows"]:  # pure decode step: one query token per row, in row order
-            return self._decode_rows(q, key_cache, value_cache, p, scale)
+        if p["direct"]:
+            return self._decode_rows(q, key_cache, value_cache, p["decode_groups"][0], scale)
         out = torch.empty_like(q)  # [T, num_heads, head_dim]
-        if p["decode_rows"]:
-            self._decode(q, key_cache, value_cache, p, scale, out)
+        for group in p["decode_groups"]:
+            out[group.tokens] = self._decode_rows(q[group.tokens], key_cache, value_cache, group, scale)
         for i in p["other_rows"]:
             self._prefill(i, q, k, v, flat_k, flat_v, meta, scale, out)
         return out
 
-    @classmethod
-    def _decode(cls, q, key_cache, value_cache, p, scale, out) -> None:
-        tokens = p["decode_tokens"]
-        out[tokens] = cls._decode_rows(q[tokens], key_cache, value_cache, p, scale)
-
     @staticmethod
-    def _decode_rows(qd, key_cache, value_cache, p, scale) -> torch.Tensor:
-        """qd [Bd, num_heads, D], one query token per decode row -> [Bd, num_heads, D]."""
-        blocks = p["decode_blocks"]
-        num_seqs = blocks.shape[0]
+    def _decode_rows(qd, key_cache, value_cache, group: DecodeGroup, scale) -> torch.Tensor:
+        """qd [G, num_heads, D], one query token per decode row -> [G, num_heads, D]."""
+        num_seqs = group.tokens.shape[0]
         num_kv_heads, head_dim = key_cache.shape[2], key_cache.shape[3]
-        group = qd.shape[1] // num_kv_heads
+        num_q_per_kv = qd.shape[1] // num_kv_heads
         # Query heads sharing a KV head become rows of one matrix: GQA without repeating K/V.
-        qd = qd.reshape(num_seqs, num_kv_heads, group, head_dim)  # [Bd, kv_heads, group, D]
-        kd = key_cache[blocks].view(num_seqs, -1, num_kv_heads, head_dim).transpose(1, 2)  # [Bd, kv_heads, L, D]
-        vd = value_cache[blocks].view(num_seqs, -1, num_kv_heads, head_dim).transpose(1, 2)
-        o = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=p["decode_mask"], scale=scale)
-        return o.reshape(num_seqs, -1, head_dim)  # [Bd, num_heads, D]
+        qd = qd.reshape(num_seqs, num_kv_heads, num_q_per_kv, head_dim)  # [G, kv_heads, group, D]
+        # index_select copies whole rows; several times faster on CPU than advanced indexing.
+        kd = key_cache.index_select(0, group.blocks).view(num_seqs, -1, num_kv_heads, head_dim).transpose(1, 2)  # [G, kv_heads, L, D]
+        vd = value_cache.index_select(0, group.blocks).view(num_seqs, -1, num_kv_heads, head_dim).transpose(1, 2)
+        o = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=group.mask, scale=scale)
+        return o.reshape(num_seqs, -1, head_dim)  # [G, num_heads, D]
 
     @staticmethod
     def _prefill(i, q, k, v, flat_k, flat_v, meta, scale, out) -> None:
@@ -153,8 +178,8 @@ class TorchPagedAttention:
             table = meta.block_tables[i, :num_blocks].long()
             offsets = torch.arange(block_size, device=q.device)
             slots = (table[:, None] * block_size + offsets).reshape(-1)[:ctx_len]
-            ki = flat_k[slots].transpose(0, 1)  # [kv_heads, ctx_len, D]
-            vi = flat_v[slots].transpose(0, 1)
+            ki = flat_k.index_select(0, slots).transpose(0, 1)  # [kv_heads, ctx_len, D]
+            vi = flat_v.index_select(0, slots).transpose(0, 1)
             qpos = torch.arange(ctx_len - q_len, ctx_len, device=q.device)[:, None]
             mask = torch.arange(ctx_len, device=q.device)[None, :] <= qpos  # [q_len, ctx_len]
             o = F.scaled_dot_product_attention(qi, ki, vi, attn_mask=mask, scale=scale, enable_gqa=True)
