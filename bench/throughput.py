@@ -7,8 +7,9 @@ One seeded synthetic trace (ShareGPT-like and/or Alpaca-like, see bench/traces.p
   hf_generate     `model.generate` on static batches in arrival order, left-padded to the batch's
                   longest prompt, greedy with min_new_tokens = max_new_tokens = the batch's longest
                   output. A contiguous cache reserves max-length per sequence, so the batch size is
-                  B // (KV bytes per token * (trace's max prompt + max output)). Only each
-                  request's own output length counts as useful tokens.
+                  B // (KV bytes per token * (prompt cap + output cap of the trace, as scaled)):
+                  it must reserve before it knows an answer's length. Only each request's own
+                  output length counts as useful tokens.
   hf_generate_batch  transformers continuous batching (the ContinuousBatchingManager that
                   `generate_batch` drives), page_size = the engine's block size, `num_blocks` set so
                   its cache holds B bytes, the engine's token and sequence budgets. `generate_batch`
@@ -236,18 +237,26 @@ async def _watch_running(engine, peak: dict[str, int]) -> None:
 # -- system 2: transformers generate with static batches ------------------------------------
 
 
-def static_batch_size(setup: Setup, trace: list[TraceRequest], budget: int) -> int:
-    """How many sequences a contiguous cache fits in `budget` when each reserves the longest
-    sequence the trace can produce (longest prompt + longest output)."""
-    reserve = max(len(r.prompt_token_ids) for r in trace) + max(r.output_len for r in trace)
+def static_batch_size(setup: Setup, reserve: int, budget: int) -> int:
+    """How many sequences a contiguous cache fits in `budget` when each reserves `reserve`
+    tokens: the longest request the workload admits (prompt cap + output cap), since a
+    contiguous system must reserve before it knows how long an answer will be."""
     return max(1, budget // (setup.kv_bytes_per_token * reserve))
 
 
+def reserve_tokens(name: str, scale: float, max_len: int | None) -> int:
+    """Max-length reservation for a trace: its prompt and output length caps, as scaled."""
+    cap = max(1, round(TRACES[name].max_len * scale))
+    return 2 * (min(cap, max_len) if max_len else cap)
+
+
 def run_hf_generate(
-    setup: Setup, trace: list[TraceRequest], budget: int, name: str
+    setup: Setup, trace: list[TraceRequest], budget: int, name: str, reserve: int = 0
 ) -> SystemResult:
     model = load_hf_model(setup.folder)
-    batch_size = static_batch_size(setup, trace, budget)
+    if not reserve:  # no cap given: the trace's own longest prompt + longest output
+        reserve = max(len(r.prompt_token_ids) for r in trace) + max(r.output_len for r in trace)
+    batch_size = static_batch_size(setup, reserve, budget)
     try:
         _hf_generate_batch(model, setup, warmup_trace(setup))
         generated = 0
@@ -270,8 +279,7 @@ def run_hf_generate(
         {
             "batch_size": batch_size,
             "num_batches": -(-len(trace) // batch_size),
-            "reserved_tokens_per_seq": max(len(r.prompt_token_ids) for r in trace)
-            + max(r.output_len for r in trace),
+            "reserved_tokens_per_seq": reserve,
         },
     )
 
@@ -421,7 +429,12 @@ def run_trace(setup: Setup, args: argparse.Namespace, name: str) -> dict:
     budget = args.kv_cache_bytes or setup.kv_bytes_per_token * max(
         1, round(DEFAULT_BUDGET_TOKENS * scale)
     )
-    results = {s: RUNNERS[s](setup, trace, budget, name) for s in args.systems}
+    reserve = reserve_tokens(name, scale, args.max_len)
+    results = {
+        s: RUNNERS[s](setup, trace, budget, name, reserve=reserve) if s == "hf_generate"
+        else RUNNERS[s](setup, trace, budget, name)
+        for s in args.systems
+    }
     return {
         "trace": summarize(trace),
         "scale": scale,
