@@ -30,13 +30,9 @@ from streamengine.model_runner import kv_bytes_per_block  # noqa: E402
 
 def model_folder(tmp: Path) -> Path:
     try:
-        from streamengine.models.loader import (
-            _converted_gguf,
-            default_cache_dir,
-            resolve_default_model,
-        )
+        from streamengine.models.loader import default_model_folder
 
-        return _converted_gguf(resolve_default_model(), default_cache_dir())
+        return default_model_folder()
     except FileNotFoundError:
         return tiny_model(tmp)
 

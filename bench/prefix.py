@@ -31,7 +31,6 @@ import asyncio
 import gc
 import json
 import os
-import platform
 import random
 import statistics
 import sys
@@ -45,7 +44,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))  # run as a script: ben
 
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
-from roofline import default_model_folder, quiet  # noqa: E402
+from common import default_model_folder, quiet_transformers, software  # noqa: E402
 from tqdm import tqdm  # noqa: E402
 from traces import normal_token_ids  # noqa: E402
 
@@ -242,7 +241,6 @@ def summarize(timings: list[Timing], before: dict, after: dict, workload: list[B
 
 
 def build_report(args, folder: Path, modes: dict[str, dict]) -> dict:
-    import transformers
 
     on, off = modes.get("cache_on"), modes.get("cache_off")
     single = on.get("single") if on else None
@@ -272,11 +270,7 @@ def build_report(args, folder: Path, modes: dict[str, dict]) -> dict:
             "trials": args.trials,
             "threads": args.threads,
             "seed": args.seed,
-            "torch": torch.__version__,
-            "transformers": transformers.__version__,
-            "python": platform.python_version(),
-            "cpu_count": os.cpu_count(),
-            "load_avg": os.getloadavg(),
+            **software(),
         },
     }
     return report
@@ -391,7 +385,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     torch.set_num_threads(args.threads)
-    quiet()
+    quiet_transformers()
     from streamengine.model_runner import kv_bytes_per_block
     from streamengine.models import load_model
 

@@ -33,15 +33,12 @@ from __future__ import annotations
 import argparse
 import gc
 import json
-import logging
 import math
 import os
-import platform
 import random
 import statistics
 import sys
 import time
-import warnings
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -50,6 +47,7 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # run as a script: bench/ is not a package
 
 import torch  # noqa: E402
+from common import default_model_folder, quiet_transformers, software  # noqa: E402
 from tqdm import tqdm  # noqa: E402
 from traces import normal_token_ids  # noqa: E402
 
@@ -248,7 +246,6 @@ def _decode_step(core, batch: int) -> float:
 
 
 def build_report(args, folder: Path, rates: MachineRates, cost: ModelCost, results: list[DecodeResult]) -> dict:
-    import transformers
 
     by_batch = {str(r.batch): r.tok_s for r in results}
     roofline = rates.matmul_gflops * 1e9 / cost.flops_per_token
@@ -288,11 +285,7 @@ def build_report(args, folder: Path, rates: MachineRates, cost: ModelCost, resul
             "steps": args.steps,
             "warmup_steps": args.warmup,
             "threads": args.threads,
-            "torch": torch.__version__,
-            "transformers": transformers.__version__,
-            "python": platform.python_version(),
-            "cpu_count": os.cpu_count(),
-            "load_avg": os.getloadavg(),
+            **software(),
         },
     }
     return report
@@ -410,25 +403,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
-def default_model_folder() -> Path:
-    from streamengine.models.loader import _converted_gguf, default_cache_dir, resolve_default_model
-
-    return _converted_gguf(resolve_default_model(), default_cache_dir())
-
-
-def quiet() -> None:
-    import transformers
-
-    transformers.logging.set_verbosity_error()
-    transformers.logging.disable_progress_bar()
-    warnings.filterwarnings("ignore", category=UserWarning)
-    logging.getLogger("streamengine").setLevel(logging.WARNING)
-
-
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     torch.set_num_threads(args.threads)
-    quiet()
+    quiet_transformers()
     from streamengine.models import load_model
 
     folder = Path(args.model) if args.model else default_model_folder()

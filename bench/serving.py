@@ -44,7 +44,6 @@ import asyncio
 import contextlib
 import json
 import os
-import platform
 import random
 import socket
 import statistics
@@ -733,7 +732,7 @@ def main(argv: list[str] | None = None) -> int:
     if argv[:1] == ["lag-server"]:
         return lag_server_main(argv[1:])
     args = parse_args(argv)
-    from roofline import default_model_folder
+    from common import default_model_folder
 
     args.folder = Path(args.model) if args.model else default_model_folder()
     if not (args.folder / "config.json").exists():
@@ -752,8 +751,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def build_report(args, results: dict, lag: dict | None, note: str | None, setup: dict) -> dict:
-    import torch
-    import transformers
+    from common import software  # torch is imported only where the report is built
 
     baseline_desc = {
         "hf_serve": "`transformers serve` (default: one model.generate at a time, no batching), "
@@ -792,11 +790,7 @@ def build_report(args, results: dict, lag: dict | None, note: str | None, setup:
             "kv_cache_bytes": args.kv_cache_bytes,
             "run_timeout_s": args.run_timeout,
             "seed": args.seed,
-            "torch": torch.__version__,
-            "transformers": transformers.__version__,
-            "python": platform.python_version(),
-            "cpu_count": os.cpu_count(),
-            "load_avg": os.getloadavg(),
+            **software(),
         },
     }
 

@@ -30,12 +30,10 @@ import argparse
 import asyncio
 import gc
 import json
-import logging
 import os
 import platform
 import sys
 import time
-import warnings
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -44,6 +42,7 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # run as a script: bench/ is not a package
 
 import torch  # noqa: E402
+from common import default_model_folder, quiet_transformers  # noqa: E402
 from tqdm import tqdm  # noqa: E402
 from traces import TRACES, TraceRequest, make_trace, normal_token_ids, summarize  # noqa: E402
 
@@ -101,12 +100,6 @@ class Setup:
 
 
 # -- setup ----------------------------------------------------------------------------------
-
-
-def default_model_folder() -> Path:
-    from streamengine.models.loader import _converted_gguf, default_cache_dir, resolve_default_model
-
-    return _converted_gguf(resolve_default_model(), default_cache_dir())
 
 
 def kv_bytes_per_token(config, dtype: torch.dtype = torch.float32) -> int:
@@ -580,15 +573,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if args.scale is not None and not args.scale > 0:
         p.error("--scale must be > 0")
     return args
-
-
-def quiet_transformers() -> None:
-    import transformers
-
-    transformers.logging.set_verbosity_error()
-    transformers.logging.disable_progress_bar()
-    warnings.filterwarnings("ignore", category=UserWarning)
-    logging.getLogger("streamengine").setLevel(logging.WARNING)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -30,9 +30,9 @@ def pytest_asyncio_loop_factories(config, item):
 @pytest.fixture(scope="session")
 def smollm_dir() -> Path:
     """The default SmolLM2-135M-Instruct, converted from the packaged GGUF once per machine."""
-    from streamengine.models.loader import _converted_gguf, default_cache_dir, resolve_default_model
+    from streamengine.models.loader import default_model_folder
 
-    return _converted_gguf(resolve_default_model(), default_cache_dir())
+    return default_model_folder()
 
 
 def _save_tiny(config, folder: Path, tokenizer_dir: Path) -> Path:

@@ -5,8 +5,8 @@ from __future__ import annotations
 import random
 
 import torch
-
 from streamengine.kernels import ref_paged_attention
+
 from streamengine.models.attention import AttentionMetadata, TorchPagedAttention, group_by_length
 
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 import hashlib
 import importlib.util
 import os
+import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -53,6 +54,11 @@ def default_cache_dir() -> Path:
     return Path(base)
 
 
+def default_model_folder(cache_dir: str | None = None) -> Path:
+    """The default model as a transformers folder (converted from its GGUF on first use)."""
+    return _converted_gguf(resolve_default_model(), Path(cache_dir) if cache_dir else default_cache_dir())
+
+
 def load_model(model: str | None, dtype: str, device: str, cache_dir: str | None = None) -> LoadedModel:
     register_paged_attention()
     path = resolve_default_model() if model is None else Path(model)
@@ -88,5 +94,10 @@ def _converted_gguf(path: Path, cache_dir: Path) -> Path:
     tmp = folder.with_name(folder.name + f".tmp{os.getpid()}")
     model.save_pretrained(tmp)
     tokenizer.save_pretrained(tmp)
-    os.replace(tmp, folder)  # atomic: a concurrent loader never sees a half-written copy
+    try:
+        os.replace(tmp, folder)  # atomic: a concurrent loader never sees a half-written copy
+    except OSError:  # another process finished the same conversion first
+        shutil.rmtree(tmp, ignore_errors=True)
+        if not (folder / "config.json").exists():
+            raise
     return folder
