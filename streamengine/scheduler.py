@@ -129,6 +129,16 @@ class Scheduler:
             budget = self._schedule_swapped(out, budget)
         if not out.preempted and not self.swapped:
             self._schedule_waiting(out, budget)
+        while not out.scheduled and self.running and (self.waiting or self.swapped):
+            # Every running sequence is idle (beams waiting for a sibling's logits) while the
+            # sibling cannot get blocks: recompute the newest idle one later, behind the
+            # blocked one (ahead of it, it would take the same blocks back: a livelock).
+            victim = self.running.pop()
+            self._preempt(victim, front=False)
+            out.preempted.append(victim)
+            budget = self._schedule_swapped(out, self.max_num_batched_tokens)
+            if not self.swapped:
+                self._schedule_waiting(out, budget)
         out.blocks_to_copy = self.block_manager.take_pending_copies()
         return out
 
@@ -165,7 +175,7 @@ class Scheduler:
                 return False
         return True
 
-    def _preempt(self, seq: Sequence) -> None:
+    def _preempt(self, seq: Sequence, front: bool = True) -> None:
         """Recompute preemption: drop the blocks, keep the tokens, go back to the head of the
         line (ahead of everything that arrived later, so no request starves)."""
         self.block_manager.free(seq)
@@ -173,7 +183,7 @@ class Scheduler:
         seq.status = SequenceStatus.WAITING
         seq.num_preemptions += 1
         self.num_preemptions += 1
-        self.waiting.appendleft(seq)
+        (self.waiting.appendleft if front else self.waiting.append)(seq)
 
     def _swap_out(self, seq: Sequence, out: SchedulerOutput) -> None:
         """Swap preemption: the blocks go to the host pool; the sequence keeps its computed

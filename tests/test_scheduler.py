@@ -468,3 +468,22 @@ def test_a_swapped_sequence_that_needs_the_whole_pool_comes_back() -> None:
     assert out.preempted == [b] and b.status is SequenceStatus.SWAPPED and a.is_finished
     sim.run(max_steps=10)
     assert b.is_finished
+
+
+def test_idle_running_sequences_yield_blocks_to_a_waiting_one() -> None:
+    """A running sequence with nothing to compute (a beam waiting for its sibling's logits)
+    must not hold the pool while the sibling waits for blocks: it is preempted instead of
+    the scheduler returning an empty plan with work pending."""
+    bm = BlockManager(4, 4, enable_prefix_caching=False)
+    sched = Scheduler(bm, max_num_seqs=8, max_num_batched_tokens=64)
+    idle = Sequence(0, "r", tokens(12), arrival_time=0.0)
+    sched.add(idle)
+    plan = sched.schedule()
+    assert [s.seq for s in plan.scheduled] == [idle]
+    idle.num_computed_tokens = idle.num_tokens  # computed; now waits, holding 3 of 4 blocks
+    sibling = Sequence(1, "r", tokens(12, 50), arrival_time=0.0)
+    sched.add(sibling)
+    plan = sched.schedule()
+    assert plan.preempted == [idle]
+    assert [s.seq for s in plan.scheduled] == [sibling]
+    assert idle.status is SequenceStatus.WAITING and idle.num_computed_tokens == 0
