@@ -266,7 +266,6 @@ class EngineCore:
         for item in step.plan.scheduled:
             seq = item.seq
             seq.num_computed_tokens += item.num_new_tokens
-            self.block_manager.cache_full_blocks(seq)
             req, i = self._seq_of[seq.seq_id]
             if not item.samples:
                 continue
