@@ -1,4 +1,7 @@
-"""Helpers shared by the benchmark scripts (run as scripts: bench/ is not a package)."""
+"""Helpers shared by the benchmark scripts (run as scripts: bench/ is not a package).
+
+Imports are lazy: bench/serving.py's client side and bench/memory.py run without torch.
+"""
 
 from __future__ import annotations
 
@@ -6,12 +9,23 @@ import logging
 import os
 import platform
 import warnings
+from pathlib import Path
 
-import torch
+__all__ = ["default_model_folder", "model_folder", "pyplot", "quiet_transformers", "save_figure", "software"]
 
-from streamengine.models.loader import default_model_folder
 
-__all__ = ["default_model_folder", "quiet_transformers", "software"]
+def default_model_folder() -> Path:
+    from streamengine.models.loader import default_model_folder as folder
+
+    return folder()
+
+
+def model_folder(model: str | None) -> Path:
+    """`--model` as a Hugging Face folder (default: the converted SmolLM2), checked."""
+    folder = Path(model) if model else default_model_folder()
+    if not (folder / "config.json").exists():
+        raise SystemExit(f"--model must be a Hugging Face model folder with config.json: {folder}")
+    return folder
 
 
 def quiet_transformers() -> None:
@@ -26,6 +40,7 @@ def quiet_transformers() -> None:
 
 def software() -> dict:
     """Versions and machine facts recorded beside every result."""
+    import torch
     import transformers
 
     return {
@@ -35,3 +50,20 @@ def software() -> dict:
         "cpu_count": os.cpu_count(),
         "load_avg": os.getloadavg(),
     }
+
+
+def pyplot():
+    """matplotlib's pyplot on the file-only Agg backend (no display on these machines)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def save_figure(fig, path: Path, dpi: int = 120) -> None:
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=dpi)
+    pyplot().close(fig)

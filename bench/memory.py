@@ -548,10 +548,9 @@ def print_table(results: dict[str, dict], cfg: SimConfig) -> None:
 
 
 def plot(results: dict[str, dict], path: Path) -> None:
-    import matplotlib
+    from common import pyplot, save_figure
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     names = list(results)
     fig, axes = plt.subplots(1, 3, figsize=(15, 4.2))
@@ -583,10 +582,7 @@ def plot(results: dict[str, dict], path: Path) -> None:
     ax.legend(fontsize=7, frameon=False)
     for ax in axes:
         ax.spines[["top", "right"]].set_visible(False)
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=130)
-    plt.close(fig)
+    save_figure(fig, path, dpi=130)
 
 
 def _scheme_value(waste: dict, metric: str, scheme: str) -> float:

@@ -44,7 +44,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))  # run as a script: ben
 
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
-from common import default_model_folder, quiet_transformers, software  # noqa: E402
+from common import model_folder, quiet_transformers, software  # noqa: E402
 from tqdm import tqdm  # noqa: E402
 from traces import normal_token_ids  # noqa: E402
 
@@ -307,10 +307,9 @@ def print_table(report: dict) -> None:
 
 
 def write_png(report: dict, path: Path, timings_by_mode: dict[str, list[float]]) -> None:
-    import matplotlib
+    from common import pyplot, save_figure
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(10, 4), gridspec_kw={"width_ratios": [3, 2]})
     colors = {"cache_on": "#2b7bba", "cache_off": "#e08a2c"}
@@ -333,10 +332,7 @@ def write_png(report: dict, path: Path, timings_by_mode: dict[str, list[float]])
         ax2.set_ylabel("TTFT (ms, median)")
         ax2.set_title(f"{report['config']['system_len']}-token system prompt: "
                       f"{single['ttft_speedup_warm']:.0f}x")
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    save_figure(fig, path)
 
 
 # -- main -----------------------------------------------------------------------------------
@@ -389,9 +385,7 @@ def main(argv: list[str] | None = None) -> int:
     from streamengine.model_runner import kv_bytes_per_block
     from streamengine.models import load_model
 
-    folder = Path(args.model) if args.model else default_model_folder()
-    if not (folder / "config.json").exists():
-        raise SystemExit(f"--model must be a Hugging Face model folder with config.json: {folder}")
+    folder = model_folder(args.model)
     loaded = load_model(str(folder), "float32", "cpu")
     block_bytes = kv_bytes_per_block(loaded.model.config, BLOCK_SIZE, torch.float32)
     args.kv_bytes = -(-args.kv_tokens // BLOCK_SIZE) * block_bytes

@@ -47,7 +47,7 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # run as a script: bench/ is not a package
 
 import torch  # noqa: E402
-from common import default_model_folder, quiet_transformers, software  # noqa: E402
+from common import model_folder, quiet_transformers, software  # noqa: E402
 from tqdm import tqdm  # noqa: E402
 from traces import normal_token_ids  # noqa: E402
 
@@ -326,10 +326,9 @@ def print_table(report: dict) -> None:
 
 
 def write_png(report: dict, path: Path) -> None:
-    import matplotlib
+    from common import pyplot, save_figure
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     rows = report["batches"]
     batches = [int(b) for b in rows]
@@ -358,10 +357,7 @@ def write_png(report: dict, path: Path) -> None:
     ax.set_title("Steady decode vs roofline (CPU, float32)")
     ax.legend(fontsize=8, loc="lower right")
     ax.grid(True, which="both", alpha=0.3)
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    save_figure(fig, path)
 
 
 # -- main -----------------------------------------------------------------------------------
@@ -409,9 +405,7 @@ def main(argv: list[str] | None = None) -> int:
     quiet_transformers()
     from streamengine.models import load_model
 
-    folder = Path(args.model) if args.model else default_model_folder()
-    if not (folder / "config.json").exists():
-        raise SystemExit(f"--model must be a Hugging Face model folder with config.json: {folder}")
+    folder = model_folder(args.model)
     print("measuring matmul rate and memory bandwidth ...", file=sys.stderr)
     rates = measure_machine(args.threads, args.quick, args.matmul_n, args.bandwidth_mib)
     loaded = load_model(str(folder), "float32", "cpu")

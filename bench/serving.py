@@ -611,10 +611,9 @@ def _ms(x: float | None) -> str:
 
 
 def write_png(report: dict, path: Path) -> None:
-    import matplotlib
+    from common import pyplot, save_figure
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4.2))
     styles = {"se_ws": ("#2b7bba", "o-"), "se_sse": ("#5aa0d8", "s--"),
@@ -639,10 +638,7 @@ def write_png(report: dict, path: Path) -> None:
     cfg = report["config"]
     fig.suptitle(f"ShareGPT-like trace x{cfg['scale']:g}, {cfg['num_requests']} requests per rate (CPU, float32)",
                  fontsize=9)
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    save_figure(fig, path)
 
 
 # -- main -----------------------------------------------------------------------------------
@@ -732,11 +728,9 @@ def main(argv: list[str] | None = None) -> int:
     if argv[:1] == ["lag-server"]:
         return lag_server_main(argv[1:])
     args = parse_args(argv)
-    from common import default_model_folder
+    from common import model_folder
 
-    args.folder = Path(args.model) if args.model else default_model_folder()
-    if not (args.folder / "config.json").exists():
-        raise SystemExit(f"--model must be a Hugging Face model folder with config.json: {args.folder}")
+    args.folder = model_folder(args.model)
     texts, outputs, setup = load_setup(args)
     results, lag, note = asyncio.run(run_all(args, texts, outputs, setup))
     report = build_report(args, results, lag, note, setup)

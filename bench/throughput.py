@@ -42,7 +42,7 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # run as a script: bench/ is not a package
 
 import torch  # noqa: E402
-from common import default_model_folder, quiet_transformers  # noqa: E402
+from common import model_folder, quiet_transformers  # noqa: E402
 from tqdm import tqdm  # noqa: E402
 from traces import TRACES, TraceRequest, make_trace, normal_token_ids, summarize  # noqa: E402
 
@@ -112,9 +112,7 @@ def kv_bytes_per_token(config, dtype: torch.dtype = torch.float32) -> int:
 def make_setup(model: str | None, threads: int) -> Setup:
     from transformers import AutoConfig, AutoTokenizer
 
-    folder = Path(model) if model else default_model_folder()
-    if not (folder / "config.json").exists():
-        raise ValueError(f"--model must be a Hugging Face model folder with config.json: {folder}")
+    folder = model_folder(model)
     config = AutoConfig.from_pretrained(folder)
     tokenizer = AutoTokenizer.from_pretrained(folder)
     eos = config.eos_token_id if isinstance(config.eos_token_id, int) else tokenizer.eos_token_id
@@ -470,10 +468,9 @@ def print_table(reports: dict[str, dict]) -> None:
 
 
 def write_png(reports: dict[str, dict], path: Path) -> None:
-    import matplotlib
+    from common import pyplot, save_figure
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     fig, ax = plt.subplots(figsize=(3.2 + 2.6 * len(reports), 4.2))
     width = 0.8 / len(SYSTEMS)
@@ -491,10 +488,7 @@ def write_png(reports: dict[str, dict], path: Path) -> None:
     ax.set_ylabel("useful output tokens / s")
     ax.set_title("Throughput at equal KV budget (CPU, float32)")
     ax.legend(fontsize=8, loc="upper center", ncols=len(SYSTEMS))
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    save_figure(fig, path)
 
 
 def _xlabel(name: str, rep: dict) -> str:
