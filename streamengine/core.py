@@ -244,7 +244,8 @@ class EngineCore:
     def _row(self, seq: Sequence) -> SamplingRow:
         req, i = self._seq_of[seq.seq_id]
         row = req.rows[i]
-        row.output_token_ids = seq.output_token_ids
+        if req.params.has_penalties:  # only penalties read the history: no copy per decode step otherwise
+            row.output_token_ids = seq.output_token_ids
         return row
 
     def execute(self, step: StepPlan) -> tuple[SamplerOutput, torch.Tensor | None]:

@@ -150,34 +150,29 @@ class ModelRunner:
         return input_ids, pos, meta, torch.tensor(logits_indices, dtype=torch.int64, device=dev)
 
     def _swap(self, out_pairs: list[tuple[int, int]], in_pairs: list[tuple[int, int]]) -> None:
-        if self.swap_stream is None:
-            self._swap_copies(out_pairs, in_pairs)
-            return
-        self.swap_stream.wait_stream(torch.cuda.current_stream(self.device))
-        with torch.cuda.stream(self.swap_stream):
-            self._swap_copies(out_pairs, in_pairs)
-        done = torch.cuda.Event()
-        done.record(self.swap_stream)
-        torch.cuda.current_stream(self.device).wait_event(done)
+        """Swap-outs then swap-ins, layer by layer. On CUDA they run on the swap stream after
+        the work already queued, and the next forward waits on an event: device blocks freed
+        by a swap-out are not overwritten before their copy has landed. The host pool is
+        pinned and only ever read by later copies on the same stream."""
+        from streamengine.kernels import swap_blocks
 
-    def _swap_copies(self, out_pairs, in_pairs) -> None:
+        out_map = torch.tensor(out_pairs, dtype=torch.int64).view(-1, 2)  # (device, host)
+        in_map = torch.tensor(in_pairs, dtype=torch.int64).view(-1, 2)  # (host, device)
+        if self.swap_stream is not None:
+            self.swap_stream.wait_stream(torch.cuda.current_stream(self.device))
         for (key_cache, value_cache), (cpu_k, cpu_v) in zip(self.kv_caches, self.cpu_caches, strict=True):
-            if out_pairs:
-                dev = torch.tensor([d for d, _ in out_pairs], device=self.device)
-                host = torch.tensor([h for _, h in out_pairs])
-                # Synchronous device-to-host: the host copy must be complete before the
-                # index_put on the CPU side reads it.
-                cpu_k[host] = key_cache[dev].cpu()
-                cpu_v[host] = value_cache[dev].cpu()
-            if in_pairs:
-                host = torch.tensor([h for h, _ in in_pairs])
-                dev = torch.tensor([d for _, d in in_pairs], device=self.device)
-                key_cache[dev] = cpu_k[host].to(self.device, non_blocking=True)
-                value_cache[dev] = cpu_v[host].to(self.device, non_blocking=True)
+            for src, dst, mapping in ((key_cache, cpu_k, out_map), (value_cache, cpu_v, out_map),
+                                      (cpu_k, key_cache, in_map), (cpu_v, value_cache, in_map)):
+                swap_blocks(src, dst, mapping, stream=self.swap_stream)
+        if self.swap_stream is not None:
+            done = torch.cuda.Event()
+            done.record(self.swap_stream)
+            torch.cuda.current_stream(self.device).wait_event(done)
 
     def _copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
-        src = torch.tensor([s for s, _ in pairs], device=self.device)
-        dst = torch.tensor([d for _, d in pairs], device=self.device)
-        for key_cache, value_cache in self.kv_caches:
-            key_cache[dst] = key_cache[src]
-            value_cache[dst] = value_cache[src]
+        """Copy-on-write copies: the Triton kernel on CUDA, its PyTorch reference on CPU."""
+        from streamengine.kernels import copy_blocks, ref_copy_blocks
+
+        mapping = torch.tensor(pairs, dtype=torch.int64)  # [num_pairs, 2] (src, dst)
+        copy = copy_blocks if self.device.type == "cuda" else ref_copy_blocks
+        copy([k for k, _ in self.kv_caches], [v for _, v in self.kv_caches], mapping)
