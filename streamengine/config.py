@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
+from pathlib import Path
 
 DEFAULT_KV_CACHE_BYTES = 512 * 1024 * 1024
 """Default KV budget. 512 MiB holds ~11.6k tokens of SmolLM2-135M in float32 (45 KiB/token)."""
@@ -10,6 +12,7 @@ DEFAULT_KV_CACHE_BYTES = 512 * 1024 * 1024
 _BACKENDS = ("auto", "triton", "torch")
 _PREEMPTION_MODES = ("auto", "recompute", "swap")
 _DTYPES = ("float32", "float16", "bfloat16")
+_MODEL_IMPLS = ("auto", "native", "transformers")
 
 
 @dataclass(slots=True)
@@ -31,6 +34,10 @@ class EngineConfig:
     max_model_len: int | None = None  # default: the model's context, capped by the pool
     enable_prefix_caching: bool = True
     attention_backend: str = "auto"
+    # "native": streamengine's fused Llama/Qwen2 forward (models/native.py); "transformers":
+    # transformers' own modules with the paged attention hook; "auto": native on CPU when the
+    # architecture qualifies, transformers otherwise.
+    model_impl: str = "auto"
     preemption_mode: str = "recompute"
     swap_space_bytes: int = 0
     seed: int = 0
@@ -46,6 +53,7 @@ class EngineConfig:
         _check(self.num_gpu_blocks is None or self.num_gpu_blocks >= 1, "num_gpu_blocks", "must be >= 1")
         _check(self.max_model_len is None or self.max_model_len >= 1, "max_model_len", "must be >= 1")
         _check(self.attention_backend in _BACKENDS, "attention_backend", f"must be one of {_BACKENDS}")
+        _check(self.model_impl in _MODEL_IMPLS, "model_impl", f"must be one of {_MODEL_IMPLS}, got {self.model_impl!r}")
         _check(self.preemption_mode in _PREEMPTION_MODES, "preemption_mode", f"must be one of {_PREEMPTION_MODES}")
         _check(self.swap_space_bytes >= 0, "swap_space_bytes", "must be >= 0")
 
@@ -53,3 +61,12 @@ class EngineConfig:
 def _check(ok: bool, field: str, message: str) -> None:
     if not ok:
         raise ValueError(f"EngineConfig.{field} {message}")
+
+
+def default_cache_dir() -> Path:
+    """Where converted models and compiled kernels are kept: $STREAMENGINE_CACHE, else
+    $XDG_CACHE_HOME/streamengine, else ~/.cache/streamengine."""
+    base = os.environ.get("STREAMENGINE_CACHE") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME", os.path.expanduser("~/.cache")), "streamengine"
+    )
+    return Path(base)

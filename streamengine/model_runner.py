@@ -1,6 +1,6 @@
 """Turns a scheduler plan into tensors, runs one packed forward over the paged cache, samples.
 
-All scheduled tokens of all sequences form one flat batch (`input_ids` [1, T]); only the last
+All scheduled tokens of all sequences form one flat batch (`input_ids` [T]); only the last
 token of each sequence that samples goes through the output projection.
 """
 
@@ -11,6 +11,7 @@ import torch
 from streamengine.config import DEFAULT_KV_CACHE_BYTES, EngineConfig
 from streamengine.models.attention import AttentionBackend, AttentionMetadata, TorchPagedAttention
 from streamengine.models.loader import LoadedModel
+from streamengine.models.native import NativeDecoder, unsupported_reason
 from streamengine.sampling import Sampler, SamplerOutput, SamplingRow
 from streamengine.scheduler import SchedulerOutput
 
@@ -47,6 +48,21 @@ def select_backend(name: str, device: torch.device) -> AttentionBackend:
     return TritonPagedAttention.create(device)
 
 
+def select_native(model_impl: str, model, device: torch.device) -> NativeDecoder | None:
+    """The native decoder for "native", and for "auto" on CPU when the model qualifies;
+    None means transformers' own modules run (with the paged attention hook)."""
+    if model_impl == "transformers":
+        return None
+    reason = unsupported_reason(model)
+    if model_impl == "native":
+        if reason is not None:
+            raise ValueError(f"EngineConfig.model_impl='native' cannot run this model: {reason}")
+        return NativeDecoder(model)
+    if reason is not None or device.type != "cpu":
+        return None
+    return NativeDecoder(model)
+
+
 class ModelRunner:
     def __init__(self, loaded: LoadedModel, config: EngineConfig, device: torch.device) -> None:
         self.model = loaded.model
@@ -76,6 +92,7 @@ class ModelRunner:
         self.backend = select_backend(config.attention_backend, device)
         self.decoder = self.model.get_decoder()
         self.lm_head = self.model.get_output_embeddings()
+        self.native = select_native(config.model_impl, self.model, device)
         self.sampler = Sampler()
         self.generator = torch.Generator().manual_seed(config.seed)
 
@@ -92,12 +109,10 @@ class ModelRunner:
         if plan.blocks_to_copy:
             self._copy_blocks(plan.blocks_to_copy)
         input_ids, positions, meta, logits_indices = self._prepare(plan)
-        hidden = self.decoder(
-            input_ids=input_ids, position_ids=positions, use_cache=False, attn_metadata=meta
-        ).last_hidden_state  # [1, T, hidden]
+        hidden = self._forward(input_ids, positions, meta)  # [T, hidden]
         if len(logits_indices) == 0:
             return SamplerOutput([], []), None
-        logits = self.lm_head(hidden[0, logits_indices]).float()  # [num_samplers, vocab]
+        logits = self._logits(hidden[logits_indices]).float()  # [num_samplers, vocab]
         beam = None
         if beam_sources:
             beam = torch.log_softmax(logits[list(beam_sources)], dim=-1).cpu()  # [beams, vocab]
@@ -106,6 +121,16 @@ class ModelRunner:
         if row_sources != list(range(len(logits_indices))):
             logits = logits[torch.tensor(row_sources, device=logits.device)]  # [num_rows, vocab]
         return self.sampler(logits, rows, self.generator), beam
+
+    def _forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        if self.native is not None:
+            return self.native.forward(input_ids, positions, meta)
+        return self.decoder(
+            input_ids=input_ids[None], position_ids=positions[None], use_cache=False, attn_metadata=meta
+        ).last_hidden_state[0]  # transformers runs the packed batch as one sequence: [1, T, hidden]
+
+    def _logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.native.logits(hidden) if self.native is not None else self.lm_head(hidden)
 
     def _prepare(self, plan: SchedulerOutput):
         bs = self.block_size
@@ -145,8 +170,8 @@ class ModelRunner:
             backend=self.backend,
         )
         self.backend.prepare(meta)
-        input_ids = torch.tensor([tokens], dtype=torch.int64, device=dev)  # [1, T]
-        pos = torch.tensor([positions], dtype=torch.int64, device=dev)  # [1, T]
+        input_ids = torch.tensor(tokens, dtype=torch.int64, device=dev)  # [T]
+        pos = torch.tensor(positions, dtype=torch.int64, device=dev)  # [T]
         return input_ids, pos, meta, torch.tensor(logits_indices, dtype=torch.int64, device=dev)
 
     def _swap(self, out_pairs: list[tuple[int, int]], in_pairs: list[tuple[int, int]]) -> None:

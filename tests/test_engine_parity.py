@@ -70,9 +70,12 @@ async def test_smollm_single_request_matches_transformers(smollm_dir, smollm_ref
     assert got[0] == expected[0]
 
 
-async def test_smollm_concurrent_requests_match_transformers(smollm_dir, smollm_reference):
+@pytest.mark.parametrize("model_impl", ["native", "transformers"])
+async def test_smollm_concurrent_requests_match_transformers(smollm_dir, smollm_reference, model_impl):
     prompts, expected = smollm_reference
-    got, stats = await engine_greedy(smollm_dir, prompts, 32, max_num_batched_tokens=64)
+    got, stats = await engine_greedy(
+        smollm_dir, prompts, 32, max_num_batched_tokens=64, model_impl=model_impl
+    )
     assert got == expected
     assert stats["num_free_blocks"] == stats["num_total_blocks"]
 
@@ -91,12 +94,14 @@ async def test_tiny_models_one_by_one_match_transformers(tiny_case):
         assert got[0] == exp
 
 
+@pytest.mark.parametrize("model_impl", ["native", "transformers"])
 @pytest.mark.parametrize("prefix_caching", [True, False])
-async def test_tiny_models_batched_match_transformers(tiny_case, prefix_caching):
+async def test_tiny_models_batched_match_transformers(tiny_case, prefix_caching, model_impl):
     folder, prompts, expected = tiny_case
     # A shared prefix on some requests exercises cache hits while others are still running.
     got, stats = await engine_greedy(
-        folder, prompts, 40, enable_prefix_caching=prefix_caching, max_num_batched_tokens=48
+        folder, prompts, 40, enable_prefix_caching=prefix_caching, max_num_batched_tokens=48,
+        model_impl=model_impl,
     )
     assert got == expected
     assert stats["num_free_blocks"] == stats["num_total_blocks"]

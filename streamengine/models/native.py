@@ -1,0 +1,141 @@
+"""A compact forward for Llama-family decoders (Llama, Qwen2) over the paged cache.
+
+Why not only transformers' modules: on a 2-core CPU a decode step of SmolLM2-135M is bound by
+reading the weights, and transformers' layers add ~15 ms of per-module Python and seven
+separate matmuls per layer to it. Here the same weights run as four GEMMs per layer (q/k/v
+and gate/up fused), packed once for the CPU GEMM in kernels/cpu_gemm.cpp, with the packed
+batch kept 2-D ([num_tokens, hidden]) end to end. bench/roofline.py measures the difference
+(`--model-impl transformers` vs `native`). The math is transformers' own, op for op: RMSNorm
+in float32, RoPE from the model's rotary module, SiLU-gated MLP, and the same attention hook.
+
+Anything else (other architectures, sliding windows, other activations) keeps the
+transformers path; `unsupported_reason` says why a model does not qualify.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from streamengine.kernels.cpu_linear import PackedLinear, TorchLinear, make_linear
+from streamengine.models.attention import AttentionMetadata
+
+SUPPORTED_MODEL_TYPES = ("llama", "qwen2")
+
+Linear = PackedLinear | TorchLinear
+
+
+def unsupported_reason(model) -> str | None:
+    """None when `NativeDecoder` reproduces this model, else a short reason."""
+    config = model.config
+    if config.model_type not in SUPPORTED_MODEL_TYPES:
+        return f"model_type {config.model_type!r} is not one of {SUPPORTED_MODEL_TYPES}"
+    if getattr(config, "hidden_act", "silu") != "silu":
+        return f"hidden_act {config.hidden_act!r} is not silu"
+    if getattr(config, "use_sliding_window", False):
+        return "sliding-window attention"
+    layer_types = getattr(config, "layer_types", None) or []
+    if any(t != "full_attention" for t in layer_types):
+        return "layers other than full attention"
+    if getattr(config, "mlp_bias", False):
+        return "MLP biases"
+    return None
+
+
+@dataclass(slots=True)
+class NativeLayer:
+    input_norm: torch.Tensor  # [hidden]
+    qkv: Linear  # hidden -> (heads + 2 * kv_heads) * head_dim
+    o: Linear  # heads * head_dim -> hidden
+    post_norm: torch.Tensor  # [hidden]
+    gate_up: Linear  # hidden -> 2 * intermediate
+    down: Linear  # intermediate -> hidden
+
+
+class NativeDecoder:
+    """forward(input_ids [T], positions [T], meta) -> hidden [T, hidden]; logits(hidden rows)."""
+
+    def __init__(self, model) -> None:
+        reason = unsupported_reason(model)
+        if reason is not None:
+            raise ValueError(f"native decoder cannot run this model: {reason}")
+        config = model.config
+        decoder = model.get_decoder()
+        self.num_heads = config.num_attention_heads
+        self.num_kv_heads = getattr(config, "num_key_value_heads", None) or self.num_heads
+        self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // self.num_heads
+        self.intermediate = config.intermediate_size
+        self.eps = config.rms_norm_eps
+        self.scale = self.head_dim**-0.5
+        self.embed = decoder.embed_tokens.weight  # [vocab, hidden]
+        self.rotary = decoder.rotary_emb
+        self.final_norm = decoder.norm.weight
+        self.layers = [self._layer(layer) for layer in decoder.layers]
+        head = model.get_output_embeddings()
+        self.lm_head = make_linear(head.weight, head.bias)
+
+    @staticmethod
+    def _layer(layer) -> NativeLayer:
+        attn, mlp = layer.self_attn, layer.mlp
+        projections = (attn.q_proj, attn.k_proj, attn.v_proj)
+        qkv_bias = None
+        if any(p.bias is not None for p in projections):
+            qkv_bias = torch.cat([
+                p.bias if p.bias is not None else p.weight.new_zeros(p.out_features) for p in projections
+            ])
+        return NativeLayer(
+            input_norm=layer.input_layernorm.weight,
+            qkv=make_linear(torch.cat([p.weight for p in projections]), qkv_bias),
+            o=make_linear(attn.o_proj.weight, attn.o_proj.bias),
+            post_norm=layer.post_attention_layernorm.weight,
+            gate_up=make_linear(torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight])),
+            down=make_linear(mlp.down_proj.weight),
+        )
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        h = F.embedding(input_ids, self.embed)  # [T, hidden]
+        cos, sin = self._rope_tables(h, positions)
+        for i, layer in enumerate(self.layers):
+            h = self._layer_forward(i, layer, h, cos, sin, meta)
+        return rms_norm(h, self.final_norm, self.eps)
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(hidden)  # [rows, vocab]
+
+    def _rope_tables(self, h: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos/sin of the model's own rotary module (any rope type), first half only: the two
+        halves of transformers' tables are equal by construction."""
+        cos, sin = self.rotary(h[None], positions[None])  # [1, T, head_dim]
+        half = self.head_dim // 2
+        return cos[0, :, None, :half], sin[0, :, None, :half]  # [T, 1, head_dim / 2]
+
+    def _layer_forward(self, i: int, layer: NativeLayer, h, cos, sin, meta) -> torch.Tensor:
+        t = h.shape[0]
+        q_width = self.num_heads * self.head_dim
+        kv_width = self.num_kv_heads * self.head_dim
+        qkv = layer.qkv(rms_norm(h, layer.input_norm, self.eps))  # [T, q + 2 kv widths]
+        qk = rotate(qkv[:, : q_width + kv_width].view(t, -1, self.head_dim), cos, sin)  # [T, heads + kv_heads, D]
+        q, k = qk[:, : self.num_heads], qk[:, self.num_heads:]
+        v = qkv[:, q_width + kv_width:].view(t, self.num_kv_heads, self.head_dim)
+        attn = meta.backend.forward(i, q, k, v, meta, self.scale)  # [T, heads, D]
+        h = h + layer.o(attn.reshape(t, q_width))
+        gate_up = layer.gate_up(rms_norm(h, layer.post_norm, self.eps))  # [T, 2 * intermediate]
+        act = F.silu(gate_up[:, : self.intermediate]) * gate_up[:, self.intermediate:]
+        return h + layer.down(act)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """transformers' LlamaRMSNorm, in float32 like it."""
+    xf = x.float()
+    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * xf.to(x.dtype)
+
+
+def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """RoPE in transformers' rotate-half convention: x * cos + rotate_half(x) * sin, written per
+    half (x1 * c - x2 * s, x2 * c + x1 * s), which is the same float arithmetic."""
+    half = x.shape[-1] // 2
+    x1, x2 = x[..., :half], x[..., half:]
+    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)

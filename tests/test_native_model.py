@@ -1,0 +1,144 @@
+"""The packed CPU GEMM (kernels/cpu_gemm.cpp) and the native Llama/Qwen2 forward built on it.
+
+The engine-level proof (greedy tokens equal transformers' generate, native and transformers
+paths) is in test_engine_parity.py; here each part is checked on its own against PyTorch.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from streamengine.kernels import cpu_linear
+from streamengine.kernels.cpu_linear import PackedLinear, TorchLinear, make_linear, pack_panels
+from transformers import AutoModelForCausalLM, GPT2Config, GPT2LMHeadModel
+
+from streamengine import EngineConfig
+from streamengine.model_runner import select_native
+from streamengine.models.attention import (
+    ATTN_IMPLEMENTATION,
+    AttentionMetadata,
+    TorchPagedAttention,
+    register_paged_attention,
+)
+from streamengine.models.native import NativeDecoder, rotate, unsupported_reason
+
+needs_kernel = pytest.mark.skipif(cpu_linear.load_library() is None, reason="no AVX-512 / C++ compiler here")
+
+
+def test_pack_panels_layout():
+    w = torch.arange(5 * 3, dtype=torch.float32).reshape(5, 3)  # [N=5, K=3]
+    panels = pack_panels(w, 4)  # [2, 3, 4]
+    assert panels.shape == (2, 3, 4)
+    assert torch.equal(panels[0], w[:4].T)
+    assert torch.equal(panels[1, :, 0], w[4])
+    assert torch.equal(panels[1, :, 1:], torch.zeros(3, 3))  # padding past N
+
+
+@needs_kernel
+@pytest.mark.parametrize("n,k", [(64, 64), (100, 37), (960, 576), (48, 1536)])
+@pytest.mark.parametrize("m", [0, 1, 7, 8, 9, 23, cpu_linear.SMALL_M_MAX, cpu_linear.SMALL_M_MAX + 5])
+def test_packed_linear_matches_torch(n, k, m):
+    gen = torch.Generator().manual_seed(n * 1000 + k + m)
+    w = torch.randn(n, k, generator=gen)
+    b = torch.randn(n, generator=gen)
+    x = torch.randn(m, k, generator=gen)
+    lin = make_linear(w, b)
+    assert isinstance(lin, PackedLinear)
+    y = lin(x)
+    assert y.shape == (m, n)
+    torch.testing.assert_close(y, F.linear(x, w, b), rtol=1e-5, atol=1e-4)
+
+
+@needs_kernel
+def test_packed_linear_rejects_wrong_width():
+    lin = make_linear(torch.randn(48, 16))
+    with pytest.raises(ValueError, match=r"\[M, 16\]"):
+        lin(torch.randn(2, 17))
+
+
+@needs_kernel
+def test_packed_linear_reads_non_contiguous_input():
+    w = torch.randn(96, 32)
+    x = torch.randn(32, 10).T  # [10, 32], column-major
+    torch.testing.assert_close(make_linear(w)(x), x @ w.T, rtol=1e-5, atol=1e-4)
+
+
+def test_fallbacks_to_torch_linear(monkeypatch):
+    w = torch.randn(8, 4, dtype=torch.float64)
+    assert isinstance(make_linear(w), TorchLinear)  # only float32 is packed
+    cpu_linear.load_library.cache_clear()
+    monkeypatch.setenv("STREAMENGINE_CPU_GEMM", "0")
+    try:
+        lin = make_linear(torch.randn(8, 4))
+        assert isinstance(lin, TorchLinear)
+        x = torch.randn(3, 4)
+        assert torch.equal(lin(x), F.linear(x, lin.weight))
+    finally:
+        cpu_linear.load_library.cache_clear()
+
+
+@needs_kernel
+def test_library_is_built_once_per_key(tmp_path):
+    first = cpu_linear.build_library(tmp_path)
+    mtime = first.stat().st_mtime_ns
+    assert cpu_linear.build_library(tmp_path) == first
+    assert first.stat().st_mtime_ns == mtime
+    assert [p.name for p in tmp_path.iterdir()] == [first.name]  # no temporary left behind
+
+
+def test_rotate_equals_transformers_rotate_half():
+    from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
+
+    gen = torch.Generator().manual_seed(0)
+    q = torch.randn(5, 4, 16, generator=gen)  # [T, heads, D]
+    angles = torch.randn(5, 8, generator=gen)
+    cos, sin = torch.cat([angles.cos()] * 2, -1), torch.cat([angles.sin()] * 2, -1)  # [T, D]
+    expected, _ = apply_rotary_pos_emb(q, q, cos, sin, unsqueeze_dim=1)
+    got = rotate(q, cos[:, None, :8], sin[:, None, :8])
+    assert torch.equal(got, expected)  # same float operations, bit for bit
+
+
+def test_unsupported_models_keep_the_transformers_path():
+    gpt2 = GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=64))
+    assert "gpt2" in unsupported_reason(gpt2)
+    assert select_native("auto", gpt2, torch.device("cpu")) is None
+    with pytest.raises(ValueError, match="model_impl='native'"):
+        select_native("native", gpt2, torch.device("cpu"))
+
+
+def test_model_impl_is_validated():
+    with pytest.raises(ValueError, match="EngineConfig.model_impl"):
+        EngineConfig(model_impl="fast")
+
+
+@pytest.mark.parametrize("folder_fixture", ["tiny_llama_dir", "tiny_qwen2_dir"])
+def test_native_hidden_states_match_transformers(request, folder_fixture):
+    """Two prompts packed in one varlen batch: the native forward's final hidden states equal
+    transformers' decoder run on each prompt alone."""
+    folder = request.getfixturevalue(folder_fixture)
+    register_paged_attention()
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32, attn_implementation=ATTN_IMPLEMENTATION).eval()
+    reference = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    native = NativeDecoder(model)
+    lens = [11, 20]
+    ids = torch.randint(3, 1000, (sum(lens),), generator=torch.Generator().manual_seed(1))
+    cfg = model.config
+    kv_heads, head_dim = cfg.num_key_value_heads, cfg.hidden_size // cfg.num_attention_heads
+    caches = [(torch.zeros(4, 16, kv_heads, head_dim), torch.zeros(4, 16, kv_heads, head_dim))
+              for _ in range(cfg.num_hidden_layers)]
+    slots = list(range(11)) + list(range(32, 52))  # blocks 0 and 2-3
+    meta = AttentionMetadata(
+        slot_mapping=torch.tensor(slots), query_start_loc=torch.tensor([0, 11, 31], dtype=torch.int32),
+        seq_lens=torch.tensor(lens, dtype=torch.int32), block_tables=torch.tensor([[0, 0], [2, 3]], dtype=torch.int32),
+        query_lens_host=lens, seq_lens_host=lens, max_query_len=20, kv_caches=caches, backend=TorchPagedAttention(),
+    )
+    meta.backend.prepare(meta)
+    positions = torch.tensor(list(range(11)) + list(range(20)))
+    with torch.inference_mode():
+        got = native.forward(ids, positions, meta)
+        for start, n in ((0, 11), (11, 20)):
+            out = reference.model(input_ids=ids[None, start:start + n]).last_hidden_state[0]
+            torch.testing.assert_close(got[start:start + n], out, rtol=1e-4, atol=1e-4)
+        logits = native.logits(got[[10, 30]])
+        torch.testing.assert_close(logits, reference.lm_head(got[[10, 30]]), rtol=1e-4, atol=1e-4)
