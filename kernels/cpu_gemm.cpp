@@ -7,7 +7,7 @@
 // sequential stream, and each 48-float row of it is used by every input row while it sits in
 // registers (8 rows x 3 AVX-512 vectors = 24 accumulators).
 //
-// Built at run time by kernels/cpu_linear.py (g++ -O3 -march=native -fopenmp). OpenMP resolves
+// Built at run time by kernels/cpu_build.py (g++ -O3 -march=native -fopenmp). OpenMP resolves
 // to the libgomp that torch has already loaded, so the threads are torch's own.
 
 #include <cstdint>

@@ -9,7 +9,7 @@ from pathlib import Path
 DEFAULT_KV_CACHE_BYTES = 512 * 1024 * 1024
 """Default KV budget. 512 MiB holds ~11.6k tokens of SmolLM2-135M in float32 (45 KiB/token)."""
 
-_BACKENDS = ("auto", "triton", "torch")
+_BACKENDS = ("auto", "triton", "torch", "cpu")
 _PREEMPTION_MODES = ("auto", "recompute", "swap")
 _DTYPES = ("float32", "float16", "bfloat16")
 _MODEL_IMPLS = ("auto", "native", "transformers")

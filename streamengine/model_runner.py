@@ -40,7 +40,15 @@ def num_blocks_for(config: EngineConfig, model_config, dtype: torch.dtype) -> in
     return num_blocks
 
 
-def select_backend(name: str, device: torch.device) -> AttentionBackend:
+def select_backend(name: str, device: torch.device, model_config, block_size: int, dtype: torch.dtype) -> AttentionBackend:
+    if name in ("cpu", "auto") and device.type == "cpu":
+        from streamengine.models.cpu_backend import CpuPagedAttention
+
+        _, num_kv_heads, head_dim = model_shape(model_config)
+        if CpuPagedAttention.available(model_config.num_attention_heads, num_kv_heads, head_dim, block_size, dtype):
+            return CpuPagedAttention()
+        if name == "cpu":
+            raise ValueError("attention_backend='cpu' needs float32, AVX-512, a C++ compiler and a supported head shape")
     if name == "torch" or (name == "auto" and device.type != "cuda"):
         return TorchPagedAttention()
     from streamengine.models.triton_backend import TritonPagedAttention  # needs triton
@@ -89,7 +97,9 @@ class ModelRunner:
         # Swaps run on their own stream on CUDA; the forward waits on an event, so blocks
         # swapped out are not overwritten before their copy has landed.
         self.swap_stream = torch.cuda.Stream(device) if pin else None
-        self.backend = select_backend(config.attention_backend, device)
+        self.backend = select_backend(
+            config.attention_backend, device, self.model.config, self.block_size, self.dtype
+        )
         self.decoder = self.model.get_decoder()
         self.lm_head = self.model.get_output_embeddings()
         self.native = select_native(config.model_impl, self.model, device)

@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-from streamengine.kernels import cpu_linear
+from streamengine.kernels import cpu_build, cpu_linear, cpu_ops
 from streamengine.kernels.cpu_linear import PackedLinear, TorchLinear, make_linear, pack_panels
 from transformers import AutoModelForCausalLM, GPT2Config, GPT2LMHeadModel
 
@@ -21,7 +21,7 @@ from streamengine.models.attention import (
     TorchPagedAttention,
     register_paged_attention,
 )
-from streamengine.models.native import NativeDecoder, rotate, unsupported_reason
+from streamengine.models.native import NativeDecoder, unsupported_reason
 
 needs_kernel = pytest.mark.skipif(cpu_linear.load_library() is None, reason="no AVX-512 / C++ compiler here")
 
@@ -68,7 +68,8 @@ def test_fallbacks_to_torch_linear(monkeypatch):
     w = torch.randn(8, 4, dtype=torch.float64)
     assert isinstance(make_linear(w), TorchLinear)  # only float32 is packed
     cpu_linear.load_library.cache_clear()
-    monkeypatch.setenv("STREAMENGINE_CPU_GEMM", "0")
+    cpu_build.load.cache_clear()
+    monkeypatch.setenv("STREAMENGINE_CPU_KERNELS", "0")
     try:
         lin = make_linear(torch.randn(8, 4))
         assert isinstance(lin, TorchLinear)
@@ -76,27 +77,64 @@ def test_fallbacks_to_torch_linear(monkeypatch):
         assert torch.equal(lin(x), F.linear(x, lin.weight))
     finally:
         cpu_linear.load_library.cache_clear()
+        cpu_build.load.cache_clear()
 
 
 @needs_kernel
 def test_library_is_built_once_per_key(tmp_path):
-    first = cpu_linear.build_library(tmp_path)
+    source = cpu_build.HERE / "cpu_gemm.cpp"
+    first = cpu_build.build(source, tmp_path)
     mtime = first.stat().st_mtime_ns
-    assert cpu_linear.build_library(tmp_path) == first
+    assert cpu_build.build(source, tmp_path) == first
     assert first.stat().st_mtime_ns == mtime
     assert [p.name for p in tmp_path.iterdir()] == [first.name]  # no temporary left behind
 
 
-def test_rotate_equals_transformers_rotate_half():
-    from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
+@pytest.mark.parametrize("kernels", ["cpu", "torch"])
+def test_fused_ops_match_transformers(monkeypatch, kernels):
+    """RoPE, add + RMSNorm and SiLU-times-up, through the C++ library and through the PyTorch
+    fallback, against transformers' own modules."""
+    from transformers.models.llama.modeling_llama import LlamaRMSNorm, apply_rotary_pos_emb
 
+    if kernels == "torch":
+        monkeypatch.setattr(cpu_ops, "load_library", lambda: None)
+    elif cpu_ops.load_library() is None:
+        pytest.skip("no AVX-512 / C++ compiler here")
     gen = torch.Generator().manual_seed(0)
-    q = torch.randn(5, 4, 16, generator=gen)  # [T, heads, D]
+    qkv = torch.randn(5, 7 * 16, generator=gen)  # [T, (4 q + 1 k + 2 v heads) * D=16]
     angles = torch.randn(5, 8, generator=gen)
     cos, sin = torch.cat([angles.cos()] * 2, -1), torch.cat([angles.sin()] * 2, -1)  # [T, D]
-    expected, _ = apply_rotary_pos_emb(q, q, cos, sin, unsqueeze_dim=1)
-    got = rotate(q, cos[:, None, :8], sin[:, None, :8])
-    assert torch.equal(got, expected)  # same float operations, bit for bit
+    heads = qkv[:, : 5 * 16].view(5, 5, 16)
+    expected, _ = apply_rotary_pos_emb(heads, heads, cos, sin, unsqueeze_dim=1)
+    untouched = qkv[:, 5 * 16:].clone()
+    cpu_ops.rope_(qkv, 5, 16, angles.cos(), angles.sin())
+    torch.testing.assert_close(qkv[:, : 5 * 16].view(5, 5, 16), expected, rtol=1e-6, atol=1e-6)
+    assert torch.equal(qkv[:, 5 * 16:], untouched)
+
+    norm = LlamaRMSNorm(40, eps=1e-5)
+    norm.weight.data = torch.randn(40, generator=gen)
+    h, delta = torch.randn(3, 40, generator=gen), torch.randn(3, 40, generator=gen)
+    h_expected = h + delta
+    out = cpu_ops.add_rms_norm(h, delta, norm.weight.data, 1e-5)
+    torch.testing.assert_close(h, h_expected)  # residual updated in place
+    torch.testing.assert_close(out, norm(h_expected), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(cpu_ops.add_rms_norm(h, None, norm.weight.data, 1e-5), norm(h), rtol=1e-5, atol=1e-5)
+
+    gate_up = torch.randn(4, 2 * 37, generator=gen) * 6
+    torch.testing.assert_close(cpu_ops.silu_mul(gate_up), F.silu(gate_up[:, :37]) * gate_up[:, 37:], rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("kernels", ["cpu", "torch"])
+def test_store_kv_writes_slots(monkeypatch, kernels):
+    if kernels == "torch":
+        monkeypatch.setattr(cpu_ops, "load_library", lambda: None)
+    qkv = torch.randn(3, 4 * 8)  # k and v: one head each of D=8, after two q heads
+    k, v = qkv[:, 16:24].view(3, 1, 8), qkv[:, 24:].view(3, 1, 8)
+    key_cache, value_cache = torch.zeros(2, 4, 1, 8), torch.zeros(2, 4, 1, 8)
+    cpu_ops.store_kv(k, v, torch.tensor([5, 0, 7]), key_cache, value_cache)
+    flat_k, flat_v = key_cache.view(8, 8), value_cache.view(8, 8)
+    assert torch.equal(flat_k[[5, 0, 7]], k[:, 0]) and torch.equal(flat_v[[5, 0, 7]], v[:, 0])
+    assert torch.equal(flat_k[[1, 2, 3, 4, 6]], torch.zeros(5, 8))
 
 
 def test_unsupported_models_keep_the_transformers_path():

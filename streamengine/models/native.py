@@ -5,8 +5,10 @@ reading the weights, and transformers' layers add ~15 ms of per-module Python an
 separate matmuls per layer to it. Here the same weights run as four GEMMs per layer (q/k/v
 and gate/up fused), packed once for the CPU GEMM in kernels/cpu_gemm.cpp, with the packed
 batch kept 2-D ([num_tokens, hidden]) end to end. bench/roofline.py measures the difference
-(`--model-impl transformers` vs `native`). The math is transformers' own, op for op: RMSNorm
-in float32, RoPE from the model's rotary module, SiLU-gated MLP, and the same attention hook.
+(`--model-impl transformers` vs `native`). The math is transformers' own: RMSNorm in float32,
+RoPE from the model's rotary module, SiLU-gated MLP, the same attention backends; the residual
+add and the next RMSNorm, RoPE, and SiLU-times-up each run as one fused call
+(kernels/cpu_ops.py, with PyTorch fallbacks).
 
 Anything else (other architectures, sliding windows, other activations) keeps the
 transformers path; `unsupported_reason` says why a model does not qualify.
@@ -20,6 +22,7 @@ import torch
 import torch.nn.functional as F
 
 from streamengine.kernels.cpu_linear import PackedLinear, TorchLinear, make_linear
+from streamengine.kernels.cpu_ops import add_rms_norm, rope_, silu_mul
 from streamengine.models.attention import AttentionMetadata
 
 SUPPORTED_MODEL_TYPES = ("llama", "qwen2")
@@ -95,11 +98,13 @@ class NativeDecoder:
         )
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        h = F.embedding(input_ids, self.embed)  # [T, hidden]
+        h = F.embedding(input_ids, self.embed)  # [T, hidden], the residual stream
         cos, sin = self._rope_tables(h, positions)
+        x = add_rms_norm(h, None, self.layers[0].input_norm, self.eps)
         for i, layer in enumerate(self.layers):
-            h = self._layer_forward(i, layer, h, cos, sin, meta)
-        return rms_norm(h, self.final_norm, self.eps)
+            next_norm = self.layers[i + 1].input_norm if i + 1 < len(self.layers) else self.final_norm
+            x = self._layer_forward(i, layer, h, x, cos, sin, meta, next_norm)
+        return x
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden)  # [rows, vocab]
@@ -109,33 +114,19 @@ class NativeDecoder:
         halves of transformers' tables are equal by construction."""
         cos, sin = self.rotary(h[None], positions[None])  # [1, T, head_dim]
         half = self.head_dim // 2
-        return cos[0, :, None, :half], sin[0, :, None, :half]  # [T, 1, head_dim / 2]
+        return cos[0, :, :half].contiguous(), sin[0, :, :half].contiguous()  # [T, head_dim / 2]
 
-    def _layer_forward(self, i: int, layer: NativeLayer, h, cos, sin, meta) -> torch.Tensor:
+    def _layer_forward(self, i: int, layer: NativeLayer, h, x, cos, sin, meta, next_norm) -> torch.Tensor:
+        """One decoder layer on the normed input x; adds both branches into the residual h in
+        place and returns h normed for the next layer (the fused add + RMSNorm)."""
         t = h.shape[0]
-        q_width = self.num_heads * self.head_dim
-        kv_width = self.num_kv_heads * self.head_dim
-        qkv = layer.qkv(rms_norm(h, layer.input_norm, self.eps))  # [T, q + 2 kv widths]
-        qk = rotate(qkv[:, : q_width + kv_width].view(t, -1, self.head_dim), cos, sin)  # [T, heads + kv_heads, D]
-        q, k = qk[:, : self.num_heads], qk[:, self.num_heads:]
-        v = qkv[:, q_width + kv_width:].view(t, self.num_kv_heads, self.head_dim)
+        nh, nkv, d = self.num_heads, self.num_kv_heads, self.head_dim
+        qkv = layer.qkv(x)  # [T, (heads + 2 kv_heads) * D]
+        rope_(qkv, nh + nkv, d, cos, sin)  # q and k heads are adjacent: one pass
+        q = qkv[:, : nh * d].view(t, nh, d)
+        k = qkv[:, nh * d:(nh + nkv) * d].view(t, nkv, d)
+        v = qkv[:, (nh + nkv) * d:].view(t, nkv, d)
         attn = meta.backend.forward(i, q, k, v, meta, self.scale)  # [T, heads, D]
-        h = h + layer.o(attn.reshape(t, q_width))
-        gate_up = layer.gate_up(rms_norm(h, layer.post_norm, self.eps))  # [T, 2 * intermediate]
-        act = F.silu(gate_up[:, : self.intermediate]) * gate_up[:, self.intermediate:]
-        return h + layer.down(act)
-
-
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """transformers' LlamaRMSNorm, in float32 like it."""
-    xf = x.float()
-    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
-    return weight * xf.to(x.dtype)
-
-
-def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """RoPE in transformers' rotate-half convention: x * cos + rotate_half(x) * sin, written per
-    half (x1 * c - x2 * s, x2 * c + x1 * s), which is the same float arithmetic."""
-    half = x.shape[-1] // 2
-    x1, x2 = x[..., :half], x[..., half:]
-    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+        x = add_rms_norm(h, layer.o(attn.reshape(t, nh * d)), layer.post_norm, self.eps)
+        down = layer.down(silu_mul(layer.gate_up(x)))
+        return add_rms_norm(h, down, next_norm, self.eps)

@@ -1,0 +1,80 @@
+"""Paged decode attention on CPU: the C++ kernel in cpu_paged_attention.cpp.
+
+`paged_decode` attends one query token per listed sequence through the block tables, straight
+from the cache (no gather copy, no padding to the longest context). Prefill rows are not its
+business: the engine's CPU backend sends them to PyTorch SDPA.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+
+import torch
+
+from . import cpu_build
+
+_p = ctypes.c_void_p
+_i = ctypes.c_int64
+
+
+@functools.lru_cache(maxsize=1)
+def load_library() -> ctypes.CDLL | None:
+    lib = cpu_build.load("cpu_paged_attention")
+    if lib is None:
+        return None
+    lib.streamengine_paged_decode_supported.restype = ctypes.c_int
+    lib.streamengine_paged_decode_supported.argtypes = [_i, _i, _i, _i]
+    lib.streamengine_paged_decode.restype = ctypes.c_int
+    lib.streamengine_paged_decode.argtypes = [
+        _p, _i, _p, _p, _i, _i, _i, _i, _p, _i, _p, _p, _p, _i, ctypes.c_float, _p,
+    ]
+    return lib
+
+
+def decode_supported(num_heads: int, num_kv_heads: int, head_dim: int, block_size: int) -> bool:
+    """Whether the kernel runs here for this shape (float32, head_dim a multiple of 16 up to
+    256, up to 16 query heads per KV head, block size a multiple of 8)."""
+    lib = load_library()
+    return lib is not None and bool(
+        lib.streamengine_paged_decode_supported(num_heads, num_kv_heads, head_dim, block_size)
+    )
+
+
+def paged_decode(
+    query: torch.Tensor,  # [T, num_heads, head_dim], last two dims dense
+    key_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    value_cache: torch.Tensor,
+    block_tables: torch.Tensor,  # [num_seqs, max_blocks] int32
+    seq_lens: torch.Tensor,  # [num_seqs] int32
+    query_start_loc: torch.Tensor,  # [num_seqs + 1] int32
+    rows: torch.Tensor,  # [R] int64: the decode sequences
+    scale: float,
+    out: torch.Tensor,  # [T, num_heads, head_dim] contiguous: rows' query tokens are written
+) -> None:
+    lib = load_library()
+    if lib is None:
+        raise RuntimeError("the CPU paged-attention kernel is not available here")
+    _, num_heads, head_dim = query.shape
+    _, block_size, num_kv_heads, _ = key_cache.shape
+    if query.stride(2) != 1 or query.stride(1) != head_dim:
+        query = query.contiguous()
+    for name, t, dtype in (("key_cache", key_cache, torch.float32), ("value_cache", value_cache, torch.float32),
+                           ("block_tables", block_tables, torch.int32), ("seq_lens", seq_lens, torch.int32),
+                           ("query_start_loc", query_start_loc, torch.int32), ("rows", rows, torch.int64),
+                           ("out", out, torch.float32), ("query", query, torch.float32)):
+        if t.dtype != dtype or t.device.type != "cpu":
+            raise ValueError(f"{name} must be a CPU {dtype} tensor, got {t.dtype} on {t.device}")
+        if name != "query" and not t.is_contiguous():
+            raise ValueError(f"{name} must be contiguous")
+    rc = lib.streamengine_paged_decode(
+        query.data_ptr(), query.stride(0), key_cache.data_ptr(), value_cache.data_ptr(),
+        block_size, num_heads, num_kv_heads, head_dim,
+        block_tables.data_ptr(), block_tables.stride(0), seq_lens.data_ptr(),
+        query_start_loc.data_ptr(), rows.data_ptr(), rows.numel(), scale, out.data_ptr(),
+    )
+    if rc != 0:
+        raise ValueError(
+            f"paged_decode does not support heads={num_heads} kv_heads={num_kv_heads} "
+            f"head_dim={head_dim} block_size={block_size}"
+        )

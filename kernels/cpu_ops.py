@@ -1,0 +1,109 @@
+"""Fused element-wise layer steps (kernels/cpu_ops.cpp) with PyTorch fallbacks.
+
+Every function takes and returns float32 CPU tensors whose last dimension is dense. With the
+C++ library they run as one call each; without it (no AVX-512, no compiler, other dtypes or
+devices) the same math runs as PyTorch ops, in transformers' order of operations.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+
+import torch
+import torch.nn.functional as F
+
+from . import cpu_build
+
+_p = ctypes.c_void_p
+_i = ctypes.c_int64
+
+
+@functools.lru_cache(maxsize=1)
+def load_library() -> ctypes.CDLL | None:
+    lib = cpu_build.load("cpu_ops")
+    if lib is None or not lib.streamengine_cpu_ops_available():
+        return None
+    lib.streamengine_add_rms_norm.argtypes = [_p, _p, _p, ctypes.c_float, _i, _i, _p]
+    lib.streamengine_rope.argtypes = [_p, _i, _i, _i, _i, _p, _p]
+    lib.streamengine_silu_mul.argtypes = [_p, _i, _i, _p]
+    lib.streamengine_store_kv.argtypes = [_p, _i, _p, _i, _p, _i, _i, _p, _p]
+    return lib
+
+
+def _native(*tensors: torch.Tensor) -> ctypes.CDLL | None:
+    """The library when every tensor suits it: float32 on CPU, rows with a dense last dim."""
+    lib = load_library()
+    if lib is None:
+        return None
+    for t in tensors:
+        if t.dtype != torch.float32 or t.device.type != "cpu" or t.stride(-1) != 1:
+            return None
+    return lib
+
+
+def add_rms_norm(h: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """h += delta (in place, when given); returns RMSNorm(h) * weight as a new tensor.
+    h: [rows, n] contiguous; delta: [rows, n]."""
+    rows, n = h.shape
+    if delta is not None:
+        delta = delta.contiguous()
+    lib = _native(h, weight, *(() if delta is None else (delta,)))
+    if lib is None or not h.is_contiguous():
+        if delta is not None:
+            h.add_(delta)
+        hf = h.float()
+        return weight * (hf * torch.rsqrt(hf.pow(2).mean(-1, keepdim=True) + eps)).to(h.dtype)
+    out = torch.empty_like(h)
+    lib.streamengine_add_rms_norm(
+        h.data_ptr(), None if delta is None else delta.data_ptr(), weight.data_ptr(), eps, rows, n, out.data_ptr()
+    )
+    return out
+
+
+def rope_(x: torch.Tensor, heads: int, head_dim: int, cos: torch.Tensor, sin: torch.Tensor) -> None:
+    """Rotates, in place, the first `heads` heads of each row of x [rows, >= heads * head_dim]
+    by cos/sin [rows, head_dim / 2] (transformers' rotate-half convention)."""
+    rows = x.shape[0]
+    cos, sin = cos.contiguous(), sin.contiguous()
+    lib = _native(x, cos, sin)
+    if lib is None:
+        view = x[:, : heads * head_dim].view(rows, heads, head_dim)
+        half = head_dim // 2
+        x1, x2 = view[..., :half], view[..., half:]
+        c, s = cos[:, None, :], sin[:, None, :]
+        view.copy_(torch.cat((x1 * c - x2 * s, x2 * c + x1 * s), dim=-1))
+        return
+    lib.streamengine_rope(x.data_ptr(), rows, x.stride(0), heads, head_dim, cos.data_ptr(), sin.data_ptr())
+
+
+def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """[rows, 2n] -> silu(gate) * up, [rows, n]."""
+    rows, width = gate_up.shape
+    n = width // 2
+    gate_up = gate_up.contiguous()
+    lib = _native(gate_up)
+    if lib is None:
+        return F.silu(gate_up[:, :n]) * gate_up[:, n:]
+    out = torch.empty((rows, n), dtype=gate_up.dtype)
+    lib.streamengine_silu_mul(gate_up.data_ptr(), rows, n, out.data_ptr())
+    return out
+
+
+def store_kv(
+    k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor
+) -> None:
+    """key_cache/value_cache [num_blocks, block_size, kv_heads, head_dim] at the slots of this
+    step's k/v [tokens, kv_heads, head_dim] (each head's head_dim dense, heads adjacent)."""
+    tokens, kv_heads, head_dim = k.shape
+    width = kv_heads * head_dim
+    dense = all(t.stride(1) == head_dim and t.stride(2) == 1 for t in (k, v))
+    lib = _native(k, v, key_cache, value_cache) if dense and slot_mapping.dtype == torch.int64 else None
+    if lib is None or not (key_cache.is_contiguous() and value_cache.is_contiguous()):
+        key_cache.view(-1, kv_heads, head_dim).index_copy_(0, slot_mapping, k)
+        value_cache.view(-1, kv_heads, head_dim).index_copy_(0, slot_mapping, v)
+        return
+    lib.streamengine_store_kv(
+        k.data_ptr(), k.stride(0), v.data_ptr(), v.stride(0), slot_mapping.data_ptr(), tokens, width,
+        key_cache.data_ptr(), value_cache.data_ptr(),
+    )

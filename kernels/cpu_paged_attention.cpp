@@ -1,0 +1,227 @@
+// PagedAttention for decode rows on CPU: one query token per sequence attends to its context,
+// read block by block through the block table, with the per-block softmax merged by the
+// log-sum-exp (online softmax) rule. No gather copy of K/V and no padding to the longest
+// context: each (sequence, KV head) pair reads exactly its own blocks.
+//
+// Cache layout: [num_blocks, block_size, num_kv_heads, head_dim] (the engine's, see
+// model_runner.py). The query heads of a GQA group share one pass over their KV head's blocks.
+// Built at run time by kernels/cpu_build.py; called by kernels/cpu_attention.py.
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+
+#if defined(__AVX512F__)
+#include <immintrin.h>
+
+namespace {
+
+constexpr int MAX_GROUP = 16;    // query heads per KV head
+constexpr int MAX_VECS = 16;     // head_dim / 16, i.e. head_dim <= 256
+constexpr int CHUNK = 16;        // tokens scored together: one zmm of scores
+
+// e^x for x <= 0 (scores minus their running max): 2^(x log2 e) as 2^n * poly(f), |f| <= 1/2,
+// degree-7 Taylor polynomial of 2^f (relative error ~1e-7, float32's own rounding).
+inline __m512 exp_nonpositive(__m512 x) {
+  x = _mm512_max_ps(x, _mm512_set1_ps(-88.0f));
+  const __m512 t = _mm512_mul_ps(x, _mm512_set1_ps(1.44269504089f));
+  const __m512 n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const __m512 f = _mm512_sub_ps(t, n);
+  __m512 p = _mm512_set1_ps(1.5252733804e-5f);
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.5403530393e-4f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.3333558146e-3f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.6181291076e-3f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.5504108665e-2f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.4022650696e-1f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.9314718056e-1f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
+  return _mm512_scalef_ps(p, n);
+}
+
+struct Layout {
+  int64_t block_size, num_kv_heads, group, head_dim;
+  int64_t block_stride, token_stride;  // floats between blocks / between tokens of a block
+};
+
+// out[i] = sum of the 16 lanes of v[i]: four rounds of "shuffle halves of two vectors, add",
+// then one permute. ~3 instructions per score instead of a full horizontal reduction each.
+inline __m512 transpose_sum(const __m512 v[16]) {
+  __m512 a[8], b[4], c[2];
+  for (int i = 0; i < 8; ++i)  // 128-bit quarters: vector 2i in quarters 0-1, 2i+1 in 2-3
+    a[i] = _mm512_add_ps(_mm512_shuffle_f32x4(v[2 * i], v[2 * i + 1], _MM_SHUFFLE(1, 0, 1, 0)),
+                         _mm512_shuffle_f32x4(v[2 * i], v[2 * i + 1], _MM_SHUFFLE(3, 2, 3, 2)));
+  for (int i = 0; i < 4; ++i)  // quarter q of b[i] holds vector 4i + q
+    b[i] = _mm512_add_ps(_mm512_shuffle_f32x4(a[2 * i], a[2 * i + 1], _MM_SHUFFLE(2, 0, 2, 0)),
+                         _mm512_shuffle_f32x4(a[2 * i], a[2 * i + 1], _MM_SHUFFLE(3, 1, 3, 1)));
+  for (int i = 0; i < 2; ++i)  // pairs of lanes within quarters
+    c[i] = _mm512_add_ps(_mm512_shuffle_ps(b[2 * i], b[2 * i + 1], _MM_SHUFFLE(1, 0, 1, 0)),
+                         _mm512_shuffle_ps(b[2 * i], b[2 * i + 1], _MM_SHUFFLE(3, 2, 3, 2)));
+  const __m512 r = _mm512_add_ps(_mm512_shuffle_ps(c[0], c[1], _MM_SHUFFLE(2, 0, 2, 0)),
+                                 _mm512_shuffle_ps(c[0], c[1], _MM_SHUFFLE(3, 1, 3, 1)));
+  // r's lane 4j + q holds vector 4q + j (worked out by simulating the shuffles): transpose back.
+  const __m512i order = _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15);
+  return _mm512_permutexvar_ps(order, r);
+}
+
+// Blocks sit anywhere in the pool, so the hardware prefetcher cannot guess the next one: ask
+// for the next chunk's K and V rows of this head while the current chunk is being scored.
+inline void prefetch_chunk(const float* key_cache, const float* value_cache, const int32_t* table,
+                           int64_t start, int64_t context_len, int64_t kv_head, const Layout& L) {
+  if (start >= context_len) return;
+  const int64_t offset = start % L.block_size;
+  const int64_t n = std::min<int64_t>({CHUNK, L.block_size - offset, context_len - start});
+  const int64_t base = table[start / L.block_size] * L.block_stride + offset * L.token_stride + kv_head * L.head_dim;
+  for (int64_t t = 0; t < n; ++t)
+    for (int64_t d = 0; d < L.head_dim; d += 16) {
+      _mm_prefetch(reinterpret_cast<const char*>(key_cache + base + t * L.token_stride + d), _MM_HINT_T0);
+      _mm_prefetch(reinterpret_cast<const char*>(value_cache + base + t * L.token_stride + d), _MM_HINT_T0);
+    }
+}
+
+// One (sequence, KV head): q [group][head_dim] -> out [group][head_dim]. GROUP and VECS
+// (head_dim / 16) are compile-time for the common shapes, so the query and accumulator tiles
+// live in registers; 0 means "read it from L" (the generic instance).
+template <int GROUP, int VECS>
+void attend(const float* q, int64_t q_head_stride, float scale, const float* key_cache, const float* value_cache,
+            const int32_t* table, int64_t context_len, int64_t kv_head, const Layout& L,
+            float* out, int64_t out_head_stride) {
+  constexpr int G_DIM = GROUP > 0 ? GROUP : MAX_GROUP;
+  constexpr int V_DIM = VECS > 0 ? VECS : MAX_VECS;
+  const int64_t group = GROUP > 0 ? GROUP : L.group;
+  const int64_t vecs = VECS > 0 ? VECS : L.head_dim / 16;
+  __m512 qv[G_DIM][V_DIM];
+  __m512 acc[G_DIM][V_DIM];
+  float running_max[G_DIM], running_sum[G_DIM];
+  for (int64_t g = 0; g < group; ++g) {
+    for (int64_t d = 0; d < vecs; ++d) {
+      qv[g][d] = _mm512_mul_ps(_mm512_loadu_ps(q + g * q_head_stride + d * 16), _mm512_set1_ps(scale));
+      acc[g][d] = _mm512_setzero_ps();
+    }
+    running_max[g] = -INFINITY;
+    running_sum[g] = 0.0f;
+  }
+  int64_t n = 0;
+  for (int64_t start = 0; start < context_len; start += n) {
+    // A chunk is at most 16 tokens and never crosses a block boundary.
+    const int64_t block = table[start / L.block_size];
+    const int64_t offset = start % L.block_size;
+    n = std::min<int64_t>({CHUNK, L.block_size - offset, context_len - start});
+    const float* kbase = key_cache + block * L.block_stride + offset * L.token_stride + kv_head * L.head_dim;
+    const float* vbase = value_cache + block * L.block_stride + offset * L.token_stride + kv_head * L.head_dim;
+    prefetch_chunk(key_cache, value_cache, table, start + n, context_len, kv_head, L);
+    __m512 chunk_scores[G_DIM], probs[G_DIM];
+    for (int64_t g = 0; g < group; ++g) {
+      __m512 dots[CHUNK];
+      for (int64_t t = 0; t < CHUNK; ++t) {
+        if (t >= n) { dots[t] = _mm512_setzero_ps(); continue; }
+        const float* k = kbase + t * L.token_stride;
+        __m512 dot = _mm512_mul_ps(qv[g][0], _mm512_loadu_ps(k));
+        for (int64_t d = 1; d < vecs; ++d) dot = _mm512_fmadd_ps(qv[g][d], _mm512_loadu_ps(k + d * 16), dot);
+        dots[t] = dot;
+      }
+      chunk_scores[g] = transpose_sum(dots);
+    }
+    const __mmask16 valid = static_cast<__mmask16>((1u << n) - 1);
+    for (int64_t g = 0; g < group; ++g) {
+      const __m512 s = _mm512_mask_mov_ps(_mm512_set1_ps(-INFINITY), valid, chunk_scores[g]);
+      const float new_max = std::max(running_max[g], _mm512_reduce_max_ps(s));
+      const float rescale = std::exp(running_max[g] - new_max);  // 0 on the first chunk
+      const __m512 p = _mm512_maskz_mov_ps(valid, exp_nonpositive(_mm512_sub_ps(s, _mm512_set1_ps(new_max))));
+      running_sum[g] = running_sum[g] * rescale + _mm512_reduce_add_ps(p);
+      running_max[g] = new_max;
+      probs[g] = p;
+      const __m512 r = _mm512_set1_ps(rescale);
+      for (int64_t d = 0; d < vecs; ++d) acc[g][d] = _mm512_mul_ps(acc[g][d], r);
+    }
+    for (int64_t t = 0; t < n; ++t) {
+      // Lane t of each head's probabilities, broadcast in registers (a store and scalar
+      // reloads here stall on store forwarding).
+      const __m512i lane = _mm512_set1_epi32(static_cast<int>(t));
+      __m512 pt[G_DIM];
+      for (int64_t g = 0; g < group; ++g) pt[g] = _mm512_permutexvar_ps(lane, probs[g]);
+      const float* v = vbase + t * L.token_stride;
+      for (int64_t d = 0; d < vecs; ++d) {
+        const __m512 vv = _mm512_loadu_ps(v + d * 16);
+        for (int64_t g = 0; g < group; ++g) acc[g][d] = _mm512_fmadd_ps(pt[g], vv, acc[g][d]);
+      }
+    }
+  }
+  for (int64_t g = 0; g < group; ++g) {
+    const __m512 inv = _mm512_set1_ps(1.0f / running_sum[g]);
+    for (int64_t d = 0; d < vecs; ++d)
+      _mm512_storeu_ps(out + g * out_head_stride + d * 16, _mm512_mul_ps(acc[g][d], inv));
+  }
+}
+
+using AttendFn = void (*)(const float*, int64_t, float, const float*, const float*, const int32_t*,
+                         int64_t, int64_t, const Layout&, float*, int64_t);
+
+template <int GROUP>
+AttendFn pick_vecs(int64_t vecs) {
+  switch (vecs) {
+    case 1: return attend<GROUP, 1>;
+    case 2: return attend<GROUP, 2>;
+    case 4: return attend<GROUP, 4>;
+    case 8: return attend<GROUP, 8>;
+    default: return attend<0, 0>;
+  }
+}
+
+AttendFn pick_attend(int64_t group, int64_t vecs) {
+  switch (group) {
+    case 1: return pick_vecs<1>(vecs);
+    case 2: return pick_vecs<2>(vecs);
+    case 3: return pick_vecs<3>(vecs);
+    case 4: return pick_vecs<4>(vecs);
+    case 6: return pick_vecs<6>(vecs);
+    case 8: return pick_vecs<8>(vecs);
+    default: return attend<0, 0>;
+  }
+}
+
+}  // namespace
+
+extern "C" int streamengine_paged_decode_supported(int64_t num_heads, int64_t num_kv_heads,
+                                                   int64_t head_dim, int64_t block_size) {
+  return num_kv_heads > 0 && num_heads % num_kv_heads == 0 && num_heads / num_kv_heads <= MAX_GROUP &&
+         head_dim % 16 == 0 && head_dim / 16 <= MAX_VECS && block_size % 8 == 0;
+}
+
+// query:  [num_tokens, num_heads, head_dim] at strides (q_token_stride, head_dim, 1).
+// rows:   the sequences to attend (indices into query_start_loc / seq_lens / block_tables);
+//         each has one query token, at query_start_loc[row].
+// out:    [num_tokens, num_heads, head_dim] contiguous; only the rows' tokens are written.
+extern "C" int streamengine_paged_decode(
+    const float* query, int64_t q_token_stride, const float* key_cache, const float* value_cache,
+    int64_t block_size, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
+    const int32_t* block_tables, int64_t table_stride, const int32_t* seq_lens,
+    const int32_t* query_start_loc, const int64_t* rows, int64_t num_rows, float scale, float* out) {
+  if (!streamengine_paged_decode_supported(num_heads, num_kv_heads, head_dim, block_size)) return -1;
+  const Layout L{block_size, num_kv_heads, num_heads / num_kv_heads, head_dim,
+                 block_size * num_kv_heads * head_dim, num_kv_heads * head_dim};
+  const AttendFn attend_one = pick_attend(L.group, head_dim / 16);
+  const int64_t work = num_rows * num_kv_heads;
+#pragma omp parallel for schedule(dynamic, 1)
+  for (int64_t w = 0; w < work; ++w) {
+    const int64_t row = rows[w / num_kv_heads], kv_head = w % num_kv_heads;
+    const int64_t token = query_start_loc[row];
+    const int64_t first_head = kv_head * L.group;
+    attend_one(query + token * q_token_stride + first_head * head_dim, head_dim, scale, key_cache, value_cache,
+           block_tables + row * table_stride, seq_lens[row], kv_head, L,
+           out + (token * num_heads + first_head) * head_dim, head_dim);
+  }
+  return 0;
+}
+
+#else  // no AVX-512: the Python side keeps the PyTorch path.
+
+extern "C" int streamengine_paged_decode_supported(int64_t, int64_t, int64_t, int64_t) { return 0; }
+
+extern "C" int streamengine_paged_decode(const float*, int64_t, const float*, const float*, int64_t,
+                                         int64_t, int64_t, int64_t, const int32_t*, int64_t,
+                                         const int32_t*, const int32_t*, const int64_t*, int64_t,
+                                         float, float*) {
+  return -1;
+}
+
+#endif

@@ -1,0 +1,43 @@
+"""The CPU path with the C++ kernel: decode rows attend straight from the paged cache.
+
+Decode rows (one query token) go to kernels/cpu_paged_attention.cpp, which walks each
+sequence's block table with an online softmax: no gather copy of K/V, no padding to the
+longest context in the batch. Prefill rows keep TorchPagedAttention's SDPA path.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from streamengine.kernels.cpu_attention import decode_supported, paged_decode
+from streamengine.kernels.cpu_ops import store_kv
+from streamengine.models.attention import AttentionMetadata, TorchPagedAttention
+
+
+class CpuPagedAttention(TorchPagedAttention):
+    @staticmethod
+    def available(num_heads: int, num_kv_heads: int, head_dim: int, block_size: int, dtype: torch.dtype) -> bool:
+        return dtype == torch.float32 and decode_supported(num_heads, num_kv_heads, head_dim, block_size)
+
+    def prepare(self, meta: AttentionMetadata) -> None:
+        p = meta.prepared
+        decode = [i for i, n in enumerate(meta.query_lens_host) if n == 1]
+        p["decode_rows"] = torch.tensor(decode, dtype=torch.int64)
+        p["other_rows"] = [i for i, n in enumerate(meta.query_lens_host) if n != 1]
+
+    def forward(self, layer_idx, q, k, v, meta, scale):
+        key_cache, value_cache = meta.kv_caches[layer_idx]
+        num_kv_heads, head_dim = key_cache.shape[2], key_cache.shape[3]
+        flat_k = key_cache.view(-1, num_kv_heads, head_dim)  # [num_slots, kv_heads, head_dim]
+        flat_v = value_cache.view(-1, num_kv_heads, head_dim)
+        store_kv(k, v, meta.slot_mapping, key_cache, value_cache)
+        p = meta.prepared
+        out = torch.empty(q.shape, dtype=q.dtype)  # [T, num_heads, head_dim]
+        if p["decode_rows"].numel():
+            paged_decode(
+                q, key_cache, value_cache, meta.block_tables, meta.seq_lens, meta.query_start_loc,
+                p["decode_rows"], scale, out,
+            )
+        for i in p["other_rows"]:
+            self._prefill(i, q, k, v, flat_k, flat_v, meta, scale, out)
+        return out
