@@ -29,7 +29,7 @@ HERE = Path(__file__).parent
 COMPILE_FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c++17"]
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def load(name: str) -> ctypes.CDLL | None:
     """The compiled `name`.cpp of this folder, or None where it cannot run (logged once)."""
     if os.environ.get("STREAMENGINE_CPU_KERNELS", "1") == "0":

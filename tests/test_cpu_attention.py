@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from streamengine.kernels import ref_paged_attention
 from streamengine.kernels.cpu_attention import decode_supported, paged_decode
 
