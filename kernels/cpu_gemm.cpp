@@ -78,7 +78,7 @@ extern "C" int streamengine_sgemm_packed(const float* x, int64_t M, int64_t K,
                                          const float* packed, int64_t n_padded, float* y) {
   if (M < 0 || K <= 0 || n_padded % NR != 0) return -1;
   const int64_t num_panels = n_padded / NR;
-#pragma omp parallel for schedule(dynamic, 2)
+#pragma omp parallel for schedule(guided)
   for (int64_t p = 0; p < num_panels; ++p)
     panel_rows(x, M, K, packed + p * K * NR, y + p * NR, n_padded);
   return 0;

@@ -130,6 +130,8 @@ extern "C" int streamengine_silu_mul(const float* gate_up, int64_t rows, int64_t
 extern "C" int streamengine_store_kv(const float* k, int64_t k_stride, const float* v, int64_t v_stride,
                                      const int64_t* slots, int64_t tokens, int64_t width,
                                      float* key_cache, float* value_cache) {
+  // Slots are scattered over the pool: each row is a cache miss, so spread them over threads.
+#pragma omp parallel for if (tokens >= 16)
   for (int64_t t = 0; t < tokens; ++t) {
     float* kd = key_cache + slots[t] * width;
     float* vd = value_cache + slots[t] * width;

@@ -13,12 +13,15 @@
 
 #if defined(__AVX512F__)
 #include <immintrin.h>
+#include <omp.h>
 
 namespace {
 
 constexpr int MAX_GROUP = 16;    // query heads per KV head
 constexpr int MAX_VECS = 16;     // head_dim / 16, i.e. head_dim <= 256
 constexpr int CHUNK = 16;        // tokens scored together: one zmm of scores
+constexpr int MAX_KV_PER_ITEM = 8;  // KV heads one work item walks together
+constexpr int SPAN = 4;          // pieces of <= 16 tokens per softmax update
 
 // e^x for x <= 0 (scores minus their running max): 2^(x log2 e) as 2^n * poly(f), |f| <= 1/2,
 // degree-7 Taylor polynomial of 2^f (relative error ~1e-7, float32's own rounding).
@@ -64,97 +67,140 @@ inline __m512 transpose_sum(const __m512 v[16]) {
 }
 
 // Blocks sit anywhere in the pool, so the hardware prefetcher cannot guess the next one: ask
-// for the next chunk's K and V rows of this head while the current chunk is being scored.
+// for the next chunk's K and V rows of these heads while the current chunk is being scored.
 inline void prefetch_chunk(const float* key_cache, const float* value_cache, const int32_t* table,
-                           int64_t start, int64_t context_len, int64_t kv_head, const Layout& L) {
+                           int64_t start, int64_t context_len, int64_t first_kv, int64_t last_kv,
+                           const Layout& L) {
   if (start >= context_len) return;
   const int64_t offset = start % L.block_size;
   const int64_t n = std::min<int64_t>({CHUNK, L.block_size - offset, context_len - start});
-  const int64_t base = table[start / L.block_size] * L.block_stride + offset * L.token_stride + kv_head * L.head_dim;
+  const int64_t base = table[start / L.block_size] * L.block_stride + offset * L.token_stride;
   for (int64_t t = 0; t < n; ++t)
-    for (int64_t d = 0; d < L.head_dim; d += 16) {
+    for (int64_t d = first_kv * L.head_dim; d < last_kv * L.head_dim; d += 16) {
       _mm_prefetch(reinterpret_cast<const char*>(key_cache + base + t * L.token_stride + d), _MM_HINT_T0);
       _mm_prefetch(reinterpret_cast<const char*>(value_cache + base + t * L.token_stride + d), _MM_HINT_T0);
     }
 }
 
-// One (sequence, KV head): q [group][head_dim] -> out [group][head_dim]. GROUP and VECS
-// (head_dim / 16) are compile-time for the common shapes, so the query and accumulator tiles
-// live in registers; 0 means "read it from L" (the generic instance).
+// The online-softmax state of one KV head's group of query heads: q and the accumulators are
+// tiles of GROUP x VECS (head_dim / 16) vectors, compile-time for the common shapes so they
+// stay in registers while a chunk is processed; 0 means "read it from L" (generic instance).
 template <int GROUP, int VECS>
-void attend(const float* q, int64_t q_head_stride, float scale, const float* key_cache, const float* value_cache,
-            const int32_t* table, int64_t context_len, int64_t kv_head, const Layout& L,
-            float* out, int64_t out_head_stride) {
-  constexpr int G_DIM = GROUP > 0 ? GROUP : MAX_GROUP;
-  constexpr int V_DIM = VECS > 0 ? VECS : MAX_VECS;
-  const int64_t group = GROUP > 0 ? GROUP : L.group;
-  const int64_t vecs = VECS > 0 ? VECS : L.head_dim / 16;
+struct HeadState {
+  static constexpr int G_DIM = GROUP > 0 ? GROUP : MAX_GROUP;
+  static constexpr int V_DIM = VECS > 0 ? VECS : MAX_VECS;
   __m512 qv[G_DIM][V_DIM];
   __m512 acc[G_DIM][V_DIM];
   float running_max[G_DIM], running_sum[G_DIM];
-  for (int64_t g = 0; g < group; ++g) {
-    for (int64_t d = 0; d < vecs; ++d) {
-      qv[g][d] = _mm512_mul_ps(_mm512_loadu_ps(q + g * q_head_stride + d * 16), _mm512_set1_ps(scale));
-      acc[g][d] = _mm512_setzero_ps();
-    }
-    running_max[g] = -INFINITY;
-    running_sum[g] = 0.0f;
-  }
-  int64_t n = 0;
-  for (int64_t start = 0; start < context_len; start += n) {
-    // A chunk is at most 16 tokens and never crosses a block boundary.
-    const int64_t block = table[start / L.block_size];
-    const int64_t offset = start % L.block_size;
-    n = std::min<int64_t>({CHUNK, L.block_size - offset, context_len - start});
-    const float* kbase = key_cache + block * L.block_stride + offset * L.token_stride + kv_head * L.head_dim;
-    const float* vbase = value_cache + block * L.block_stride + offset * L.token_stride + kv_head * L.head_dim;
-    prefetch_chunk(key_cache, value_cache, table, start + n, context_len, kv_head, L);
-    __m512 chunk_scores[G_DIM], probs[G_DIM];
+  int64_t group, vecs;
+
+  void init(const float* q, float scale, const Layout& L) {
+    group = GROUP > 0 ? GROUP : L.group;
+    vecs = VECS > 0 ? VECS : L.head_dim / 16;
     for (int64_t g = 0; g < group; ++g) {
-      __m512 dots[CHUNK];
-      for (int64_t t = 0; t < CHUNK; ++t) {
-        if (t >= n) { dots[t] = _mm512_setzero_ps(); continue; }
-        const float* k = kbase + t * L.token_stride;
-        __m512 dot = _mm512_mul_ps(qv[g][0], _mm512_loadu_ps(k));
-        for (int64_t d = 1; d < vecs; ++d) dot = _mm512_fmadd_ps(qv[g][d], _mm512_loadu_ps(k + d * 16), dot);
-        dots[t] = dot;
+      for (int64_t d = 0; d < vecs; ++d) {
+        qv[g][d] = _mm512_mul_ps(_mm512_loadu_ps(q + g * L.head_dim + d * 16), _mm512_set1_ps(scale));
+        acc[g][d] = _mm512_setzero_ps();
       }
-      chunk_scores[g] = transpose_sum(dots);
+      running_max[g] = -INFINITY;
+      running_sum[g] = 0.0f;
     }
-    const __mmask16 valid = static_cast<__mmask16>((1u << n) - 1);
+  }
+
+  // Up to SPAN pieces of <= 16 consecutive tokens (each within one block): one softmax
+  // update for all of them, so the reductions and exps of the update are amortized over up to
+  // 64 tokens. offsets[j] is where piece j of this head starts in the caches.
+  void chunk(const float* key_cache, const float* value_cache, const int64_t* offsets, const int64_t* lens,
+             int64_t pieces, int64_t token_stride) {
+    __m512 probs[G_DIM][SPAN];
     for (int64_t g = 0; g < group; ++g) {
-      const __m512 s = _mm512_mask_mov_ps(_mm512_set1_ps(-INFINITY), valid, chunk_scores[g]);
-      const float new_max = std::max(running_max[g], _mm512_reduce_max_ps(s));
-      const float rescale = std::exp(running_max[g] - new_max);  // 0 on the first chunk
-      const __m512 p = _mm512_maskz_mov_ps(valid, exp_nonpositive(_mm512_sub_ps(s, _mm512_set1_ps(new_max))));
-      running_sum[g] = running_sum[g] * rescale + _mm512_reduce_add_ps(p);
+      __m512 s[SPAN];
+      __m512 top = _mm512_set1_ps(-INFINITY);
+      for (int64_t j = 0; j < pieces; ++j) {
+        const float* kbase = key_cache + offsets[j];
+        __m512 dots[CHUNK];
+        for (int64_t t = 0; t < CHUNK; ++t) {
+          if (t >= lens[j]) { dots[t] = _mm512_setzero_ps(); continue; }
+          const float* k = kbase + t * token_stride;
+          __m512 dot = _mm512_mul_ps(qv[g][0], _mm512_loadu_ps(k));
+          for (int64_t d = 1; d < vecs; ++d) dot = _mm512_fmadd_ps(qv[g][d], _mm512_loadu_ps(k + d * 16), dot);
+          dots[t] = dot;
+        }
+        const __mmask16 valid = static_cast<__mmask16>((1u << lens[j]) - 1);
+        s[j] = _mm512_mask_mov_ps(_mm512_set1_ps(-INFINITY), valid, transpose_sum(dots));
+        top = _mm512_max_ps(top, s[j]);
+      }
+      const float new_max = std::max(running_max[g], _mm512_reduce_max_ps(top));
+      const float rescale = std::exp(running_max[g] - new_max);  // 0 on the first update
+      const __m512 m = _mm512_set1_ps(new_max);
+      __m512 total = _mm512_setzero_ps();
+      for (int64_t j = 0; j < pieces; ++j) {
+        const __mmask16 valid = static_cast<__mmask16>((1u << lens[j]) - 1);
+        probs[g][j] = _mm512_maskz_mov_ps(valid, exp_nonpositive(_mm512_sub_ps(s[j], m)));
+        total = _mm512_add_ps(total, probs[g][j]);
+      }
+      running_sum[g] = running_sum[g] * rescale + _mm512_reduce_add_ps(total);
       running_max[g] = new_max;
-      probs[g] = p;
       const __m512 r = _mm512_set1_ps(rescale);
       for (int64_t d = 0; d < vecs; ++d) acc[g][d] = _mm512_mul_ps(acc[g][d], r);
     }
-    for (int64_t t = 0; t < n; ++t) {
-      // Lane t of each head's probabilities, broadcast in registers (a store and scalar
-      // reloads here stall on store forwarding).
-      const __m512i lane = _mm512_set1_epi32(static_cast<int>(t));
-      __m512 pt[G_DIM];
-      for (int64_t g = 0; g < group; ++g) pt[g] = _mm512_permutexvar_ps(lane, probs[g]);
-      const float* v = vbase + t * L.token_stride;
-      for (int64_t d = 0; d < vecs; ++d) {
-        const __m512 vv = _mm512_loadu_ps(v + d * 16);
-        for (int64_t g = 0; g < group; ++g) acc[g][d] = _mm512_fmadd_ps(pt[g], vv, acc[g][d]);
+    for (int64_t j = 0; j < pieces; ++j) {
+      const float* vbase = value_cache + offsets[j];
+      for (int64_t t = 0; t < lens[j]; ++t) {
+        // Lane t of each head's probabilities, broadcast in registers (a store and scalar
+        // reloads here stall on store forwarding).
+        const __m512i lane = _mm512_set1_epi32(static_cast<int>(t));
+        __m512 pt[G_DIM];
+        for (int64_t g = 0; g < group; ++g) pt[g] = _mm512_permutexvar_ps(lane, probs[g][j]);
+        const float* v = vbase + t * token_stride;
+        for (int64_t d = 0; d < vecs; ++d) {
+          const __m512 vv = _mm512_loadu_ps(v + d * 16);
+          for (int64_t g = 0; g < group; ++g) acc[g][d] = _mm512_fmadd_ps(pt[g], vv, acc[g][d]);
+        }
       }
     }
   }
-  for (int64_t g = 0; g < group; ++g) {
-    const __m512 inv = _mm512_set1_ps(1.0f / running_sum[g]);
-    for (int64_t d = 0; d < vecs; ++d)
-      _mm512_storeu_ps(out + g * out_head_stride + d * 16, _mm512_mul_ps(acc[g][d], inv));
+
+  void finish(float* out, const Layout& L) const {
+    for (int64_t g = 0; g < group; ++g) {
+      const __m512 inv = _mm512_set1_ps(1.0f / running_sum[g]);
+      for (int64_t d = 0; d < vecs; ++d)
+        _mm512_storeu_ps(out + g * L.head_dim + d * 16, _mm512_mul_ps(acc[g][d], inv));
+    }
   }
+};
+
+// KV heads [first_kv, last_kv) of one sequence: q and out are that sequence's [heads, head_dim]
+// rows (dense). Each span of up to 64 tokens is read once for all of these heads: with all of
+// them, a block's K and V are each one contiguous run of memory.
+template <int GROUP, int VECS>
+void attend(const float* q, float scale, const float* key_cache, const float* value_cache,
+            const int32_t* table, int64_t context_len, int64_t first_kv, int64_t last_kv,
+            const Layout& L, float* out) {
+  HeadState<GROUP, VECS> state[MAX_KV_PER_ITEM];
+  const int64_t heads = last_kv - first_kv;
+  for (int64_t h = 0; h < heads; ++h) state[h].init(q + (first_kv + h) * L.group * L.head_dim, scale, L);
+  int64_t start = 0;
+  while (start < context_len) {
+    int64_t offsets[SPAN], lens[SPAN], pieces = 0;
+    for (; pieces < SPAN && start < context_len; ++pieces) {  // pieces never cross a block
+      const int64_t offset = start % L.block_size;
+      lens[pieces] = std::min<int64_t>({CHUNK, L.block_size - offset, context_len - start});
+      offsets[pieces] = table[start / L.block_size] * L.block_stride + offset * L.token_stride;
+      start += lens[pieces];
+    }
+    prefetch_chunk(key_cache, value_cache, table, start, context_len, first_kv, last_kv, L);
+    for (int64_t h = 0; h < heads; ++h) {
+      int64_t head_offsets[SPAN];
+      for (int64_t j = 0; j < pieces; ++j) head_offsets[j] = offsets[j] + (first_kv + h) * L.head_dim;
+      state[h].chunk(key_cache, value_cache, head_offsets, lens, pieces, L.token_stride);
+    }
+  }
+  for (int64_t h = 0; h < heads; ++h) state[h].finish(out + (first_kv + h) * L.group * L.head_dim, L);
 }
 
-using AttendFn = void (*)(const float*, int64_t, float, const float*, const float*, const int32_t*,
-                         int64_t, int64_t, const Layout&, float*, int64_t);
+using AttendFn = void (*)(const float*, float, const float*, const float*, const int32_t*, int64_t,
+                         int64_t, int64_t, const Layout&, float*);
 
 template <int GROUP>
 AttendFn pick_vecs(int64_t vecs) {
@@ -200,15 +246,23 @@ extern "C" int streamengine_paged_decode(
   const Layout L{block_size, num_kv_heads, num_heads / num_kv_heads, head_dim,
                  block_size * num_kv_heads * head_dim, num_kv_heads * head_dim};
   const AttendFn attend_one = pick_attend(L.group, head_dim / 16);
-  const int64_t work = num_rows * num_kv_heads;
+  // Work items: all KV heads of a sequence (one contiguous read per block) when there are
+  // enough sequences to keep every thread busy, else single heads (batch 1 still uses both
+  // cores). Dynamic scheduling: context lengths differ.
+  const int64_t threads = omp_get_max_threads();
+  const int64_t split = (num_rows >= 4 * threads || num_kv_heads == 1) ? 1 : num_kv_heads;
+  const int64_t per_item = std::max<int64_t>(1, std::min<int64_t>(MAX_KV_PER_ITEM, num_kv_heads / split));
+  const int64_t items_per_row = (num_kv_heads + per_item - 1) / per_item;
+  const int64_t work = num_rows * items_per_row;
 #pragma omp parallel for schedule(dynamic, 1)
   for (int64_t w = 0; w < work; ++w) {
-    const int64_t row = rows[w / num_kv_heads], kv_head = w % num_kv_heads;
+    const int64_t row = rows[w / items_per_row];
+    const int64_t first_kv = (w % items_per_row) * per_item;
+    const int64_t last_kv = std::min(num_kv_heads, first_kv + per_item);
     const int64_t token = query_start_loc[row];
-    const int64_t first_head = kv_head * L.group;
-    attend_one(query + token * q_token_stride + first_head * head_dim, head_dim, scale, key_cache, value_cache,
-           block_tables + row * table_stride, seq_lens[row], kv_head, L,
-           out + (token * num_heads + first_head) * head_dim, head_dim);
+    attend_one(query + token * q_token_stride, scale, key_cache, value_cache,
+               block_tables + row * table_stride, seq_lens[row], first_kv, last_kv, L,
+               out + token * num_heads * head_dim);
   }
   return 0;
 }

@@ -28,10 +28,11 @@ def make_case(lens, heads, kv_heads, head_dim, block_size, seed=0):
     return query, key_cache, value_cache, tables, torch.tensor(lens, dtype=torch.int32), qsl
 
 
+@pytest.mark.parametrize("num_seqs", [7, 40])  # few: a work item per KV head; many: per sequence
 @pytest.mark.parametrize("block_size", [8, 16, 32])
-@pytest.mark.parametrize("heads,kv_heads,head_dim", [(9, 3, 64), (4, 4, 16), (8, 2, 128), (16, 1, 32)])
-def test_decode_matches_reference(block_size, heads, kv_heads, head_dim):
-    lens = [1, 7, 16, 17, 33, 100, 257]
+@pytest.mark.parametrize("heads,kv_heads,head_dim", [(9, 3, 64), (4, 4, 16), (8, 2, 128), (16, 1, 32), (20, 10, 16)])
+def test_decode_matches_reference(block_size, heads, kv_heads, head_dim, num_seqs):
+    lens = ([1, 7, 16, 17, 33, 100, 257] * 6)[:num_seqs]
     q, kc, vc, tables, seq_lens, qsl = make_case(lens, heads, kv_heads, head_dim, block_size)
     expected = ref_paged_attention(q, kc, vc, tables, seq_lens, qsl, scale=head_dim**-0.5)
     out = torch.full_like(q, float("nan"))
