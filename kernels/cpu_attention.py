@@ -41,6 +41,49 @@ def decode_supported(num_heads: int, num_kv_heads: int, head_dim: int, block_siz
     )
 
 
+class DecodePlan:
+    """The per-step part of a `paged_decode` call, checked once per step and reused by every
+    layer (the per-layer call then only passes the query, the layer's caches and `out`)."""
+
+    def __init__(self, block_tables: torch.Tensor, seq_lens: torch.Tensor, query_start_loc: torch.Tensor,
+                 rows: torch.Tensor) -> None:
+        self.lib = load_library()
+        if self.lib is None:
+            raise RuntimeError("the CPU paged-attention kernel is not available here")
+        for name, t, dtype in (("block_tables", block_tables, torch.int32), ("seq_lens", seq_lens, torch.int32),
+                               ("query_start_loc", query_start_loc, torch.int32), ("rows", rows, torch.int64)):
+            if t.dtype != dtype or t.device.type != "cpu":
+                raise ValueError(f"{name} must be a CPU {dtype} tensor, got {t.dtype} on {t.device}")
+            if not t.is_contiguous():
+                raise ValueError(f"{name} must be contiguous")
+        self._keep = (block_tables, seq_lens, query_start_loc, rows)  # the pointers below stay valid
+        self.tables, self.table_stride = block_tables.data_ptr(), block_tables.stride(0)
+        self.seq_lens, self.query_start_loc = seq_lens.data_ptr(), query_start_loc.data_ptr()
+        self.rows, self.num_rows = rows.data_ptr(), rows.numel()
+
+    def run(self, query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor, scale: float,
+            out: torch.Tensor) -> None:
+        _, num_heads, head_dim = query.shape
+        _, block_size, num_kv_heads, _ = key_cache.shape
+        if query.stride(2) != 1 or query.stride(1) != head_dim:
+            query = query.contiguous()
+        for name, t in (("query", query), ("key_cache", key_cache), ("value_cache", value_cache), ("out", out)):
+            if t.dtype != torch.float32 or t.device.type != "cpu":
+                raise ValueError(f"{name} must be a CPU torch.float32 tensor, got {t.dtype} on {t.device}")
+        if not (key_cache.is_contiguous() and value_cache.is_contiguous() and out.is_contiguous()):
+            raise ValueError("key_cache, value_cache and out must be contiguous")
+        rc = self.lib.streamengine_paged_decode(
+            query.data_ptr(), query.stride(0), key_cache.data_ptr(), value_cache.data_ptr(),
+            block_size, num_heads, num_kv_heads, head_dim, self.tables, self.table_stride, self.seq_lens,
+            self.query_start_loc, self.rows, self.num_rows, scale, out.data_ptr(),
+        )
+        if rc != 0:
+            raise ValueError(
+                f"paged_decode does not support heads={num_heads} kv_heads={num_kv_heads} "
+                f"head_dim={head_dim} block_size={block_size}"
+            )
+
+
 def paged_decode(
     query: torch.Tensor,  # [T, num_heads, head_dim], last two dims dense
     key_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
@@ -52,29 +95,4 @@ def paged_decode(
     scale: float,
     out: torch.Tensor,  # [T, num_heads, head_dim] contiguous: rows' query tokens are written
 ) -> None:
-    lib = load_library()
-    if lib is None:
-        raise RuntimeError("the CPU paged-attention kernel is not available here")
-    _, num_heads, head_dim = query.shape
-    _, block_size, num_kv_heads, _ = key_cache.shape
-    if query.stride(2) != 1 or query.stride(1) != head_dim:
-        query = query.contiguous()
-    for name, t, dtype in (("key_cache", key_cache, torch.float32), ("value_cache", value_cache, torch.float32),
-                           ("block_tables", block_tables, torch.int32), ("seq_lens", seq_lens, torch.int32),
-                           ("query_start_loc", query_start_loc, torch.int32), ("rows", rows, torch.int64),
-                           ("out", out, torch.float32), ("query", query, torch.float32)):
-        if t.dtype != dtype or t.device.type != "cpu":
-            raise ValueError(f"{name} must be a CPU {dtype} tensor, got {t.dtype} on {t.device}")
-        if name != "query" and not t.is_contiguous():
-            raise ValueError(f"{name} must be contiguous")
-    rc = lib.streamengine_paged_decode(
-        query.data_ptr(), query.stride(0), key_cache.data_ptr(), value_cache.data_ptr(),
-        block_size, num_heads, num_kv_heads, head_dim,
-        block_tables.data_ptr(), block_tables.stride(0), seq_lens.data_ptr(),
-        query_start_loc.data_ptr(), rows.data_ptr(), rows.numel(), scale, out.data_ptr(),
-    )
-    if rc != 0:
-        raise ValueError(
-            f"paged_decode does not support heads={num_heads} kv_heads={num_kv_heads} "
-            f"head_dim={head_dim} block_size={block_size}"
-        )
+    DecodePlan(block_tables, seq_lens, query_start_loc, rows).run(query, key_cache, value_cache, scale, out)

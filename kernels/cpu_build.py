@@ -50,7 +50,8 @@ def build(source: Path, cache_dir: Path | None = None) -> Path:
     compiler = os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++")
     if compiler is None:
         raise OSError("no C++ compiler (g++) on PATH")
-    text = source.read_bytes()
+    # Sources may #include their siblings: the key covers every C++ file of the folder.
+    text = b"".join(p.read_bytes() for p in sorted(source.parent.glob("*.cpp")))
     key = hashlib.sha256(
         text + " ".join(COMPILE_FLAGS).encode() + " ".join(sorted(cpu_flags())).encode()
     ).hexdigest()[:16]

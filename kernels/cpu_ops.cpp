@@ -59,14 +59,15 @@ inline __m512 exp_ps(__m512 x) {
 
 }  // namespace
 
-// h += delta (when delta is not null), then out = RMSNorm(h) * weight. h, delta, out: [rows, n].
-extern "C" int streamengine_add_rms_norm(float* h, const float* delta, const float* weight, float eps,
-                                         int64_t rows, int64_t n, float* out) {
+// h += delta (when delta is not null), then out = RMSNorm(h) * weight. h, out: [rows, n] dense;
+// delta: [rows, >= n] at row stride delta_stride.
+extern "C" int streamengine_add_rms_norm(float* h, const float* delta, int64_t delta_stride, const float* weight,
+                                         float eps, int64_t rows, int64_t n, float* out) {
 #pragma omp parallel for if (rows * n >= PARALLEL_MIN_ELEMENTS)
   for (int64_t r = 0; r < rows; ++r) {
     float* hr = h + r * n;
     if (delta != nullptr) {
-      const float* dr = delta + r * n;
+      const float* dr = delta + r * delta_stride;
       int64_t i = 0;
       for (; i + 16 <= n; i += 16)
         _mm512_storeu_ps(hr + i, _mm512_add_ps(_mm512_loadu_ps(hr + i), _mm512_loadu_ps(dr + i)));
@@ -107,11 +108,12 @@ extern "C" int streamengine_rope(float* x, int64_t rows, int64_t row_stride, int
   return 0;
 }
 
-// out[r, i] = silu(gate_up[r, i]) * gate_up[r, n + i]; gate_up [rows, 2n], out [rows, n].
-extern "C" int streamengine_silu_mul(const float* gate_up, int64_t rows, int64_t n, float* out) {
+// out[r, i] = silu(gate_up[r, i]) * gate_up[r, n + i]; gate_up [rows, >= 2n] at row stride
+// in_stride, out [rows, n] dense.
+extern "C" int streamengine_silu_mul(const float* gate_up, int64_t in_stride, int64_t rows, int64_t n, float* out) {
 #pragma omp parallel for if (rows * n >= PARALLEL_MIN_ELEMENTS)
   for (int64_t r = 0; r < rows; ++r) {
-    const float* g = gate_up + r * 2 * n;
+    const float* g = gate_up + r * in_stride;
     const float* u = g + n;
     float* o = out + r * n;
     int64_t i = 0;
@@ -142,6 +144,13 @@ extern "C" int streamengine_store_kv(const float* k, int64_t k_stride, const flo
       vd[i] = vs[i];
     }
   }
+  return 0;
+}
+
+// y[r, :n] += bias for a [rows, >= n] matrix at row stride ldy.
+extern "C" int streamengine_add_bias(float* y, int64_t ldy, int64_t rows, int64_t n, const float* bias) {
+  for (int64_t r = 0; r < rows; ++r)
+    for (int64_t i = 0; i < n; ++i) y[r * ldy + i] += bias[i];
   return 0;
 }
 

@@ -24,9 +24,9 @@ def load_library() -> ctypes.CDLL | None:
     lib = cpu_build.load("cpu_ops")
     if lib is None or not lib.streamengine_cpu_ops_available():
         return None
-    lib.streamengine_add_rms_norm.argtypes = [_p, _p, _p, ctypes.c_float, _i, _i, _p]
+    lib.streamengine_add_rms_norm.argtypes = [_p, _p, _i, _p, ctypes.c_float, _i, _i, _p]
     lib.streamengine_rope.argtypes = [_p, _i, _i, _i, _i, _p, _p]
-    lib.streamengine_silu_mul.argtypes = [_p, _i, _i, _p]
+    lib.streamengine_silu_mul.argtypes = [_p, _i, _i, _i, _p]
     lib.streamengine_store_kv.argtypes = [_p, _i, _p, _i, _p, _i, _i, _p, _p]
     return lib
 
@@ -56,7 +56,7 @@ def add_rms_norm(h: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tens
         return weight * (hf * torch.rsqrt(hf.pow(2).mean(-1, keepdim=True) + eps)).to(h.dtype)
     out = torch.empty_like(h)
     lib.streamengine_add_rms_norm(
-        h.data_ptr(), None if delta is None else delta.data_ptr(), weight.data_ptr(), eps, rows, n, out.data_ptr()
+        h.data_ptr(), None if delta is None else delta.data_ptr(), n, weight.data_ptr(), eps, rows, n, out.data_ptr()
     )
     return out
 
@@ -86,7 +86,7 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     if lib is None:
         return F.silu(gate_up[:, :n]) * gate_up[:, n:]
     out = torch.empty((rows, n), dtype=gate_up.dtype)
-    lib.streamengine_silu_mul(gate_up.data_ptr(), rows, n, out.data_ptr())
+    lib.streamengine_silu_mul(gate_up.data_ptr(), width, rows, n, out.data_ptr())
     return out
 
 

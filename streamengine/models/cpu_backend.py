@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from streamengine.kernels.cpu_attention import decode_supported, paged_decode
+from streamengine.kernels.cpu_attention import DecodePlan, decode_supported
 from streamengine.kernels.cpu_ops import store_kv
 from streamengine.models.attention import AttentionMetadata, TorchPagedAttention
 
@@ -22,22 +22,28 @@ class CpuPagedAttention(TorchPagedAttention):
     def prepare(self, meta: AttentionMetadata) -> None:
         p = meta.prepared
         decode = [i for i, n in enumerate(meta.query_lens_host) if n == 1]
-        p["decode_rows"] = torch.tensor(decode, dtype=torch.int64)
+        p["decode"] = DecodePlan(
+            meta.block_tables, meta.seq_lens, meta.query_start_loc, torch.tensor(decode, dtype=torch.int64)
+        ) if decode else None
         p["other_rows"] = [i for i, n in enumerate(meta.query_lens_host) if n != 1]
 
     def forward(self, layer_idx, q, k, v, meta, scale):
         key_cache, value_cache = meta.kv_caches[layer_idx]
-        num_kv_heads, head_dim = key_cache.shape[2], key_cache.shape[3]
-        flat_k = key_cache.view(-1, num_kv_heads, head_dim)  # [num_slots, kv_heads, head_dim]
-        flat_v = value_cache.view(-1, num_kv_heads, head_dim)
         store_kv(k, v, meta.slot_mapping, key_cache, value_cache)
+        return self.attend(layer_idx, q, k, v, meta, scale)
+
+    def attend(self, layer_idx, q, k, v, meta, scale):
+        """Attention for a step whose K/V are already in the cache (the fused layer stores
+        them): decode rows through the kernel, prefill rows through SDPA."""
+        key_cache, value_cache = meta.kv_caches[layer_idx]
+        num_kv_heads, head_dim = key_cache.shape[2], key_cache.shape[3]
         p = meta.prepared
-        out = torch.empty(q.shape, dtype=q.dtype)  # [T, num_heads, head_dim]
-        if p["decode_rows"].numel():
-            paged_decode(
-                q, key_cache, value_cache, meta.block_tables, meta.seq_lens, meta.query_start_loc,
-                p["decode_rows"], scale, out,
-            )
-        for i in p["other_rows"]:
-            self._prefill(i, q, k, v, flat_k, flat_v, meta, scale, out)
+        out = torch.empty((q.shape[0], q.shape[1], head_dim), dtype=q.dtype)  # [T, num_heads, head_dim]
+        if p["decode"] is not None:
+            p["decode"].run(q, key_cache, value_cache, scale, out)
+        if p["other_rows"]:
+            flat_k = key_cache.view(-1, num_kv_heads, head_dim)  # [num_slots, kv_heads, head_dim]
+            flat_v = value_cache.view(-1, num_kv_heads, head_dim)
+            for i in p["other_rows"]:
+                self._prefill(i, q, k, v, flat_k, flat_v, meta, scale, out)
         return out

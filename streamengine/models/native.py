@@ -21,6 +21,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from streamengine.kernels import cpu_layer
 from streamengine.kernels.cpu_linear import PackedLinear, TorchLinear, make_linear
 from streamengine.kernels.cpu_ops import add_rms_norm, rope_, silu_mul
 from streamengine.models.attention import AttentionMetadata
@@ -78,6 +79,7 @@ class NativeDecoder:
         self.layers = [self._layer(layer) for layer in decoder.layers]
         head = model.get_output_embeddings()
         self.lm_head = make_linear(head.weight, head.bias)
+        self.fused = self._fused_layers()
 
     @staticmethod
     def _layer(layer) -> NativeLayer:
@@ -97,14 +99,44 @@ class NativeDecoder:
             down=make_linear(mlp.down_proj.weight),
         )
 
+    def _fused_layers(self) -> list[cpu_layer.FusedLayer] | None:
+        """Two-call layers (kernels/cpu_layer.py) when every weight is packed and the library
+        runs here; None keeps the op-by-op path."""
+        packed = all(
+            isinstance(lin, PackedLinear) for layer in self.layers for lin in (layer.qkv, layer.o, layer.gate_up, layer.down)
+        )
+        if not packed or not cpu_layer.available():
+            return None
+        return [
+            cpu_layer.FusedLayer(layer.qkv, layer.o, layer.gate_up, layer.down, layer.post_norm,
+                                 self.num_heads, self.num_kv_heads, self.head_dim, self.eps)
+            for layer in self.layers
+        ]
+
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         h = F.embedding(input_ids, self.embed)  # [T, hidden], the residual stream
         cos, sin = self._rope_tables(h, positions)
         x = add_rms_norm(h, None, self.layers[0].input_norm, self.eps)
+        # The fused layer stores K/V itself, so the backend must be able to attend without storing.
+        fused = self.fused if hasattr(meta.backend, "attend") else None
         for i, layer in enumerate(self.layers):
             next_norm = self.layers[i + 1].input_norm if i + 1 < len(self.layers) else self.final_norm
-            x = self._layer_forward(i, layer, h, x, cos, sin, meta, next_norm)
+            if fused is not None:
+                x = self._fused_forward(i, fused[i], h, x, cos, sin, meta, next_norm)
+            else:
+                x = self._layer_forward(i, layer, h, x, cos, sin, meta, next_norm)
         return x
+
+    def _fused_forward(self, i: int, layer: cpu_layer.FusedLayer, h, x, cos, sin, meta, next_norm) -> torch.Tensor:
+        t = h.shape[0]
+        nh, nkv, d = self.num_heads, self.num_kv_heads, self.head_dim
+        key_cache, value_cache = meta.kv_caches[i]
+        qkv = layer.layer_in(x, cos, sin, meta.slot_mapping, key_cache, value_cache)  # [T, padded]
+        q = qkv[:, : nh * d].view(t, nh, d)
+        k = qkv[:, nh * d:(nh + nkv) * d].view(t, nkv, d)
+        v = qkv[:, (nh + nkv) * d:(nh + 2 * nkv) * d].view(t, nkv, d)
+        attn = meta.backend.attend(i, q, k, v, meta, self.scale)  # [T, heads, D]
+        return layer.layer_out(attn.view(t, nh * d), h, next_norm)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden)  # [rows, vocab]
