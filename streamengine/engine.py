@@ -70,9 +70,10 @@ def release_openmp_pool() -> None:
     """
     try:
         gomp = ctypes.CDLL("libgomp.so.1", mode=os.RTLD_NOLOAD)  # only the copy already loaded
-    except OSError:
+        pause = gomp.omp_pause_resource_all  # OpenMP 5.0: libgomp of GCC >= 9
+    except (OSError, AttributeError):
         return  # another OpenMP runtime, or none: nothing to release
-    gomp.omp_pause_resource_all(1)  # omp_pause_soft
+    pause(1)  # omp_pause_soft
 
 
 class AsyncEngine:

@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import asyncio
+import os
+import time
 
 import pytest
+import torch
 
 from streamengine import AsyncEngine, EngineConfig, SamplingParams
 
@@ -208,3 +211,21 @@ def test_chat_template(tiny_llama_dir):
     assert "Hi!" in text and text.rstrip().endswith("assistant")
     with pytest.raises(ValueError):
         AsyncEngine.apply_chat_template(None, [{"role": "user"}])  # type: ignore[arg-type]
+
+
+@pytest.mark.skipif(torch.get_num_threads() < 2 or not os.path.isdir("/proc/self/task"), reason="needs 2 torch threads and /proc")
+def test_release_openmp_pool_ends_this_threads_workers():
+    """The loop thread's OpenMP workers (left by model loading) exit when the engine starts, so
+    only the step thread's pool is alive (see release_openmp_pool for why that matters)."""
+    from streamengine.engine import release_openmp_pool
+
+    def threads() -> int:
+        return len(os.listdir("/proc/self/task"))
+
+    torch.randn(4_000_000).sum()  # a parallel op: this thread now has a pool of workers
+    before = threads()
+    release_openmp_pool()
+    deadline = time.monotonic() + 2.0
+    while threads() >= before and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert threads() < before
