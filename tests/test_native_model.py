@@ -244,9 +244,8 @@ def test_fused_layers_match_the_op_by_op_path(tiny_qwen2_dir):
 async def test_engine_without_cpu_kernels_matches_transformers(tiny_llama_dir, monkeypatch):
     """STREAMENGINE_CPU_KERNELS=0 (or a machine without AVX-512 / a compiler): the native
     model runs on PyTorch ops and still equals transformers' greedy output."""
-    from test_engine_parity import engine_greedy, hf_greedy, tokenize
-
     from streamengine.kernels import cpu_attention, cpu_layer
+    from test_engine_parity import engine_greedy, hf_greedy, tokenize
 
     for lib in (cpu_build.load, cpu_linear.load_library, cpu_ops.load_library, cpu_layer.load_library,
                 cpu_attention.load_library):
