@@ -170,7 +170,7 @@ class DecodeResult:
 
 def measure_decode(
     loaded, folder: Path, batch: int, prompt_len: int, warmup: int, steps: int, threads: int,
-    token_ids: list[int], bar: tqdm,
+    token_ids: list[int], bar: tqdm, model_impl: str = "auto", attention_backend: str = "auto",
 ) -> DecodeResult:
     from streamengine import EngineConfig, SamplingParams
     from streamengine.core import EngineCore
@@ -181,7 +181,7 @@ def measure_decode(
         model=str(folder), dtype="float32", device="cpu", block_size=BLOCK_SIZE,
         num_gpu_blocks=blocks, max_num_seqs=batch,
         max_num_batched_tokens=max(2048, prompt_len), enable_prefix_caching=False,
-        num_threads=threads, seed=0,
+        num_threads=threads, seed=0, model_impl=model_impl, attention_backend=attention_backend,
     )
     core = EngineCore(config, loaded)
     try:
@@ -285,6 +285,8 @@ def build_report(args, folder: Path, rates: MachineRates, cost: ModelCost, resul
             "steps": args.steps,
             "warmup_steps": args.warmup,
             "threads": args.threads,
+            "model_impl": args.model_impl,
+            "attention_backend": args.attention_backend,
             **software(),
         },
     }
@@ -374,6 +376,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--threads", type=int, default=torch.get_num_threads(), help="torch threads (engine and probes)")
     p.add_argument("--matmul-n", type=int, help="square matmul size of the FLOP probe (default 2048 quick, 3072)")
     p.add_argument("--bandwidth-mib", type=int, help="tensor size of the bandwidth probe (default 256 quick, 512)")
+    p.add_argument("--model-impl", default="auto", choices=["auto", "native", "transformers"])
+    p.add_argument("--attention-backend", default="auto", choices=["auto", "torch", "cpu"])
+    p.add_argument("--compare-transformers", action="store_true",
+                   help="also time each batch with model_impl=transformers, attention_backend=torch")
     p.add_argument("--json", type=Path, default=RESULTS_DIR / "roofline.json")
     p.add_argument("--png", type=Path, default=RESULTS_DIR / "roofline.png")
     p.add_argument("--no-png", action="store_true")
@@ -411,16 +417,28 @@ def main(argv: list[str] | None = None) -> int:
     loaded = load_model(str(folder), "float32", "cpu")
     cost = model_cost(loaded.model)
     token_ids = normal_token_ids(loaded.tokenizer, loaded.model.config.vocab_size)
-    results = []
-    total = args.steps * len(args.batches)
+    results, baseline = [], {}
+    total = args.steps * len(args.batches) * (2 if args.compare_transformers else 1)
     with tqdm(total=total, desc="decode steps", unit="step", file=sys.stderr, dynamic_ncols=True) as bar:
         for batch in args.batches:
             bar.set_postfix(batch=batch)
             results.append(measure_decode(
                 loaded, folder, batch, args.prompt_len, args.warmup, args.steps, args.threads, token_ids, bar,
+                args.model_impl, args.attention_backend,
             ))
+            if args.compare_transformers:  # the same batch right after, so both see the same machine
+                bar.set_postfix(batch=batch, path="transformers")
+                baseline[str(batch)] = measure_decode(
+                    loaded, folder, batch, args.prompt_len, args.warmup, args.steps, args.threads, token_ids,
+                    bar, "transformers", "torch",
+                ).tok_s
     report = build_report(args, folder, rates, cost, results)
+    if baseline:
+        report["transformers_modules_tok_s_by_batch"] = baseline
     print_table(report)
+    for b, tok_s in baseline.items():
+        ours = report["decode_tok_s_by_batch"][b]
+        print(f"batch {b}: transformers' modules + PyTorch attention {tok_s:.1f} tok/s; this engine {ours / tok_s:.2f}x")
     args.json.parent.mkdir(parents=True, exist_ok=True)
     args.json.write_text(json.dumps(report, indent=2) + "\n")
     print(f"wrote {args.json}", file=sys.stderr)

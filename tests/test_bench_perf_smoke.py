@@ -37,9 +37,10 @@ def test_roofline_quick(tiny_llama_dir, tmp_path):
     report = run_bench(
         "roofline.py",
         ["--model", str(tiny_llama_dir), "--batches", "1,4", "--steps", "2", "--warmup", "1",
-         "--matmul-n", "256", "--bandwidth-mib", "16", "--threads", "1"],
+         "--matmul-n", "256", "--bandwidth-mib", "16", "--threads", "1", "--compare-transformers"],
         tmp_path / "roofline.json",
     )
+    assert set(report["transformers_modules_tok_s_by_batch"]) == {"1", "4"}
     for key in ("decode_tok_s_by_batch", "roofline_tok_s", "efficiency_at_max_batch",
                 "batch1_step_ms", "batch1_bound_ms"):
         assert key in report, key

@@ -5,7 +5,7 @@ reading the weights, and transformers' layers add ~15 ms of per-module Python an
 separate matmuls per layer to it. Here the same weights run as four GEMMs per layer (q/k/v
 and gate/up fused), packed once for the CPU GEMM in kernels/cpu_gemm.cpp, with the packed
 batch kept 2-D ([num_tokens, hidden]) end to end. bench/roofline.py measures the difference
-(`--model-impl transformers` vs `native`). The math is transformers' own: RMSNorm in float32,
+(`--compare-transformers` times both paths side by side). The math is transformers' own: RMSNorm in float32,
 RoPE from the model's rotary module, SiLU-gated MLP, the same attention backends; the residual
 add and the next RMSNorm, RoPE, and SiLU-times-up each run as one fused call
 (kernels/cpu_ops.py, with PyTorch fallbacks).
