@@ -1,9 +1,14 @@
-"""Triton kernels for paged attention and the KV cache, with their PyTorch references.
+"""Kernels of the engine, imported as `streamengine.kernels`.
 
-Import as `streamengine.kernels`. The Triton wrappers launch compiled kernels on CUDA
-tensors, or interpreted ones on CPU tensors when TRITON_INTERPRET=1 was set before triton was
-first imported (slow: tests only). The `ref_*` functions are plain PyTorch and are the CPU
-path of the engine.
+CUDA: Triton kernels for paged attention and the KV cache, with their PyTorch references. The
+Triton wrappers launch compiled kernels on CUDA tensors, or interpreted ones on CPU tensors
+when TRITON_INTERPRET=1 was set before triton was first imported (slow: tests only). The
+`ref_*` functions are plain PyTorch.
+
+CPU: C++ kernels (cpu_*.cpp) built on first use by `cpu_build` and called through ctypes:
+`cpu_linear` (packed small-batch GEMM), `cpu_attention` (paged decode attention), `cpu_ops`
+(fused element-wise steps), `cpu_layer` (a decoder layer in two calls). Import those
+submodules directly; each falls back to PyTorch where its library cannot run.
 """
 
 from __future__ import annotations

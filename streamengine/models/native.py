@@ -4,11 +4,11 @@ Why not only transformers' modules: on a 2-core CPU a decode step of SmolLM2-135
 reading the weights, and transformers' layers add ~15 ms of per-module Python and seven
 separate matmuls per layer to it. Here the same weights run as four GEMMs per layer (q/k/v
 and gate/up fused), packed once for the CPU GEMM in kernels/cpu_gemm.cpp, with the packed
-batch kept 2-D ([num_tokens, hidden]) end to end. bench/roofline.py measures the difference
-(`--compare-transformers` times both paths side by side). The math is transformers' own: RMSNorm in float32,
-RoPE from the model's rotary module, SiLU-gated MLP, the same attention backends; the residual
-add and the next RMSNorm, RoPE, and SiLU-times-up each run as one fused call
-(kernels/cpu_ops.py, with PyTorch fallbacks).
+batch kept 2-D ([num_tokens, hidden]) end to end; with the C++ libraries each layer is two
+calls (kernels/cpu_layer.py), without them the same steps run as PyTorch ops
+(kernels/cpu_ops.py). `bench/roofline.py --compare-transformers` measures both paths side by
+side. The math is transformers' own: RMSNorm in float32, RoPE from the model's rotary module,
+the SiLU-gated MLP, and the same attention backends.
 
 Anything else (other architectures, sliding windows, other activations) keeps the
 transformers path; `unsupported_reason` says why a model does not qualify.
