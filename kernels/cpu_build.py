@@ -50,8 +50,9 @@ def build(source: Path, cache_dir: Path | None = None) -> Path:
     compiler = os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++")
     if compiler is None:
         raise OSError("no C++ compiler (g++) on PATH")
-    # Sources may #include their siblings: the key covers every C++ file of the folder.
-    text = b"".join(p.read_bytes() for p in sorted(source.parent.glob("*.cpp")))
+    # Sources may #include their siblings: the key covers every C++ file and header of the folder.
+    files = sorted([*source.parent.glob("*.cpp"), *source.parent.glob("*.h")])
+    text = b"".join(p.read_bytes() for p in files)
     key = hashlib.sha256(
         text + " ".join(COMPILE_FLAGS).encode() + " ".join(sorted(cpu_flags())).encode()
     ).hexdigest()[:16]

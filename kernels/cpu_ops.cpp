@@ -11,6 +11,8 @@
 #if defined(__AVX512F__)
 #include <immintrin.h>
 
+#include "cpu_vec_math.h"
+
 namespace {
 
 // Rows are independent; threads only pay off once there is real work in the call.
@@ -38,23 +40,6 @@ inline void norm_row(const float* x, const float* weight, float eps, int64_t n, 
   for (; i + 16 <= n; i += 16)
     _mm512_storeu_ps(out + i, _mm512_mul_ps(_mm512_loadu_ps(weight + i), _mm512_mul_ps(_mm512_loadu_ps(x + i), s)));
   for (; i < n; ++i) out[i] = weight[i] * (x[i] * inv);
-}
-
-// SiLU(g) * u with e^-g from a range-reduced polynomial (relative error ~1e-7).
-inline __m512 exp_ps(__m512 x) {
-  x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-88.0f)), _mm512_set1_ps(88.0f));
-  const __m512 t = _mm512_mul_ps(x, _mm512_set1_ps(1.44269504089f));
-  const __m512 n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  const __m512 f = _mm512_sub_ps(t, n);
-  __m512 p = _mm512_set1_ps(1.5252733804e-5f);
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.5403530393e-4f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.3333558146e-3f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.6181291076e-3f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.5504108665e-2f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.4022650696e-1f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.9314718056e-1f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
-  return _mm512_scalef_ps(p, n);
 }
 
 }  // namespace
@@ -119,7 +104,7 @@ extern "C" int streamengine_silu_mul(const float* gate_up, int64_t in_stride, in
     int64_t i = 0;
     for (; i + 16 <= n; i += 16) {
       const __m512 gv = _mm512_loadu_ps(g + i);
-      const __m512 sig = _mm512_div_ps(_mm512_set1_ps(1.0f), _mm512_add_ps(_mm512_set1_ps(1.0f), exp_ps(_mm512_sub_ps(_mm512_setzero_ps(), gv))));
+      const __m512 sig = _mm512_div_ps(_mm512_set1_ps(1.0f), _mm512_add_ps(_mm512_set1_ps(1.0f), streamengine_cpu::exp_ps(_mm512_sub_ps(_mm512_setzero_ps(), gv))));
       _mm512_storeu_ps(o + i, _mm512_mul_ps(_mm512_mul_ps(gv, sig), _mm512_loadu_ps(u + i)));
     }
     for (; i < n; ++i) o[i] = g[i] / (1.0f + std::exp(-g[i])) * u[i];

@@ -15,6 +15,8 @@
 #include <immintrin.h>
 #include <omp.h>
 
+#include "cpu_vec_math.h"
+
 namespace {
 
 constexpr int MAX_GROUP = 16;    // query heads per KV head
@@ -22,24 +24,6 @@ constexpr int MAX_VECS = 16;     // head_dim / 16, i.e. head_dim <= 256
 constexpr int CHUNK = 16;        // tokens scored together: one zmm of scores
 constexpr int MAX_KV_PER_ITEM = 8;  // KV heads one work item walks together
 constexpr int SPAN = 4;          // pieces of <= 16 tokens per softmax update
-
-// e^x for x <= 0 (scores minus their running max): 2^(x log2 e) as 2^n * poly(f), |f| <= 1/2,
-// degree-7 Taylor polynomial of 2^f (relative error ~1e-7, float32's own rounding).
-inline __m512 exp_nonpositive(__m512 x) {
-  x = _mm512_max_ps(x, _mm512_set1_ps(-88.0f));
-  const __m512 t = _mm512_mul_ps(x, _mm512_set1_ps(1.44269504089f));
-  const __m512 n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  const __m512 f = _mm512_sub_ps(t, n);
-  __m512 p = _mm512_set1_ps(1.5252733804e-5f);
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.5403530393e-4f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.3333558146e-3f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.6181291076e-3f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.5504108665e-2f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.4022650696e-1f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.9314718056e-1f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
-  return _mm512_scalef_ps(p, n);
-}
 
 struct Layout {
   int64_t block_size, num_kv_heads, group, head_dim;
@@ -136,7 +120,7 @@ struct HeadState {
       __m512 total = _mm512_setzero_ps();
       for (int64_t j = 0; j < pieces; ++j) {
         const __mmask16 valid = static_cast<__mmask16>((1u << lens[j]) - 1);
-        probs[g][j] = _mm512_maskz_mov_ps(valid, exp_nonpositive(_mm512_sub_ps(s[j], m)));
+        probs[g][j] = _mm512_maskz_mov_ps(valid, streamengine_cpu::exp_ps(_mm512_sub_ps(s[j], m)));
         total = _mm512_add_ps(total, probs[g][j]);
       }
       running_sum[g] = running_sum[g] * rescale + _mm512_reduce_add_ps(total);
