@@ -13,23 +13,15 @@ import functools
 import torch
 
 from . import cpu_build
-
-_p = ctypes.c_void_p
-_i = ctypes.c_int64
+from .cpu_build import F32, I64, PTR
 
 
 @functools.lru_cache(maxsize=1)
 def load_library() -> ctypes.CDLL | None:
-    lib = cpu_build.load("cpu_paged_attention")
-    if lib is None:
-        return None
-    lib.streamengine_paged_decode_supported.restype = ctypes.c_int
-    lib.streamengine_paged_decode_supported.argtypes = [_i, _i, _i, _i]
-    lib.streamengine_paged_decode.restype = ctypes.c_int
-    lib.streamengine_paged_decode.argtypes = [
-        _p, _i, _p, _p, _i, _i, _i, _i, _p, _i, _p, _p, _p, _i, ctypes.c_float, _p,
-    ]
-    return lib
+    return cpu_build.bind("cpu_paged_attention", {
+        "streamengine_paged_decode_supported": [I64, I64, I64, I64],
+        "streamengine_paged_decode": [PTR, I64, PTR, PTR, I64, I64, I64, I64, PTR, I64, PTR, PTR, PTR, I64, F32, PTR],
+    })
 
 
 def decode_supported(num_heads: int, num_kv_heads: int, head_dim: int, block_size: int) -> bool:

@@ -45,6 +45,21 @@ def load(name: str) -> ctypes.CDLL | None:
     return ctypes.CDLL(str(path))
 
 
+# Argument types of the C entry points (every one returns int: ctypes' default restype).
+PTR, I64, F32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
+
+
+def bind(name: str, signatures: dict[str, list], probe: str | None = None) -> ctypes.CDLL | None:
+    """`load(name)` with each entry point's argument types declared; None also when the
+    parameterless `probe` entry point returns 0 (a build without AVX-512)."""
+    lib = load(name)
+    if lib is None or (probe is not None and getattr(lib, probe)() <= 0):
+        return None
+    for function, argtypes in signatures.items():
+        getattr(lib, function).argtypes = argtypes
+    return lib
+
+
 def build(source: Path, cache_dir: Path | None = None) -> Path:
     """Compiles `source` once per (source, flags, CPU flags); returns the shared library."""
     compiler = os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++")

@@ -14,23 +14,18 @@ import functools
 import torch
 
 from . import cpu_build
+from .cpu_build import F32, I64, PTR
 from .cpu_linear import PackedLinear
-
-_p = ctypes.c_void_p
-_i = ctypes.c_int64
-_f = ctypes.c_float
 
 
 @functools.lru_cache(maxsize=1)
 def load_library() -> ctypes.CDLL | None:
-    lib = cpu_build.load("cpu_layer")
-    if lib is None or not lib.streamengine_cpu_layer_available():
-        return None
-    lib.streamengine_layer_in.argtypes = [_p, _i, _i, _p, _i, _p, _i, _i, _i, _p, _p, _p, _p, _p, _p]
-    lib.streamengine_layer_out.argtypes = [
-        _p, _i, _i, _p, _i, _p, _p, _i, _p, _p, _i, _i, _p, _i, _p, _f, _p, _p, _p, _p, _p, _p,
-    ]
-    return lib
+    return cpu_build.bind("cpu_layer", {
+        "streamengine_layer_in": [PTR, I64, I64, PTR, I64, PTR, I64, I64, I64, PTR, PTR, PTR, PTR, PTR, PTR],
+        "streamengine_layer_out": [
+            PTR, I64, I64, PTR, I64, PTR, PTR, I64, PTR, PTR, I64, I64, PTR, I64, PTR, F32, PTR, PTR, PTR, PTR, PTR, PTR,
+        ],
+    }, probe="streamengine_cpu_layer_available")
 
 
 def available() -> bool:

@@ -20,6 +20,7 @@ import torch
 import torch.nn.functional as F
 
 from . import cpu_build
+from .cpu_build import I64, PTR
 
 SMALL_M_MAX = 1024  # the kernel matches or beats the batched matmul up to here (measured to 1024 rows)
 
@@ -89,13 +90,7 @@ def make_linear(weight: torch.Tensor, bias: torch.Tensor | None = None) -> Packe
 
 @functools.lru_cache(maxsize=1)
 def load_library() -> ctypes.CDLL | None:
-    """The compiled cpu_gemm.cpp with its signatures declared, or None (see cpu_build)."""
-    lib = cpu_build.load("cpu_gemm")
-    if lib is None:
-        return None
-    lib.streamengine_panel_width.restype = ctypes.c_int
-    lib.streamengine_sgemm_packed.restype = ctypes.c_int
-    lib.streamengine_sgemm_packed.argtypes = [
-        ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p,
-    ]
-    return lib if lib.streamengine_panel_width() > 0 else None
+    """The compiled cpu_gemm.cpp, or None (see cpu_build)."""
+    return cpu_build.bind(
+        "cpu_gemm", {"streamengine_sgemm_packed": [PTR, I64, I64, PTR, I64, PTR]}, probe="streamengine_panel_width"
+    )

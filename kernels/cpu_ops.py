@@ -14,21 +14,17 @@ import torch
 import torch.nn.functional as F
 
 from . import cpu_build
-
-_p = ctypes.c_void_p
-_i = ctypes.c_int64
+from .cpu_build import F32, I64, PTR
 
 
 @functools.lru_cache(maxsize=1)
 def load_library() -> ctypes.CDLL | None:
-    lib = cpu_build.load("cpu_ops")
-    if lib is None or not lib.streamengine_cpu_ops_available():
-        return None
-    lib.streamengine_add_rms_norm.argtypes = [_p, _p, _i, _p, ctypes.c_float, _i, _i, _p]
-    lib.streamengine_rope.argtypes = [_p, _i, _i, _i, _i, _p, _p]
-    lib.streamengine_silu_mul.argtypes = [_p, _i, _i, _i, _p]
-    lib.streamengine_store_kv.argtypes = [_p, _i, _p, _i, _p, _i, _i, _p, _p]
-    return lib
+    return cpu_build.bind("cpu_ops", {
+        "streamengine_add_rms_norm": [PTR, PTR, I64, PTR, F32, I64, I64, PTR],
+        "streamengine_rope": [PTR, I64, I64, I64, I64, PTR, PTR],
+        "streamengine_silu_mul": [PTR, I64, I64, I64, PTR],
+        "streamengine_store_kv": [PTR, I64, PTR, I64, PTR, I64, I64, PTR, PTR],
+    }, probe="streamengine_cpu_ops_available")
 
 
 def _native(*tensors: torch.Tensor) -> ctypes.CDLL | None:

@@ -62,13 +62,11 @@ def select_native(model_impl: str, model, device: torch.device) -> NativeDecoder
     if model_impl == "transformers":
         return None
     reason = unsupported_reason(model)
-    if model_impl == "native":
-        if reason is not None:
-            raise ValueError(f"EngineConfig.model_impl='native' cannot run this model: {reason}")
+    if model_impl == "native" and reason is not None:
+        raise ValueError(f"EngineConfig.model_impl='native' cannot run this model: {reason}")
+    if reason is None and (model_impl == "native" or device.type == "cpu"):
         return NativeDecoder(model)
-    if reason is not None or device.type != "cpu":
-        return None
-    return NativeDecoder(model)
+    return None
 
 
 class ModelRunner:

@@ -70,7 +70,6 @@ class NativeDecoder:
         self.num_heads = config.num_attention_heads
         self.num_kv_heads = getattr(config, "num_key_value_heads", None) or self.num_heads
         self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // self.num_heads
-        self.intermediate = config.intermediate_size
         self.eps = config.rms_norm_eps
         self.scale = self.head_dim**-0.5
         self.embed = decoder.embed_tokens.weight  # [vocab, hidden]
@@ -129,14 +128,18 @@ class NativeDecoder:
 
     def _fused_forward(self, i: int, layer: cpu_layer.FusedLayer, h, x, cos, sin, meta, next_norm) -> torch.Tensor:
         t = h.shape[0]
-        nh, nkv, d = self.num_heads, self.num_kv_heads, self.head_dim
         key_cache, value_cache = meta.kv_caches[i]
         qkv = layer.layer_in(x, cos, sin, meta.slot_mapping, key_cache, value_cache)  # [T, padded]
+        attn = meta.backend.attend(i, *self._split_qkv(qkv), meta, self.scale)  # [T, heads, D]
+        return layer.layer_out(attn.view(t, self.num_heads * self.head_dim), h, next_norm)
+
+    def _split_qkv(self, qkv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Views of q [T, heads, D], k and v [T, kv_heads, D] in a [T, >= (heads + 2 kv) * D] row."""
+        t, nh, nkv, d = qkv.shape[0], self.num_heads, self.num_kv_heads, self.head_dim
         q = qkv[:, : nh * d].view(t, nh, d)
         k = qkv[:, nh * d:(nh + nkv) * d].view(t, nkv, d)
         v = qkv[:, (nh + nkv) * d:(nh + 2 * nkv) * d].view(t, nkv, d)
-        attn = meta.backend.attend(i, q, k, v, meta, self.scale)  # [T, heads, D]
-        return layer.layer_out(attn.view(t, nh * d), h, next_norm)
+        return q, k, v
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden)  # [rows, vocab]
@@ -155,10 +158,7 @@ class NativeDecoder:
         nh, nkv, d = self.num_heads, self.num_kv_heads, self.head_dim
         qkv = layer.qkv(x)  # [T, (heads + 2 kv_heads) * D]
         rope_(qkv, nh + nkv, d, cos, sin)  # q and k heads are adjacent: one pass
-        q = qkv[:, : nh * d].view(t, nh, d)
-        k = qkv[:, nh * d:(nh + nkv) * d].view(t, nkv, d)
-        v = qkv[:, (nh + nkv) * d:].view(t, nkv, d)
-        attn = meta.backend.forward(i, q, k, v, meta, self.scale)  # [T, heads, D]
+        attn = meta.backend.forward(i, *self._split_qkv(qkv), meta, self.scale)  # [T, heads, D]
         x = add_rms_norm(h, layer.o(attn.reshape(t, nh * d)), layer.post_norm, self.eps)
         down = layer.down(silu_mul(layer.gate_up(x)))
         return add_rms_norm(h, down, next_norm, self.eps)
