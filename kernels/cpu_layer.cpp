@@ -12,6 +12,7 @@
 
 #include "cpu_gemm.cpp"
 #include "cpu_ops.cpp"
+#include "cpu_paged_attention.cpp"
 
 #if defined(__AVX512F__)
 
@@ -48,6 +49,51 @@ extern "C" int streamengine_layer_out(const float* attn, int64_t T, int64_t attn
   streamengine_silu_mul(gate_up, gu_padded, T, intermediate, act);
   if (streamengine_sgemm_packed(act, T, intermediate, down_panels, down_padded, down) != 0) return -1;
   return streamengine_add_rms_norm(h, down, down_padded, next_norm, eps, T, hidden, x_out);
+}
+
+// One layer's tensors for streamengine_decode_layers, as addresses (int64) in this order;
+// biases may be 0 (absent).
+enum LayerField { QKV_PANELS, QKV_BIAS, O_PANELS, O_BIAS, POST_NORM, GU_PANELS, DOWN_PANELS,
+                  NEXT_NORM, KEY_CACHE, VALUE_CACHE, NUM_FIELDS };
+
+// A whole decode step through every layer, for steps whose rows all have one query token:
+// per layer, layer_in, paged attention straight from the cache, layer_out. Why one call: from
+// Python each layer cost ~0.2 ms of dispatch and wrapper work on a cache the weight stream had
+// just flushed (~7 ms of a ~38 ms batch-2 step on SmolLM2, 2 cores).
+// x [T, hidden]: the first layer's normed input, overwritten with the final normed output;
+// h [T, hidden]: the residual stream, updated in place. Decode plan as in paged_decode (one
+// row per sequence, `rows` lists them). work: scratch of
+// T * (qkv_padded + heads * head_dim + o_padded + hidden + gu_padded + intermediate + down_padded) floats.
+extern "C" int streamengine_decode_layers(
+    const int64_t* layers, int64_t num_layers, int64_t T, int64_t hidden, int64_t heads, int64_t kv_heads,
+    int64_t head_dim, int64_t qkv_padded, int64_t o_padded, int64_t gu_padded, int64_t intermediate,
+    int64_t down_padded, float eps, float scale, const float* cos, const float* sin, const int64_t* slots,
+    int64_t block_size, const int32_t* block_tables, int64_t table_stride, const int32_t* seq_lens,
+    const int32_t* query_start_loc, const int64_t* rows, int64_t num_rows, float* h, float* x, float* work) {
+  float* qkv = work;
+  float* attn = qkv + T * qkv_padded;
+  float* o = attn + T * heads * head_dim;
+  float* x_mid = o + T * o_padded;
+  float* gate_up = x_mid + T * hidden;
+  float* act = gate_up + T * gu_padded;
+  float* down = act + T * intermediate;
+  for (int64_t l = 0; l < num_layers; ++l) {
+    const int64_t* f = layers + l * NUM_FIELDS;
+    auto ptr = [&](LayerField i) { return reinterpret_cast<float*>(f[i]); };
+    if (streamengine_layer_in(x, T, hidden, ptr(QKV_PANELS), qkv_padded, ptr(QKV_BIAS), heads, kv_heads,
+                              head_dim, cos, sin, slots, ptr(KEY_CACHE), ptr(VALUE_CACHE), qkv) != 0)
+      return -1;
+    if (streamengine_paged_decode(qkv, qkv_padded, ptr(KEY_CACHE), ptr(VALUE_CACHE), block_size, heads,
+                                  kv_heads, head_dim, block_tables, table_stride, seq_lens, query_start_loc,
+                                  rows, num_rows, scale, attn) != 0)
+      return -1;
+    // x is free once layer_in has read it: layer_out writes the next layer's input there.
+    if (streamengine_layer_out(attn, T, heads * head_dim, ptr(O_PANELS), o_padded, ptr(O_BIAS), h, hidden,
+                               ptr(POST_NORM), ptr(GU_PANELS), gu_padded, intermediate, ptr(DOWN_PANELS),
+                               down_padded, ptr(NEXT_NORM), eps, o, x_mid, gate_up, act, down, x) != 0)
+      return -1;
+  }
+  return 0;
 }
 
 extern "C" int streamengine_cpu_layer_available() { return 1; }

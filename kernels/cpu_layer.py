@@ -2,7 +2,8 @@
 
 `FusedLayer` holds one layer's packed weights (the `PackedLinear`s of the native model) and
 runs `layer_in` (q/k/v GEMM, RoPE, K/V store) and `layer_out` (output projection, residual,
-RMSNorm, gate/up GEMM, SiLU-times-up, down GEMM, residual, next RMSNorm). `available()` says
+RMSNorm, gate/up GEMM, SiLU-times-up, down GEMM, residual, next RMSNorm). `DecodeStack` runs
+every layer of a decode-only step, attention included, in one call. `available()` says
 whether the library runs here; callers keep their op-by-op path otherwise.
 """
 
@@ -14,8 +15,11 @@ import functools
 import torch
 
 from . import cpu_build
+from .cpu_attention import DecodePlan
 from .cpu_build import F32, I64, PTR
 from .cpu_linear import PackedLinear
+
+KEY_CACHE, VALUE_CACHE, NUM_FIELDS = 8, 9, 10  # LayerField in cpu_layer.cpp
 
 
 @functools.lru_cache(maxsize=1)
@@ -24,6 +28,10 @@ def load_library() -> ctypes.CDLL | None:
         "streamengine_layer_in": [PTR, I64, I64, PTR, I64, PTR, I64, I64, I64, PTR, PTR, PTR, PTR, PTR, PTR],
         "streamengine_layer_out": [
             PTR, I64, I64, PTR, I64, PTR, PTR, I64, PTR, PTR, I64, I64, PTR, I64, PTR, F32, PTR, PTR, PTR, PTR, PTR, PTR,
+        ],
+        "streamengine_decode_layers": [
+            PTR, I64, I64, I64, I64, I64, I64, I64, I64, I64, I64, I64, F32, F32, PTR, PTR, PTR, I64, PTR, I64,
+            PTR, PTR, PTR, I64, PTR, PTR, PTR,
         ],
     }, probe="streamengine_cpu_layer_available")
 
@@ -81,3 +89,63 @@ class FusedLayer:
         if rc != 0:
             raise RuntimeError("fused layer rejected its shapes")
         return x_out
+
+
+class DecodeStack:
+    """All layers of a decoder for steps whose rows each have one query token: one C++ call
+    (streamengine_decode_layers) runs layer_in, the paged attention and layer_out of every
+    layer, so no Python runs between layers."""
+
+    def __init__(self, layers: list[FusedLayer], next_norms: list[torch.Tensor]) -> None:
+        if len(layers) != len(next_norms) or not layers:
+            raise ValueError("one next norm per layer, at least one layer")
+        first = layers[0]
+        self.widths = (first.qkv.padded, first.o.padded, first.gate_up.padded, first.down.padded)
+        shape = (first.heads, first.kv_heads, first.head_dim, first.hidden, first.intermediate, first.eps)
+        for layer in layers:
+            widths = (layer.qkv.padded, layer.o.padded, layer.gate_up.padded, layer.down.padded)
+            if widths != self.widths or (layer.heads, layer.kv_heads, layer.head_dim, layer.hidden,
+                                         layer.intermediate, layer.eps) != shape:
+                raise ValueError("every layer of a DecodeStack must have the same shapes")
+        self.lib, self.first = first.lib, first
+        self.next_norms = [n.contiguous() for n in next_norms]  # kept alive: the table holds addresses
+        self.table = torch.tensor([  # [layers, NUM_FIELDS], cache columns filled per call
+            [layer.qkv.panels.data_ptr(), _ptr(layer.qkv.bias) or 0, layer.o.panels.data_ptr(),
+             _ptr(layer.o.bias) or 0, layer.post_norm.data_ptr(), layer.gate_up.panels.data_ptr(),
+             layer.down.panels.data_ptr(), norm.data_ptr(), 0, 0]
+            for layer, norm in zip(layers, self.next_norms)
+        ], dtype=torch.int64)
+        for layer in layers:  # addresses of contiguous tensors only
+            for bias in (layer.qkv.bias, layer.o.bias):
+                if bias is not None and not bias.is_contiguous():
+                    raise ValueError("biases must be contiguous")
+
+    def run(self, h: torch.Tensor, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, slots: torch.Tensor,
+            kv_caches: list[tuple[torch.Tensor, torch.Tensor]], plan: DecodePlan, scale: float) -> None:
+        """h [T, hidden] residual stream and x [T, hidden] the first layer's normed input, both
+        updated in place: x ends as the final normed hidden state."""
+        f, t = self.first, h.shape[0]
+        if len(kv_caches) != self.table.shape[0]:
+            raise ValueError(f"{len(kv_caches)} caches for {self.table.shape[0]} layers")
+        if plan.num_rows != t:
+            raise ValueError("a decode stack step has one query token per row")
+        for name, t_, dtype, width in (("h", h, torch.float32, f.hidden), ("x", x, torch.float32, f.hidden),
+                                       ("slots", slots, torch.int64, None)):
+            if t_.dtype != dtype or not t_.is_contiguous() or t_.shape[0] != t or (width and t_.shape[-1] != width):
+                raise ValueError(f"{name} must be a contiguous {dtype} tensor of {t} rows")
+        for cache in (c for pair in kv_caches for c in pair):
+            if cache.dtype != torch.float32 or not cache.is_contiguous() or cache.shape[2:] != (f.kv_heads, f.head_dim):
+                raise ValueError("caches must be contiguous float32 [blocks, block_size, kv_heads, head_dim]")
+        table = self.table.clone()
+        table[:, KEY_CACHE] = torch.tensor([k.data_ptr() for k, _ in kv_caches])
+        table[:, VALUE_CACHE] = torch.tensor([v.data_ptr() for _, v in kv_caches])
+        qkv_w, o_w, gu_w, down_w = self.widths
+        work = torch.empty(t * (qkv_w + f.heads * f.head_dim + o_w + f.hidden + gu_w + f.intermediate + down_w))
+        rc = self.lib.streamengine_decode_layers(
+            table.data_ptr(), len(kv_caches), t, f.hidden, f.heads, f.kv_heads, f.head_dim, qkv_w, o_w, gu_w,
+            f.intermediate, down_w, f.eps, scale, cos.data_ptr(), sin.data_ptr(), slots.data_ptr(),
+            kv_caches[0][0].shape[1], plan.tables, plan.table_stride, plan.seq_lens, plan.query_start_loc,
+            plan.rows, plan.num_rows, h.data_ptr(), x.data_ptr(), work.data_ptr(),
+        )
+        if rc != 0:
+            raise RuntimeError("decode stack rejected its shapes")

@@ -96,7 +96,11 @@ struct HeadState {
   // 64 tokens. offsets[j] is where piece j of this head starts in the caches.
   void chunk(const float* key_cache, const float* value_cache, const int64_t* offsets, const int64_t* lens,
              int64_t pieces, int64_t token_stride) {
+    // Compile-time trip counts for the specialized shapes, so the tiles below live in registers.
+    const int64_t group = GROUP > 0 ? GROUP : this->group;
+    const int64_t vecs = VECS > 0 ? VECS : this->vecs;
     __m512 probs[G_DIM][SPAN];
+    __m512 a[G_DIM][V_DIM];  // the accumulators, local for the span: no store per FMA
     for (int64_t g = 0; g < group; ++g) {
       __m512 s[SPAN];
       __m512 top = _mm512_set1_ps(-INFINITY);
@@ -126,7 +130,7 @@ struct HeadState {
       running_sum[g] = running_sum[g] * rescale + _mm512_reduce_add_ps(total);
       running_max[g] = new_max;
       const __m512 r = _mm512_set1_ps(rescale);
-      for (int64_t d = 0; d < vecs; ++d) acc[g][d] = _mm512_mul_ps(acc[g][d], r);
+      for (int64_t d = 0; d < vecs; ++d) a[g][d] = _mm512_mul_ps(acc[g][d], r);
     }
     for (int64_t j = 0; j < pieces; ++j) {
       const float* vbase = value_cache + offsets[j];
@@ -139,10 +143,12 @@ struct HeadState {
         const float* v = vbase + t * token_stride;
         for (int64_t d = 0; d < vecs; ++d) {
           const __m512 vv = _mm512_loadu_ps(v + d * 16);
-          for (int64_t g = 0; g < group; ++g) acc[g][d] = _mm512_fmadd_ps(pt[g], vv, acc[g][d]);
+          for (int64_t g = 0; g < group; ++g) a[g][d] = _mm512_fmadd_ps(pt[g], vv, a[g][d]);
         }
       }
     }
+    for (int64_t g = 0; g < group; ++g)
+      for (int64_t d = 0; d < vecs; ++d) acc[g][d] = a[g][d];
   }
 
   void finish(float* out, const Layout& L) const {

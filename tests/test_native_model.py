@@ -241,6 +241,61 @@ def test_fused_layers_match_the_op_by_op_path(tiny_qwen2_dir):
         torch.testing.assert_close(x, y, rtol=1e-5, atol=1e-5)
 
 
+@needs_kernel
+@pytest.mark.parametrize("folder_fixture", ["tiny_llama_dir", "tiny_qwen2_dir"])
+def test_decode_stack_matches_the_per_layer_path(request, folder_fixture):
+    """A decode-only step (contexts of 21, 6 and 34 tokens, one on a block boundary) through
+    the one-call DecodeStack gives the hidden states and caches of the per-layer fused calls."""
+    from streamengine.models.cpu_backend import CpuPagedAttention
+
+    register_paged_attention()
+    folder = request.getfixturevalue(folder_fixture)
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32, attn_implementation=ATTN_IMPLEMENTATION).eval()
+    native = NativeDecoder(model)
+    assert native.stack is not None
+    stack = native.stack
+    results = []
+    for decode_stack in (stack, None):
+        native.stack = decode_stack
+        first, pos1 = _packed_meta(model, [20, 5, 33], [0, 0, 0], CpuPagedAttention())
+        ids1 = torch.randint(3, 1000, (58,), generator=torch.Generator().manual_seed(5))
+        second, pos2 = _packed_meta(model, [1, 1, 1], [20, 5, 33], CpuPagedAttention())
+        second.kv_caches = first.kv_caches
+        assert second.backend.decode_only_plan(second) is not None
+        with torch.inference_mode():
+            native.forward(ids1, pos1, first)
+            h = native.forward(torch.tensor([7, 70, 700]), pos2, second)
+        results.append((h, [c.clone() for pair in first.kv_caches for c in pair]))
+    (a, ca), (b, cb) = results
+    torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+    for x, y in zip(ca, cb, strict=True):
+        torch.testing.assert_close(x, y, rtol=1e-5, atol=1e-5)
+
+
+@needs_kernel
+def test_decode_stack_rejects_mismatched_inputs(tiny_llama_dir):
+    from streamengine.models.cpu_backend import CpuPagedAttention
+
+    register_paged_attention()
+    model = AutoModelForCausalLM.from_pretrained(tiny_llama_dir, dtype=torch.float32, attn_implementation=ATTN_IMPLEMENTATION).eval()
+    native = NativeDecoder(model)
+    meta, positions = _packed_meta(model, [1, 1], [3, 9], CpuPagedAttention())
+    plan = meta.backend.decode_only_plan(meta)
+    hidden = model.config.hidden_size
+    h, x = torch.zeros(2, hidden), torch.zeros(2, hidden)
+    cos, sin = native._rope_tables(h, positions)
+    with pytest.raises(ValueError, match="caches for"):
+        native.stack.run(h, x, cos, sin, meta.slot_mapping, meta.kv_caches[:-1], plan, native.scale)
+    with pytest.raises(ValueError, match="one query token per row"):
+        native.stack.run(torch.zeros(3, hidden), torch.zeros(3, hidden), cos, sin, meta.slot_mapping,
+                         meta.kv_caches, plan, native.scale)
+    with pytest.raises(ValueError, match="contiguous"):
+        native.stack.run(h, x, cos, sin, meta.slot_mapping, [(k.half(), v) for k, v in meta.kv_caches], plan,
+                         native.scale)
+    mixed, _ = _packed_meta(model, [1, 4], [3, 0], CpuPagedAttention())
+    assert mixed.backend.decode_only_plan(mixed) is None  # a prefill row: the per-layer path runs
+
+
 async def test_engine_without_cpu_kernels_matches_transformers(tiny_llama_dir, monkeypatch):
     """STREAMENGINE_CPU_KERNELS=0 (or a machine without AVX-512 / a compiler): the native
     model runs on PyTorch ops and still equals transformers' greedy output."""

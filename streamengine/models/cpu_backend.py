@@ -27,6 +27,12 @@ class CpuPagedAttention(TorchPagedAttention):
         ) if decode else None
         p["other_rows"] = [i for i, n in enumerate(meta.query_lens_host) if n != 1]
 
+    def decode_only_plan(self, meta: AttentionMetadata) -> DecodePlan | None:
+        """The step's decode plan when every row is a decode row (a whole-stack step can then
+        run the kernel itself), else None."""
+        p = meta.prepared
+        return None if p["other_rows"] else p["decode"]
+
     def forward(self, layer_idx, q, k, v, meta, scale):
         key_cache, value_cache = meta.kv_caches[layer_idx]
         store_kv(k, v, meta.slot_mapping, key_cache, value_cache)

@@ -79,6 +79,9 @@ class NativeDecoder:
         head = model.get_output_embeddings()
         self.lm_head = make_linear(head.weight, head.bias)
         self.fused = self._fused_layers()
+        self.stack = None if self.fused is None else cpu_layer.DecodeStack(
+            self.fused, [layer.input_norm for layer in self.layers[1:]] + [self.final_norm]
+        )
 
     @staticmethod
     def _layer(layer) -> NativeLayer:
@@ -116,6 +119,11 @@ class NativeDecoder:
         h = F.embedding(input_ids, self.embed)  # [T, hidden], the residual stream
         cos, sin = self._rope_tables(h, positions)
         x = add_rms_norm(h, None, self.layers[0].input_norm, self.eps)
+        # Decode-only steps on the C++ backend: every layer in one call.
+        plan = meta.backend.decode_only_plan(meta) if hasattr(meta.backend, "decode_only_plan") else None
+        if self.stack is not None and plan is not None:
+            self.stack.run(h, x, cos, sin, meta.slot_mapping, meta.kv_caches, plan, self.scale)
+            return x
         # The fused layer stores K/V itself, so the backend must be able to attend without storing.
         fused = self.fused if hasattr(meta.backend, "attend") else None
         for i, layer in enumerate(self.layers):
