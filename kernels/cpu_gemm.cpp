@@ -5,7 +5,9 @@
 // 4-64 rows costs 1.3-1.8x the time of the weight read itself. Here W is packed once, at load
 // time, into panels of NR = 48 output columns stored k-major ([N / 48][K][48]): a panel is one
 // sequential stream, and each 48-float row of it is used by every input row while it sits in
-// registers (8 rows x 3 AVX-512 vectors = 24 accumulators).
+// registers (8 rows x 3 AVX-512 vectors = 24 accumulators). From 17 rows on, a panel's
+// compute outlasts its stream, so the later row chunks prefetch the next panel meanwhile
+// (24-32 rows: 13-16% faster, 64-128 rows: ~8%, measured A/B over SmolLM2's 120 weights).
 //
 // Built at run time by kernels/cpu_build.py (g++ -O3 -march=native -fopenmp). OpenMP resolves
 // to the libgomp that torch has already loaded, so the threads are torch's own.
@@ -21,17 +23,27 @@ constexpr int64_t NR = 48;          // output columns per panel: 3 zmm registers
 constexpr int64_t MR = 8;           // input rows per micro-kernel call: 24 accumulators
 constexpr int64_t PREFETCH = 1024;  // floats ahead in the panel stream (~21 k-rows)
 
-template <int ROWS>
+constexpr int64_t LINE = 16;        // floats per 64-byte cache line
+constexpr int64_t OVERLAP_CHUNKS = 3;  // row chunks from which a panel prefetches the next one
+
+// NEXT: also pull `next_lines` cache lines from `next` (a share of the following panel) into
+// L2, spread over the k loop, so the weight stream goes on while later row chunks compute.
+template <int ROWS, bool NEXT>
 inline void micro_kernel(const float* x, int64_t ldx, const float* panel, int64_t K,
-                         float* y, int64_t ldy) {
+                         float* y, int64_t ldy, const float* next, int64_t next_lines) {
   __m512 acc[ROWS][3];
   for (int m = 0; m < ROWS; ++m)
     for (int j = 0; j < 3; ++j) acc[m][j] = _mm512_setzero_ps();
+  const int64_t per_k = NEXT ? (next_lines + K - 1) / K : 0;
   for (int64_t k = 0; k < K; ++k) {
     const float* w = panel + k * NR;
     _mm_prefetch(reinterpret_cast<const char*>(w + PREFETCH), _MM_HINT_T0);
     _mm_prefetch(reinterpret_cast<const char*>(w + PREFETCH + 16), _MM_HINT_T0);
     _mm_prefetch(reinterpret_cast<const char*>(w + PREFETCH + 32), _MM_HINT_T0);
+    if constexpr (NEXT) {
+      for (int64_t j = k * per_k; j < (k + 1) * per_k && j < next_lines; ++j)
+        _mm_prefetch(reinterpret_cast<const char*>(next + j * LINE), _MM_HINT_T1);
+    }
     const __m512 w0 = _mm512_loadu_ps(w);
     const __m512 w1 = _mm512_loadu_ps(w + 16);
     const __m512 w2 = _mm512_loadu_ps(w + 32);
@@ -49,22 +61,38 @@ inline void micro_kernel(const float* x, int64_t ldx, const float* panel, int64_
   }
 }
 
-// All M rows against one panel; the panel stays in L1/L2 across the row chunks.
+template <bool NEXT>
+inline void rows_kernel(int64_t rows, const float* x, int64_t K, const float* panel, float* y, int64_t ldy,
+                        const float* next, int64_t next_lines) {
+  switch (rows) {
+    case 1: micro_kernel<1, NEXT>(x, K, panel, K, y, ldy, next, next_lines); break;
+    case 2: micro_kernel<2, NEXT>(x, K, panel, K, y, ldy, next, next_lines); break;
+    case 3: micro_kernel<3, NEXT>(x, K, panel, K, y, ldy, next, next_lines); break;
+    case 4: micro_kernel<4, NEXT>(x, K, panel, K, y, ldy, next, next_lines); break;
+    case 5: micro_kernel<5, NEXT>(x, K, panel, K, y, ldy, next, next_lines); break;
+    case 6: micro_kernel<6, NEXT>(x, K, panel, K, y, ldy, next, next_lines); break;
+    case 7: micro_kernel<7, NEXT>(x, K, panel, K, y, ldy, next, next_lines); break;
+    default: micro_kernel<MR, NEXT>(x, K, panel, K, y, ldy, next, next_lines); break;
+  }
+}
+
+// All M rows against one panel; the panel stays in L1/L2 across the row chunks. From three
+// chunks on, a panel's compute outlasts its stream, so the chunks also prefetch equal shares
+// of the next panel (`next`, nullptr for the last): memory and compute overlap. With fewer,
+// the hardware prefetcher alone streams faster (measured).
 inline void panel_rows(const float* x, int64_t M, int64_t K, const float* panel, float* y,
-                       int64_t ldy) {
-  int64_t m = 0;
-  for (; m + MR <= M; m += MR) micro_kernel<MR>(x + m * K, K, panel, K, y + m * ldy, ldy);
-  const float* xm = x + m * K;
-  float* ym = y + m * ldy;
-  switch (M - m) {
-    case 1: micro_kernel<1>(xm, K, panel, K, ym, ldy); break;
-    case 2: micro_kernel<2>(xm, K, panel, K, ym, ldy); break;
-    case 3: micro_kernel<3>(xm, K, panel, K, ym, ldy); break;
-    case 4: micro_kernel<4>(xm, K, panel, K, ym, ldy); break;
-    case 5: micro_kernel<5>(xm, K, panel, K, ym, ldy); break;
-    case 6: micro_kernel<6>(xm, K, panel, K, ym, ldy); break;
-    case 7: micro_kernel<7>(xm, K, panel, K, ym, ldy); break;
-    default: break;
+                       int64_t ldy, const float* next) {
+  const int64_t chunks = (M + MR - 1) / MR;
+  const bool overlap = next != nullptr && chunks >= OVERLAP_CHUNKS;
+  const int64_t lines = K * NR / LINE;
+  for (int64_t c = 0; c < chunks; ++c) {
+    const int64_t m = c * MR, rows = M - m < MR ? M - m : MR;
+    if (overlap) {
+      const int64_t first = lines * c / chunks, last = lines * (c + 1) / chunks;
+      rows_kernel<true>(rows, x + m * K, K, panel, y + m * ldy, ldy, next + first * LINE, last - first);
+    } else {
+      rows_kernel<false>(rows, x + m * K, K, panel, y + m * ldy, ldy, nullptr, 0);
+    }
   }
 }
 
@@ -80,7 +108,8 @@ extern "C" int streamengine_sgemm_packed(const float* x, int64_t M, int64_t K,
   const int64_t num_panels = n_padded / NR;
 #pragma omp parallel for schedule(guided)
   for (int64_t p = 0; p < num_panels; ++p)
-    panel_rows(x, M, K, packed + p * K * NR, y + p * NR, n_padded);
+    panel_rows(x, M, K, packed + p * K * NR, y + p * NR, n_padded,
+               p + 1 < num_panels ? packed + (p + 1) * K * NR : nullptr);
   return 0;
 }
 
