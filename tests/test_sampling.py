@@ -185,6 +185,16 @@ def test_greedy_equals_argmax_and_leaves_logits_alone() -> None:
     assert torch.equal(logits, before)
 
 
+def test_greedy_ties_take_the_first_index_as_argmax() -> None:
+    """transformers' greedy search takes argmax: on exact ties, the lowest token id."""
+    logits = torch.zeros(4, 49152)
+    logits[:, [100, 30000]] = 5.0  # rows 0-3 tie between 100 and 30000
+    logits[1, 7] = 5.0  # a three-way tie, first at 7
+    logits[2, 49151] = 6.0  # a clear maximum at the last column
+    out = Sampler()(logits, [row(SamplingParams(temperature=0))] * 4)
+    assert out.token_ids == [100, 7, 49151, 100] == logits.argmax(-1).tolist()
+
+
 def test_top_k_one_equals_greedy() -> None:
     logits = random_logits(16)
     rows = [row(SamplingParams(temperature=1.5, top_k=1, seed=i)) for i in range(16)]
