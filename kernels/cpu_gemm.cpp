@@ -5,9 +5,10 @@
 // 4-64 rows costs 1.3-1.8x the time of the weight read itself. Here W is packed once, at load
 // time, into panels of NR = 48 output columns stored k-major ([N / 48][K][48]): a panel is one
 // sequential stream, and each 48-float row of it is used by every input row while it sits in
-// registers (8 rows x 3 AVX-512 vectors = 24 accumulators). From 17 rows on, a panel's
-// compute outlasts its stream, so the later row chunks prefetch the next panel meanwhile
-// (24-32 rows: 13-16% faster, 64-128 rows: ~8%, measured A/B over SmolLM2's 120 weights).
+// registers (8 rows x 3 AVX-512 vectors = 24 accumulators). From 9 rows on, a panel's
+// compute outlasts its stream, so its row chunks prefetch the next panel meanwhile (9-16
+// rows: 7-10% faster, 24-32 rows: 13-16%, 64-128 rows: ~8%, measured A/B over SmolLM2's 120
+// weight matrices).
 //
 // Built at run time by kernels/cpu_build.py (g++ -O3 -march=native -fopenmp). OpenMP resolves
 // to the libgomp that torch has already loaded, so the threads are torch's own.
@@ -82,11 +83,15 @@ inline void rows_kernel(int64_t rows, const float* x, int64_t K, const float* pa
 // the hardware prefetcher alone streams faster (measured).
 inline void panel_rows(const float* x, int64_t M, int64_t K, const float* panel, float* y,
                        int64_t ldy, const float* next) {
-  const int64_t chunks = (M + MR - 1) / MR;
+  if (M <= 0) return;
+  // 9-16 rows run as three chunks of <= 6 (not two of 8), so they overlap too.
+  const int64_t chunks = M > MR && M < OVERLAP_CHUNKS * MR ? OVERLAP_CHUNKS : (M + MR - 1) / MR;
+  const int64_t step = (M + chunks - 1) / chunks;  // rows per chunk
   const bool overlap = next != nullptr && chunks >= OVERLAP_CHUNKS;
   const int64_t lines = K * NR / LINE;
   for (int64_t c = 0; c < chunks; ++c) {
-    const int64_t m = c * MR, rows = M - m < MR ? M - m : MR;
+    const int64_t m = c * step, rows = M - m < step ? M - m : step;
+    if (rows <= 0) break;
     if (overlap) {
       const int64_t first = lines * c / chunks, last = lines * (c + 1) / chunks;
       rows_kernel<true>(rows, x + m * K, K, panel, y + m * ldy, ldy, next + first * LINE, last - first);
