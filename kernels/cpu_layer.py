@@ -107,35 +107,25 @@ class DecodeStack:
             if widths != self.widths or (layer.heads, layer.kv_heads, layer.head_dim, layer.hidden,
                                          layer.intermediate, layer.eps) != shape:
                 raise ValueError("every layer of a DecodeStack must have the same shapes")
+        for layer in layers:  # the table below holds addresses: contiguous tensors only
+            for bias in (layer.qkv.bias, layer.o.bias):
+                if bias is not None and not bias.is_contiguous():
+                    raise ValueError("biases must be contiguous")
         self.lib, self.first = first.lib, first
-        self.next_norms = [n.contiguous() for n in next_norms]  # kept alive: the table holds addresses
+        self.next_norms = [n.contiguous() for n in next_norms]  # kept alive for their addresses
         self.table = torch.tensor([  # [layers, NUM_FIELDS], cache columns filled per call
             [layer.qkv.panels.data_ptr(), _ptr(layer.qkv.bias) or 0, layer.o.panels.data_ptr(),
              _ptr(layer.o.bias) or 0, layer.post_norm.data_ptr(), layer.gate_up.panels.data_ptr(),
              layer.down.panels.data_ptr(), norm.data_ptr(), 0, 0]
             for layer, norm in zip(layers, self.next_norms)
         ], dtype=torch.int64)
-        for layer in layers:  # addresses of contiguous tensors only
-            for bias in (layer.qkv.bias, layer.o.bias):
-                if bias is not None and not bias.is_contiguous():
-                    raise ValueError("biases must be contiguous")
 
     def run(self, h: torch.Tensor, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, slots: torch.Tensor,
             kv_caches: list[tuple[torch.Tensor, torch.Tensor]], plan: DecodePlan, scale: float) -> None:
         """h [T, hidden] residual stream and x [T, hidden] the first layer's normed input, both
-        updated in place: x ends as the final normed hidden state."""
+        updated in place: x ends as the final normed hidden state. cos/sin [T, head_dim / 2]."""
         f, t = self.first, h.shape[0]
-        if len(kv_caches) != self.table.shape[0]:
-            raise ValueError(f"{len(kv_caches)} caches for {self.table.shape[0]} layers")
-        if plan.num_rows != t:
-            raise ValueError("a decode stack step has one query token per row")
-        for name, t_, dtype, width in (("h", h, torch.float32, f.hidden), ("x", x, torch.float32, f.hidden),
-                                       ("slots", slots, torch.int64, None)):
-            if t_.dtype != dtype or not t_.is_contiguous() or t_.shape[0] != t or (width and t_.shape[-1] != width):
-                raise ValueError(f"{name} must be a contiguous {dtype} tensor of {t} rows")
-        for cache in (c for pair in kv_caches for c in pair):
-            if cache.dtype != torch.float32 or not cache.is_contiguous() or cache.shape[2:] != (f.kv_heads, f.head_dim):
-                raise ValueError("caches must be contiguous float32 [blocks, block_size, kv_heads, head_dim]")
+        self._check(t, h, x, cos, sin, slots, kv_caches, plan)
         table = self.table.clone()
         table[:, KEY_CACHE] = torch.tensor([k.data_ptr() for k, _ in kv_caches])
         table[:, VALUE_CACHE] = torch.tensor([v.data_ptr() for _, v in kv_caches])
@@ -149,3 +139,25 @@ class DecodeStack:
         )
         if rc != 0:
             raise RuntimeError("decode stack rejected its shapes")
+
+    def _check(self, t: int, h, x, cos, sin, slots, kv_caches, plan: DecodePlan) -> None:
+        """The C++ side trusts every address and shape: reject what would make it read or
+        write out of bounds."""
+        f = self.first
+        if len(kv_caches) != self.table.shape[0]:
+            raise ValueError(f"{len(kv_caches)} caches for {self.table.shape[0]} layers")
+        if plan.num_rows != t:
+            raise ValueError("a decode stack step has one query token per row")
+        for name, tensor, dtype, width in (
+            ("h", h, torch.float32, f.hidden), ("x", x, torch.float32, f.hidden),
+            ("cos", cos, torch.float32, f.head_dim // 2), ("sin", sin, torch.float32, f.head_dim // 2),
+            ("slots", slots, torch.int64, None),
+        ):
+            if (tensor.dtype != dtype or not tensor.is_contiguous() or tensor.shape[0] != t
+                    or (width is not None and tensor.shape[-1] != width)):
+                raise ValueError(f"{name} must be a contiguous {dtype} tensor of {t} rows")
+        block_shape = kv_caches[0][0].shape[1:]
+        for cache in (c for pair in kv_caches for c in pair):
+            if (cache.dtype != torch.float32 or not cache.is_contiguous() or cache.shape[1:] != block_shape
+                    or block_shape[1:] != (f.kv_heads, f.head_dim)):
+                raise ValueError("caches must be contiguous float32 [blocks, block_size, kv_heads, head_dim], all alike")

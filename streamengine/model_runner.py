@@ -70,7 +70,10 @@ def select_native(model_impl: str, model, device: torch.device) -> NativeDecoder
 
 
 class ModelRunner:
-    def __init__(self, loaded: LoadedModel, config: EngineConfig, device: torch.device) -> None:
+    def __init__(self, loaded: LoadedModel, config: EngineConfig, device: torch.device,
+                 owns_model: bool = False) -> None:
+        """owns_model: the model was loaded for this runner alone, so the native decoder may
+        release transformers' copies of the weights it packed (not when a caller shares it)."""
         self.model = loaded.model
         self.device = device
         self.dtype = getattr(torch, config.dtype)
@@ -101,6 +104,8 @@ class ModelRunner:
         self.decoder = self.model.get_decoder()
         self.lm_head = self.model.get_output_embeddings()
         self.native = select_native(config.model_impl, self.model, device)
+        if self.native is not None and owns_model:
+            self.native.release_module_weights(self.model)  # 425 MB for SmolLM2-135M in float32
         self.sampler = Sampler()
         self.generator = torch.Generator().manual_seed(config.seed)
 

@@ -115,6 +115,23 @@ class NativeDecoder:
             for layer in self.layers
         ]
 
+    def release_module_weights(self, model) -> int:
+        """Replace the projection weights of transformers' layers, which this decoder has
+        copied (fused and packed), by shape-only meta tensors; returns the bytes released.
+        Only for a model no one else runs: its own forward fails loudly afterwards. The
+        embedding, norms and biases stay (this decoder reads them in place)."""
+        released = 0
+        for layer in model.get_decoder().layers:
+            attn, mlp = layer.self_attn, layer.mlp
+            for module in (attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj, mlp.gate_proj, mlp.up_proj,
+                           mlp.down_proj):
+                weight = module.weight
+                if weight.device.type == "meta":
+                    continue
+                released += weight.numel() * weight.element_size()
+                module.weight = torch.nn.Parameter(torch.empty_like(weight, device="meta"), requires_grad=False)
+        return released
+
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         h = F.embedding(input_ids, self.embed)  # [T, hidden], the residual stream
         cos, sin = self._rope_tables(h, positions)
