@@ -74,7 +74,7 @@ class EngineCore:
             torch.set_num_threads(config.num_threads)
         self.loaded = loaded or load_model(config.model, config.dtype, str(self.device), config.cache_dir)
         self.tokenizer = self.loaded.tokenizer
-        self.runner = ModelRunner(self.loaded, config, self.device, owns_model=loaded is None)
+        self.runner = ModelRunner(self.loaded, config, self.device)
         self.block_manager = BlockManager(
             self.runner.num_blocks, config.block_size, config.enable_prefix_caching,
             num_cpu_blocks=self.runner.num_cpu_blocks,

@@ -11,7 +11,7 @@ import torch
 from streamengine.config import DEFAULT_KV_CACHE_BYTES, EngineConfig
 from streamengine.models.attention import AttentionBackend, AttentionMetadata, TorchPagedAttention
 from streamengine.models.loader import LoadedModel
-from streamengine.models.native import NativeDecoder, packed_decoder, unsupported_reason
+from streamengine.models.native import NativeDecoder, unsupported_reason
 from streamengine.sampling import Sampler, SamplerOutput, SamplingRow
 from streamengine.scheduler import SchedulerOutput
 
@@ -59,14 +59,6 @@ def select_backend(name: str, device: torch.device, model_config, block_size: in
 def select_native(model_impl: str, model, device: torch.device) -> NativeDecoder | None:
     """The native decoder for "native", and for "auto" on CPU when the model qualifies;
     None means transformers' own modules run (with the paged attention hook)."""
-    packed = packed_decoder(model)
-    if packed is not None:  # an engine that loaded this model released transformers' copies
-        if model_impl == "transformers":
-            raise ValueError(
-                "model_impl='transformers' cannot run a model whose layer weights an engine moved into its "
-                "native decoder; load the model again (or pass the LoadedModel before that engine starts)"
-            )
-        return packed
     if model_impl == "transformers":
         return None
     reason = unsupported_reason(model)
@@ -78,10 +70,7 @@ def select_native(model_impl: str, model, device: torch.device) -> NativeDecoder
 
 
 class ModelRunner:
-    def __init__(self, loaded: LoadedModel, config: EngineConfig, device: torch.device,
-                 owns_model: bool = False) -> None:
-        """owns_model: the model was loaded for this runner alone, so the native decoder may
-        release transformers' copies of the weights it packed (not when a caller shares it)."""
+    def __init__(self, loaded: LoadedModel, config: EngineConfig, device: torch.device) -> None:
         self.model = loaded.model
         self.device = device
         self.dtype = getattr(torch, config.dtype)
@@ -112,8 +101,6 @@ class ModelRunner:
         self.decoder = self.model.get_decoder()
         self.lm_head = self.model.get_output_embeddings()
         self.native = select_native(config.model_impl, self.model, device)
-        if self.native is not None and owns_model:
-            self.native.release_module_weights(self.model)  # 425 MB for SmolLM2-135M in float32
         self.sampler = Sampler()
         self.generator = torch.Generator().manual_seed(config.seed)
 

@@ -316,25 +316,3 @@ async def test_engine_without_cpu_kernels_matches_transformers(tiny_llama_dir, m
                     cpu_attention.load_library):
             lib.cache_clear()
 
-
-def test_engine_releases_transformers_weights_only_when_it_owns_the_model(tiny_llama_dir):
-    """An engine that loaded its own model frees transformers' projection weights (the native
-    decoder holds packed copies; the parity tests prove it still generates the same tokens);
-    a model the caller passes in, and may run elsewhere, keeps them."""
-    from streamengine.core import EngineCore
-    from streamengine.models import load_model
-
-    own = EngineCore(EngineConfig(model=str(tiny_llama_dir), model_impl="native"))
-    layer = own.loaded.model.get_decoder().layers[0]
-    assert layer.self_attn.q_proj.weight.device.type == "meta"
-    assert layer.mlp.down_proj.weight.device.type == "meta"
-    assert layer.self_attn.q_proj.weight.shape == (own.loaded.model.config.hidden_size,) * 2  # shape kept
-    assert own.loaded.model.get_input_embeddings().weight.device.type == "cpu"  # read in place
-    # Engines that share the owner's model run its decoder; transformers' path cannot run it.
-    again = EngineCore(EngineConfig(model=str(tiny_llama_dir)), own.loaded)
-    assert again.runner.native is own.runner.native
-    with pytest.raises(ValueError, match="load the model again"):
-        EngineCore(EngineConfig(model=str(tiny_llama_dir), model_impl="transformers"), own.loaded)
-    shared = load_model(str(tiny_llama_dir), "float32", "cpu")
-    EngineCore(EngineConfig(model=str(tiny_llama_dir), model_impl="native"), shared)
-    assert shared.model.get_decoder().layers[0].self_attn.q_proj.weight.device.type == "cpu"

@@ -27,7 +27,6 @@ from streamengine.kernels.cpu_ops import add_rms_norm, rope_, silu_mul
 from streamengine.models.attention import AttentionMetadata
 
 SUPPORTED_MODEL_TYPES = ("llama", "qwen2")
-PACKED_DECODER_ATTR = "_streamengine_native_decoder"  # set on a model whose weights moved into a decoder
 
 Linear = PackedLinear | TorchLinear
 
@@ -47,12 +46,6 @@ def unsupported_reason(model) -> str | None:
     if getattr(config, "mlp_bias", False):
         return "MLP biases"
     return None
-
-
-def packed_decoder(model) -> NativeDecoder | None:
-    """The decoder that took over this model's projection weights (see
-    `NativeDecoder.release_module_weights`), or None while transformers' modules still hold them."""
-    return getattr(model, PACKED_DECODER_ATTR, None)
 
 
 @dataclass(slots=True)
@@ -121,24 +114,6 @@ class NativeDecoder:
                                  self.num_heads, self.num_kv_heads, self.head_dim, self.eps)
             for layer in self.layers
         ]
-
-    def release_module_weights(self, model) -> int:
-        """Replace the projection weights of transformers' layers, which this decoder has
-        copied (fused and packed), by shape-only meta tensors; returns the bytes released.
-        Only for a model no one else runs: its own forward fails loudly afterwards. The
-        embedding, norms and biases stay (this decoder reads them in place)."""
-        released = 0
-        setattr(model, PACKED_DECODER_ATTR, self)  # later engines sharing the model reuse this decoder
-        for layer in model.get_decoder().layers:
-            attn, mlp = layer.self_attn, layer.mlp
-            for module in (attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj, mlp.gate_proj, mlp.up_proj,
-                           mlp.down_proj):
-                weight = module.weight
-                if weight.device.type == "meta":
-                    continue
-                released += weight.numel() * weight.element_size()
-                module.weight = torch.nn.Parameter(torch.empty_like(weight, device="meta"), requires_grad=False)
-        return released
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         h = F.embedding(input_ids, self.embed)  # [T, hidden], the residual stream
