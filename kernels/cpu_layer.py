@@ -117,7 +117,7 @@ class DecodeStack:
             [layer.qkv.panels.data_ptr(), _ptr(layer.qkv.bias) or 0, layer.o.panels.data_ptr(),
              _ptr(layer.o.bias) or 0, layer.post_norm.data_ptr(), layer.gate_up.panels.data_ptr(),
              layer.down.panels.data_ptr(), norm.data_ptr(), 0, 0]
-            for layer, norm in zip(layers, self.next_norms)
+            for layer, norm in zip(layers, self.next_norms, strict=True)
         ], dtype=torch.int64)
 
     def run(self, h: torch.Tensor, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, slots: torch.Tensor,
