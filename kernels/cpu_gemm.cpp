@@ -13,6 +13,7 @@
 // Built at run time by kernels/cpu_build.py (g++ -O3 -march=native -fopenmp). OpenMP resolves
 // to the libgomp that torch has already loaded, so the threads are torch's own.
 
+#include <algorithm>
 #include <cstdint>
 
 #if defined(__AVX512F__)
@@ -25,7 +26,7 @@ constexpr int64_t MR = 8;           // input rows per micro-kernel call: 24 accu
 constexpr int64_t PREFETCH = 1024;  // floats ahead in the panel stream (~21 k-rows)
 
 constexpr int64_t LINE = 16;        // floats per 64-byte cache line
-constexpr int64_t OVERLAP_CHUNKS = 3;  // row chunks from which a panel prefetches the next one
+constexpr int64_t OVERLAP_CHUNKS = 3;  // fewest row chunks above MR rows: share of the next panel each
 
 // NEXT: also pull `next_lines` cache lines from `next` (a share of the following panel) into
 // L2, spread over the k loop, so the weight stream goes on while later row chunks compute.
@@ -77,21 +78,20 @@ inline void rows_kernel(int64_t rows, const float* x, int64_t K, const float* pa
   }
 }
 
-// All M rows against one panel; the panel stays in L1/L2 across the row chunks. From three
-// chunks on, a panel's compute outlasts its stream, so the chunks also prefetch equal shares
-// of the next panel (`next`, nullptr for the last): memory and compute overlap. With fewer,
-// the hardware prefetcher alone streams faster (measured).
+// All M rows against one panel; the panel stays in L1/L2 across the row chunks. Above MR rows
+// a panel's compute outlasts its stream, so the chunks also prefetch equal shares of the next
+// panel (`next`, nullptr for the last): memory and compute overlap. Up to MR rows the hardware
+// prefetcher alone streams faster (measured).
 inline void panel_rows(const float* x, int64_t M, int64_t K, const float* panel, float* y,
                        int64_t ldy, const float* next) {
   if (M <= 0) return;
-  // 9-16 rows run as three chunks of <= 6 (not two of 8), so they overlap too.
-  const int64_t chunks = M > MR && M < OVERLAP_CHUNKS * MR ? OVERLAP_CHUNKS : (M + MR - 1) / MR;
+  // Above MR rows: at least three chunks (9-16 rows as three of <= 6, not two of 8).
+  const bool overlap = next != nullptr && M > MR;
+  const int64_t chunks = M > MR ? std::max(OVERLAP_CHUNKS, (M + MR - 1) / MR) : 1;
   const int64_t step = (M + chunks - 1) / chunks;  // rows per chunk
-  const bool overlap = next != nullptr && chunks >= OVERLAP_CHUNKS;
   const int64_t lines = K * NR / LINE;
-  for (int64_t c = 0; c < chunks; ++c) {
+  for (int64_t c = 0; c * step < M; ++c) {
     const int64_t m = c * step, rows = M - m < step ? M - m : step;
-    if (rows <= 0) break;
     if (overlap) {
       const int64_t first = lines * c / chunks, last = lines * (c + 1) / chunks;
       rows_kernel<true>(rows, x + m * K, K, panel, y + m * ldy, ldy, next + first * LINE, last - first);

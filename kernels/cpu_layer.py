@@ -107,10 +107,8 @@ class DecodeStack:
             if widths != self.widths or (layer.heads, layer.kv_heads, layer.head_dim, layer.hidden,
                                          layer.intermediate, layer.eps) != shape:
                 raise ValueError("every layer of a DecodeStack must have the same shapes")
-        for layer in layers:  # the table below holds addresses: contiguous tensors only
-            for bias in (layer.qkv.bias, layer.o.bias):
-                if bias is not None and not bias.is_contiguous():
-                    raise ValueError("biases must be contiguous")
+            if any(b is not None and not b.is_contiguous() for b in (layer.qkv.bias, layer.o.bias)):
+                raise ValueError("biases must be contiguous")  # the table below holds addresses
         self.lib, self.first = first.lib, first
         self.next_norms = [n.contiguous() for n in next_norms]  # kept alive for their addresses
         self.table = torch.tensor([  # [layers, NUM_FIELDS], cache columns filled per call
@@ -119,16 +117,17 @@ class DecodeStack:
              layer.down.panels.data_ptr(), norm.data_ptr(), 0, 0]
             for layer, norm in zip(layers, self.next_norms, strict=True)
         ], dtype=torch.int64)
+        # The engine's caches live as long as it does: their table is built (and checked) once.
+        self._bound: tuple[list, torch.Tensor] | None = None
 
     def run(self, h: torch.Tensor, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, slots: torch.Tensor,
             kv_caches: list[tuple[torch.Tensor, torch.Tensor]], plan: DecodePlan, scale: float) -> None:
         """h [T, hidden] residual stream and x [T, hidden] the first layer's normed input, both
-        updated in place: x ends as the final normed hidden state. cos/sin [T, head_dim / 2]."""
+        updated in place: x ends as the final normed hidden state. cos/sin [T, head_dim / 2].
+        kv_caches is bound on first use: pass a new list, not the same one changed in place."""
         f, t = self.first, h.shape[0]
-        self._check(t, h, x, cos, sin, slots, kv_caches, plan)
-        table = self.table.clone()
-        table[:, KEY_CACHE] = torch.tensor([k.data_ptr() for k, _ in kv_caches])
-        table[:, VALUE_CACHE] = torch.tensor([v.data_ptr() for _, v in kv_caches])
+        self._check(t, h, x, cos, sin, slots, plan)
+        table = self._table(kv_caches)
         qkv_w, o_w, gu_w, down_w = self.widths
         work = torch.empty(t * (qkv_w + f.heads * f.head_dim + o_w + f.hidden + gu_w + f.intermediate + down_w))
         rc = self.lib.streamengine_decode_layers(
@@ -140,12 +139,28 @@ class DecodeStack:
         if rc != 0:
             raise RuntimeError("decode stack rejected its shapes")
 
-    def _check(self, t: int, h, x, cos, sin, slots, kv_caches, plan: DecodePlan) -> None:
-        """The C++ side trusts every address and shape: reject what would make it read or
-        write out of bounds."""
+    def _table(self, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
+        """The layer table with these caches' addresses, checked and built once per cache list."""
+        if self._bound is not None and self._bound[0] is kv_caches:
+            return self._bound[1]
         f = self.first
         if len(kv_caches) != self.table.shape[0]:
             raise ValueError(f"{len(kv_caches)} caches for {self.table.shape[0]} layers")
+        block_shape = kv_caches[0][0].shape[1:]
+        for cache in (c for pair in kv_caches for c in pair):
+            if (cache.dtype != torch.float32 or not cache.is_contiguous() or cache.shape[1:] != block_shape
+                    or block_shape[1:] != (f.kv_heads, f.head_dim)):
+                raise ValueError("caches must be contiguous float32 [blocks, block_size, kv_heads, head_dim], all alike")
+        table = self.table.clone()
+        table[:, KEY_CACHE] = torch.tensor([k.data_ptr() for k, _ in kv_caches])
+        table[:, VALUE_CACHE] = torch.tensor([v.data_ptr() for _, v in kv_caches])
+        self._bound = (kv_caches, table)  # keeps the list, and so its tensors, alive with the table
+        return table
+
+    def _check(self, t: int, h, x, cos, sin, slots, plan: DecodePlan) -> None:
+        """The C++ side trusts every address and shape: reject what would make it read or
+        write out of bounds."""
+        f = self.first
         if plan.num_rows != t:
             raise ValueError("a decode stack step has one query token per row")
         for name, tensor, dtype, width in (
@@ -156,8 +171,3 @@ class DecodeStack:
             if (tensor.dtype != dtype or not tensor.is_contiguous() or tensor.shape[0] != t
                     or (width is not None and tensor.shape[-1] != width)):
                 raise ValueError(f"{name} must be a contiguous {dtype} tensor of {t} rows")
-        block_shape = kv_caches[0][0].shape[1:]
-        for cache in (c for pair in kv_caches for c in pair):
-            if (cache.dtype != torch.float32 or not cache.is_contiguous() or cache.shape[1:] != block_shape
-                    or block_shape[1:] != (f.kv_heads, f.head_dim)):
-                raise ValueError("caches must be contiguous float32 [blocks, block_size, kv_heads, head_dim], all alike")
