@@ -9,7 +9,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from streamengine.detokenizer import IncrementalDetokenizer
+from streamengine.detokenizer import IncrementalDetokenizer, decode_function
 from streamengine.sampling import SamplingParams
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -215,3 +215,30 @@ def test_any_text_round_trips(tokenizer, text: str, chunk: int) -> None:
     detok.finish()
     assert detok.text == tokenizer.decode(ids, skip_special_tokens=True)
     assert_monotonic([*shown, detok.text])
+
+
+@settings(max_examples=60, deadline=None)
+@given(ids=st.lists(st.integers(0, 49_151), max_size=12), skip=st.booleans())
+def test_decode_function_renders_like_the_tokenizer(tokenizer, ids: list[int], skip: bool) -> None:
+    # Arbitrary ids, special ones and broken byte sequences included: the shortcut past
+    # transformers' wrapper must never change a character.
+    assert decode_function(tokenizer)(ids, skip) == tokenizer.decode(ids, skip_special_tokens=skip)
+
+
+def test_decode_function_keeps_the_wrapper_when_it_cleans_up_spaces(tokenizer, monkeypatch) -> None:
+    calls = []
+    real = type(tokenizer).decode
+
+    def counting_decode(self, token_ids, skip_special_tokens=False, **kwargs):
+        calls.append(list(token_ids))
+        return real(self, token_ids, skip_special_tokens=skip_special_tokens, **kwargs)
+
+    ids = tokenizer.encode("Hello , world .")
+    fast = decode_function(tokenizer)
+    monkeypatch.setattr(type(tokenizer), "decode", counting_decode)
+    assert fast(ids, True) == tokenizer.decode(ids, skip_special_tokens=True)
+    assert calls == [ids]  # only the reference call above went through the wrapper
+    calls.clear()
+    monkeypatch.setattr(tokenizer, "clean_up_tokenization_spaces", True)
+    assert decode_function(tokenizer)(ids, True) == tokenizer.decode(ids, skip_special_tokens=True)
+    assert len(calls) == 2  # with clean-up on, the detokenizer goes through the wrapper too
