@@ -15,6 +15,8 @@ One seeded synthetic trace (ShareGPT-like and/or Alpaca-like, see bench/traces.p
                   its cache holds B bytes, the engine's token and sequence budgets. `generate_batch`
                   itself takes one max_new_tokens for all requests, so its manager is driven
                   directly to give each request its own max_new_tokens (EOS disabled).
+  engine_kv16     (opt in with --systems) the engine with kv_cache_dtype="float16": the same B
+                  bytes hold twice the tokens, and attention reads half the bytes per token.
 
 Same weights (float32, CPU), same torch thread count. Each system is warmed up on a tiny input
 first; only generation is timed (from the first submission to the last finished request), never
@@ -22,12 +24,14 @@ loading. Prints a table, writes JSON (--json) and a bar chart (--png).
 
     python bench/throughput.py --quick                       # < 3 min on a 2-core CPU
     python bench/throughput.py --trace sharegpt --num-requests 128   # full ShareGPT-like run
+    python bench/throughput.py --trace sharegpt --systems engine,engine_kv16   # KV cache dtypes
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import functools
 import gc
 import json
 import os
@@ -47,11 +51,16 @@ from tqdm import tqdm  # noqa: E402
 from traces import TRACES, TraceRequest, make_trace, normal_token_ids, summarize  # noqa: E402
 
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
-SYSTEMS = ("engine", "hf_generate", "hf_generate_batch")
+SYSTEMS = ("engine", "hf_generate", "hf_generate_batch", "engine_kv16")
+DEFAULT_SYSTEMS = SYSTEMS[:3]
+BASELINES = ("hf_generate", "hf_generate_batch")
 LABELS = {
     "engine": "streamengine",
     "hf_generate": "HF generate (static)",
     "hf_generate_batch": "HF generate_batch (CB)",
+    # Opt in (--systems ...,engine_kv16): the same engine with kv_cache_dtype="float16", so the
+    # same KV bytes hold twice the tokens; its greedy tokens may differ from float32's.
+    "engine_kv16": "streamengine, float16 KV",
 }
 # Default KV budget in tokens of the model (scaled with the trace lengths). For SmolLM2-135M in
 # float32 (45 KiB/token) this is ~1.05 GiB at full scale; at max-length reservation it holds a
@@ -147,12 +156,16 @@ def progress(desc: str, total: int) -> tqdm:
 # -- system 1: this engine ------------------------------------------------------------------
 
 
-def run_engine(setup: Setup, trace: list[TraceRequest], budget: int, name: str) -> SystemResult:
+def run_engine(
+    setup: Setup, trace: list[TraceRequest], budget: int, name: str, system: str = "engine",
+    kv_cache_dtype: str = "auto",
+) -> SystemResult:
     from streamengine import AsyncEngine, EngineConfig
 
     config = EngineConfig(
         model=str(setup.folder),
         dtype="float32",
+        kv_cache_dtype=kv_cache_dtype,
         device="cpu",
         block_size=BLOCK_SIZE,
         kv_cache_bytes=budget,
@@ -163,28 +176,28 @@ def run_engine(setup: Setup, trace: list[TraceRequest], budget: int, name: str) 
     )
     engine = AsyncEngine(config)
     try:
-        return asyncio.run(_engine_session(engine, setup, trace, name))
+        return asyncio.run(_engine_session(engine, setup, trace, name, system))
     finally:
         del engine
         gc.collect()
 
 
 async def _engine_session(
-    engine, setup: Setup, trace: list[TraceRequest], name: str
+    engine, setup: Setup, trace: list[TraceRequest], name: str, system: str
 ) -> SystemResult:
     async with engine:
         await _engine_batch(engine, warmup_trace(setup), None, "warmup")
         stats0 = engine.stats()
         peak = {"running": 0}
         watcher = asyncio.create_task(_watch_running(engine, peak))
-        with progress(f"{name}: engine", len(trace)) as bar:
+        with progress(f"{name}: {system}", len(trace)) as bar:
             start = time.perf_counter()
             generated = await _engine_batch(engine, trace, bar, "r")
             elapsed = time.perf_counter() - start
         watcher.cancel()
         stats = engine.stats()
     return SystemResult(
-        "engine",
+        system,
         len(trace),
         elapsed,
         sum(r.output_len for r in trace),
@@ -404,6 +417,7 @@ RUNNERS = {
     "engine": run_engine,
     "hf_generate": run_hf_generate,
     "hf_generate_batch": run_hf_generate_batch,
+    "engine_kv16": functools.partial(run_engine, system="engine_kv16", kv_cache_dtype="float16"),
 }
 
 
@@ -441,7 +455,10 @@ def speedups(report: dict) -> dict[str, float]:
     if "engine" not in systems:
         return {}
     ours = systems["engine"]["output_tok_s"]
-    return {f"engine_vs_{s}": ours / r["output_tok_s"] for s, r in systems.items() if s != "engine"}
+    ratios = {f"engine_vs_{s}": ours / r["output_tok_s"] for s, r in systems.items() if s in BASELINES}
+    if "engine_kv16" in systems:
+        ratios["engine_kv16_vs_engine"] = systems["engine_kv16"]["output_tok_s"] / ours
+    return ratios
 
 
 def print_table(reports: dict[str, dict]) -> None:
@@ -473,13 +490,14 @@ def write_png(reports: dict[str, dict], path: Path) -> None:
     plt = pyplot()
 
     fig, ax = plt.subplots(figsize=(3.2 + 2.6 * len(reports), 4.2))
-    width = 0.8 / len(SYSTEMS)
-    colors = {"engine": "#2b7bba", "hf_generate": "#e08a2c", "hf_generate_batch": "#7a9e3a"}
-    for j, s in enumerate(SYSTEMS):
+    shown = [s for s in SYSTEMS if any(s in rep["systems"] for rep in reports.values())]
+    width = 0.8 / len(shown)
+    colors = {"engine": "#2b7bba", "hf_generate": "#e08a2c", "hf_generate_batch": "#7a9e3a", "engine_kv16": "#17476e"}
+    for j, s in enumerate(shown):
         xs, ys = [], []
         for i, rep in enumerate(reports.values()):
             if s in rep["systems"]:
-                xs.append(i + (j - (len(SYSTEMS) - 1) / 2) * width)
+                xs.append(i + (j - (len(shown) - 1) / 2) * width)
                 ys.append(rep["systems"][s]["output_tok_s"])
         bars = ax.bar(xs, ys, width, label=LABELS[s], color=colors[s])
         ax.bar_label(bars, fmt="%.0f", fontsize=8)
@@ -487,7 +505,7 @@ def write_png(reports: dict[str, dict], path: Path) -> None:
     ax.set_ylim(0, ax.get_ylim()[1] * 1.25)  # headroom for the legend above the bars
     ax.set_ylabel("useful output tokens / s")
     ax.set_title("Throughput at equal KV budget (CPU, float32)")
-    ax.legend(fontsize=8, loc="upper center", ncols=len(SYSTEMS))
+    ax.legend(fontsize=8, loc="upper center", ncols=len(shown))
     save_figure(fig, path)
 
 
@@ -543,7 +561,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--kv-cache-bytes", type=int, help="KV budget B shared by all systems")
     p.add_argument(
         "--systems",
-        default=",".join(SYSTEMS),
+        default=",".join(DEFAULT_SYSTEMS),
         help="comma-separated subset of " + ",".join(SYSTEMS),
     )
     p.add_argument(

@@ -14,19 +14,23 @@ import torch
 
 from . import cpu_build
 from .cpu_build import F32, I64, PTR
+from .cpu_ops import cache_type
 
 
 @functools.lru_cache(maxsize=1)
 def load_library() -> ctypes.CDLL | None:
     return cpu_build.bind("cpu_paged_attention", {
         "streamengine_paged_decode_supported": [I64, I64, I64, I64],
-        "streamengine_paged_decode": [PTR, I64, PTR, PTR, I64, I64, I64, I64, PTR, I64, PTR, PTR, PTR, I64, F32, PTR],
+        "streamengine_paged_decode": [
+            PTR, I64, PTR, PTR, I64, I64, I64, I64, I64, PTR, I64, PTR, PTR, PTR, I64, F32, PTR,
+        ],
     })
 
 
 def decode_supported(num_heads: int, num_kv_heads: int, head_dim: int, block_size: int) -> bool:
-    """Whether the kernel runs here for this shape (float32, head_dim a multiple of 16 up to
-    256, up to 16 query heads per KV head, block size a multiple of 8)."""
+    """Whether the kernel runs here for this shape (float32 queries, a float32 or float16 cache,
+    head_dim a multiple of 16 up to 256, up to 16 query heads per KV head, block size a
+    multiple of 8)."""
     lib = load_library()
     return lib is not None and bool(
         lib.streamengine_paged_decode_supported(num_heads, num_kv_heads, head_dim, block_size)
@@ -59,13 +63,14 @@ class DecodePlan:
         _, block_size, num_kv_heads, _ = key_cache.shape
         if query.stride(2) != 1 or query.stride(1) != head_dim:
             query = query.contiguous()
-        for name, t in (("query", query), ("key_cache", key_cache), ("value_cache", value_cache), ("out", out)):
+        for name, t in (("query", query), ("out", out)):
             if t.dtype != torch.float32 or t.device.type != "cpu":
                 raise ValueError(f"{name} must be a CPU torch.float32 tensor, got {t.dtype} on {t.device}")
+        code = cache_type(key_cache, value_cache)
         if not (key_cache.is_contiguous() and value_cache.is_contiguous() and out.is_contiguous()):
             raise ValueError("key_cache, value_cache and out must be contiguous")
         rc = self.lib.streamengine_paged_decode(
-            query.data_ptr(), query.stride(0), key_cache.data_ptr(), value_cache.data_ptr(),
+            query.data_ptr(), query.stride(0), key_cache.data_ptr(), value_cache.data_ptr(), code,
             block_size, num_heads, num_kv_heads, head_dim, self.tables, self.table_stride, self.seq_lens,
             self.query_start_loc, self.rows, self.num_rows, scale, out.data_ptr(),
         )

@@ -17,11 +17,12 @@
 #if defined(__AVX512F__)
 
 // qkv = x @ Wqkv^T (+ bias); RoPE on the q and k heads; k and v into their cache slots.
-// x [T, hidden]; qkv [T, qkv_padded]; caches [num_slots, kv_heads * head_dim].
+// x [T, hidden]; qkv [T, qkv_padded]; caches [num_slots, kv_heads * head_dim] of cache_type.
 extern "C" int streamengine_layer_in(const float* x, int64_t T, int64_t hidden, const float* qkv_panels,
                                      int64_t qkv_padded, const float* qkv_bias, int64_t heads,
                                      int64_t kv_heads, int64_t head_dim, const float* cos, const float* sin,
-                                     const int64_t* slots, float* key_cache, float* value_cache, float* qkv) {
+                                     const int64_t* slots, void* key_cache, void* value_cache,
+                                     int64_t cache_type, float* qkv) {
   const int64_t qkv_n = (heads + 2 * kv_heads) * head_dim;
   if (streamengine_sgemm_packed(x, T, hidden, qkv_panels, qkv_padded, qkv) != 0) return -1;
   if (qkv_bias != nullptr) streamengine_add_bias(qkv, qkv_padded, T, qkv_n, qkv_bias);
@@ -29,7 +30,7 @@ extern "C" int streamengine_layer_in(const float* x, int64_t T, int64_t hidden, 
   const float* k = qkv + heads * head_dim;
   const float* v = k + kv_heads * head_dim;
   return streamengine_store_kv(k, qkv_padded, v, qkv_padded, slots, T, kv_heads * head_dim, key_cache,
-                               value_cache);
+                               value_cache, cache_type);
 }
 
 // After the attention: h += attn @ Wo^T (+ bias); x = RMSNorm(h); h += down(silu(gate) * up);
@@ -62,13 +63,13 @@ enum LayerField { QKV_PANELS, QKV_BIAS, O_PANELS, O_BIAS, POST_NORM, GU_PANELS, 
 // just flushed (~7 ms of a ~38 ms batch-2 step on SmolLM2, 2 cores).
 // x [T, hidden]: the first layer's normed input, overwritten with the final normed output;
 // h [T, hidden]: the residual stream, updated in place. Decode plan as in paged_decode (one
-// row per sequence, `rows` lists them). work: scratch of
+// row per sequence, `rows` lists them); caches of cache_type. work: scratch of
 // T * (qkv_padded + heads * head_dim + o_padded + hidden + gu_padded + intermediate + down_padded) floats.
 extern "C" int streamengine_decode_layers(
     const int64_t* layers, int64_t num_layers, int64_t T, int64_t hidden, int64_t heads, int64_t kv_heads,
     int64_t head_dim, int64_t qkv_padded, int64_t o_padded, int64_t gu_padded, int64_t intermediate,
     int64_t down_padded, float eps, float scale, const float* cos, const float* sin, const int64_t* slots,
-    int64_t block_size, const int32_t* block_tables, int64_t table_stride, const int32_t* seq_lens,
+    int64_t cache_type, int64_t block_size, const int32_t* block_tables, int64_t table_stride, const int32_t* seq_lens,
     const int32_t* query_start_loc, const int64_t* rows, int64_t num_rows, float* h, float* x, float* work) {
   float* qkv = work;
   float* attn = qkv + T * qkv_padded;
@@ -80,12 +81,14 @@ extern "C" int streamengine_decode_layers(
   for (int64_t l = 0; l < num_layers; ++l) {
     const int64_t* f = layers + l * NUM_FIELDS;
     auto ptr = [&](LayerField i) { return reinterpret_cast<float*>(f[i]); };
+    auto cache = [&](LayerField i) { return reinterpret_cast<void*>(f[i]); };
     if (streamengine_layer_in(x, T, hidden, ptr(QKV_PANELS), qkv_padded, ptr(QKV_BIAS), heads, kv_heads,
-                              head_dim, cos, sin, slots, ptr(KEY_CACHE), ptr(VALUE_CACHE), qkv) != 0)
+                              head_dim, cos, sin, slots, cache(KEY_CACHE), cache(VALUE_CACHE), cache_type,
+                              qkv) != 0)
       return -1;
-    if (streamengine_paged_decode(qkv, qkv_padded, ptr(KEY_CACHE), ptr(VALUE_CACHE), block_size, heads,
-                                  kv_heads, head_dim, block_tables, table_stride, seq_lens, query_start_loc,
-                                  rows, num_rows, scale, attn) != 0)
+    if (streamengine_paged_decode(qkv, qkv_padded, cache(KEY_CACHE), cache(VALUE_CACHE), cache_type,
+                                  block_size, heads, kv_heads, head_dim, block_tables, table_stride, seq_lens,
+                                  query_start_loc, rows, num_rows, scale, attn) != 0)
       return -1;
     // x is free once layer_in has read it: layer_out writes the next layer's input there.
     if (streamengine_layer_out(attn, T, heads * head_dim, ptr(O_PANELS), o_padded, ptr(O_BIAS), h, hidden,

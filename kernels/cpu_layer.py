@@ -18,6 +18,7 @@ from . import cpu_build
 from .cpu_attention import DecodePlan
 from .cpu_build import F32, I64, PTR
 from .cpu_linear import PackedLinear
+from .cpu_ops import cache_type
 
 KEY_CACHE, VALUE_CACHE, NUM_FIELDS = 8, 9, 10  # LayerField in cpu_layer.cpp
 
@@ -25,13 +26,13 @@ KEY_CACHE, VALUE_CACHE, NUM_FIELDS = 8, 9, 10  # LayerField in cpu_layer.cpp
 @functools.lru_cache(maxsize=1)
 def load_library() -> ctypes.CDLL | None:
     return cpu_build.bind("cpu_layer", {
-        "streamengine_layer_in": [PTR, I64, I64, PTR, I64, PTR, I64, I64, I64, PTR, PTR, PTR, PTR, PTR, PTR],
+        "streamengine_layer_in": [PTR, I64, I64, PTR, I64, PTR, I64, I64, I64, PTR, PTR, PTR, PTR, PTR, I64, PTR],
         "streamengine_layer_out": [
             PTR, I64, I64, PTR, I64, PTR, PTR, I64, PTR, PTR, I64, I64, PTR, I64, PTR, F32, PTR, PTR, PTR, PTR, PTR, PTR,
         ],
         "streamengine_decode_layers": [
-            PTR, I64, I64, I64, I64, I64, I64, I64, I64, I64, I64, I64, F32, F32, PTR, PTR, PTR, I64, PTR, I64,
-            PTR, PTR, PTR, I64, PTR, PTR, PTR,
+            PTR, I64, I64, I64, I64, I64, I64, I64, I64, I64, I64, I64, F32, F32, PTR, PTR, PTR, I64, I64, PTR,
+            I64, PTR, PTR, PTR, I64, PTR, PTR, PTR,
         ],
     }, probe="streamengine_cpu_layer_available")
 
@@ -62,13 +63,17 @@ class FusedLayer:
 
     def layer_in(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, slots: torch.Tensor,
                  key_cache: torch.Tensor, value_cache: torch.Tensor) -> torch.Tensor:
-        """x [T, hidden] normed -> qkv [T, padded] with RoPE applied; K/V stored at `slots`."""
+        """x [T, hidden] normed -> qkv [T, padded] with RoPE applied; K/V stored at `slots`
+        (float32 or float16 caches, contiguous)."""
         t = x.shape[0]
+        code = cache_type(key_cache, value_cache)
+        if not (key_cache.is_contiguous() and value_cache.is_contiguous()):
+            raise ValueError("the fused layer stores into contiguous caches")
         qkv = torch.empty((t, self.qkv.padded), dtype=torch.float32)
         self.lib.streamengine_layer_in(
             x.data_ptr(), t, self.hidden, self.qkv.panels.data_ptr(), self.qkv.padded, _ptr(self.qkv.bias),
             self.heads, self.kv_heads, self.head_dim, cos.data_ptr(), sin.data_ptr(), slots.data_ptr(),
-            key_cache.data_ptr(), value_cache.data_ptr(), qkv.data_ptr(),
+            key_cache.data_ptr(), value_cache.data_ptr(), code, qkv.data_ptr(),
         )
         return qkv
 
@@ -118,7 +123,7 @@ class DecodeStack:
             for layer, norm in zip(layers, self.next_norms, strict=True)
         ], dtype=torch.int64)
         # The engine's caches live as long as it does: their table is built (and checked) once.
-        self._bound: tuple[list, torch.Tensor] | None = None
+        self._bound: tuple[list, torch.Tensor, int] | None = None
 
     def run(self, h: torch.Tensor, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, slots: torch.Tensor,
             kv_caches: list[tuple[torch.Tensor, torch.Tensor]], plan: DecodePlan, scale: float) -> None:
@@ -127,35 +132,37 @@ class DecodeStack:
         kv_caches is bound on first use: pass a new list, not the same one changed in place."""
         f, t = self.first, h.shape[0]
         self._check(t, h, x, cos, sin, slots, plan)
-        table = self._table(kv_caches)
+        table, code = self._table(kv_caches)
         qkv_w, o_w, gu_w, down_w = self.widths
         work = torch.empty(t * (qkv_w + f.heads * f.head_dim + o_w + f.hidden + gu_w + f.intermediate + down_w))
         rc = self.lib.streamengine_decode_layers(
             table.data_ptr(), len(kv_caches), t, f.hidden, f.heads, f.kv_heads, f.head_dim, qkv_w, o_w, gu_w,
             f.intermediate, down_w, f.eps, scale, cos.data_ptr(), sin.data_ptr(), slots.data_ptr(),
-            kv_caches[0][0].shape[1], plan.tables, plan.table_stride, plan.seq_lens, plan.query_start_loc,
-            plan.rows, plan.num_rows, h.data_ptr(), x.data_ptr(), work.data_ptr(),
+            code, kv_caches[0][0].shape[1], plan.tables, plan.table_stride, plan.seq_lens,
+            plan.query_start_loc, plan.rows, plan.num_rows, h.data_ptr(), x.data_ptr(), work.data_ptr(),
         )
         if rc != 0:
             raise RuntimeError("decode stack rejected its shapes")
 
-    def _table(self, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
-        """The layer table with these caches' addresses, checked and built once per cache list."""
+    def _table(self, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> tuple[torch.Tensor, int]:
+        """The layer table with these caches' addresses and their CacheType code, checked and
+        built once per cache list."""
         if self._bound is not None and self._bound[0] is kv_caches:
-            return self._bound[1]
+            return self._bound[1], self._bound[2]
         f = self.first
         if len(kv_caches) != self.table.shape[0]:
             raise ValueError(f"{len(kv_caches)} caches for {self.table.shape[0]} layers")
-        block_shape = kv_caches[0][0].shape[1:]
+        block_shape, dtype = kv_caches[0][0].shape[1:], kv_caches[0][0].dtype
+        code = cache_type(*kv_caches[0])
         for cache in (c for pair in kv_caches for c in pair):
-            if (cache.dtype != torch.float32 or not cache.is_contiguous() or cache.shape[1:] != block_shape
+            if (cache.dtype != dtype or not cache.is_contiguous() or cache.shape[1:] != block_shape
                     or block_shape[1:] != (f.kv_heads, f.head_dim)):
-                raise ValueError("caches must be contiguous float32 [blocks, block_size, kv_heads, head_dim], all alike")
+                raise ValueError("caches must be contiguous [blocks, block_size, kv_heads, head_dim], all alike")
         table = self.table.clone()
         table[:, KEY_CACHE] = torch.tensor([k.data_ptr() for k, _ in kv_caches])
         table[:, VALUE_CACHE] = torch.tensor([v.data_ptr() for _, v in kv_caches])
-        self._bound = (kv_caches, table)  # keeps the list, and so its tensors, alive with the table
-        return table
+        self._bound = (kv_caches, table, code)  # keeps the list, and so its tensors, alive with the table
+        return table, code
 
     def _check(self, t: int, h, x, cos, sin, slots, plan: DecodePlan) -> None:
         """The C++ side trusts every address and shape: reject what would make it read or

@@ -112,23 +112,36 @@ extern "C" int streamengine_silu_mul(const float* gate_up, int64_t in_stride, in
   return 0;
 }
 
-// The K/V of this step's tokens into their cache slots: k/v rows [tokens, kv_heads * head_dim]
-// at row strides k_stride / v_stride; caches [num_slots, kv_heads * head_dim].
-extern "C" int streamengine_store_kv(const float* k, int64_t k_stride, const float* v, int64_t v_stride,
-                                     const int64_t* slots, int64_t tokens, int64_t width,
-                                     float* key_cache, float* value_cache) {
+namespace {
+
+template <typename T>
+void store_kv_rows(const float* k, int64_t k_stride, const float* v, int64_t v_stride, const int64_t* slots,
+                   int64_t tokens, int64_t width, T* key_cache, T* value_cache) {
   // Slots are scattered over the pool: each row is a cache miss, so spread them over threads.
 #pragma omp parallel for if (tokens >= 16)
   for (int64_t t = 0; t < tokens; ++t) {
-    float* kd = key_cache + slots[t] * width;
-    float* vd = value_cache + slots[t] * width;
-    const float* ks = k + t * k_stride;
-    const float* vs = v + t * v_stride;
-    for (int64_t i = 0; i < width; ++i) {
-      kd[i] = ks[i];
-      vd[i] = vs[i];
-    }
+    streamengine_cpu::store_row(k + t * k_stride, width, key_cache + slots[t] * width);
+    streamengine_cpu::store_row(v + t * v_stride, width, value_cache + slots[t] * width);
   }
+}
+
+}  // namespace
+
+// The K/V of this step's tokens into their cache slots: k/v rows [tokens, kv_heads * head_dim]
+// at row strides k_stride / v_stride; caches [num_slots, kv_heads * head_dim] of cache_type
+// (streamengine_cpu::CacheType).
+extern "C" int streamengine_store_kv(const float* k, int64_t k_stride, const float* v, int64_t v_stride,
+                                     const int64_t* slots, int64_t tokens, int64_t width,
+                                     void* key_cache, void* value_cache, int64_t cache_type) {
+  using namespace streamengine_cpu;
+  if (cache_type == CACHE_F32)
+    store_kv_rows(k, k_stride, v, v_stride, slots, tokens, width, static_cast<float*>(key_cache),
+                  static_cast<float*>(value_cache));
+  else if (cache_type == CACHE_F16)
+    store_kv_rows(k, k_stride, v, v_stride, slots, tokens, width, static_cast<half_t*>(key_cache),
+                  static_cast<half_t*>(value_cache));
+  else
+    return -1;
   return 0;
 }
 

@@ -1,8 +1,9 @@
 """Fused element-wise layer steps (kernels/cpu_ops.cpp) with PyTorch fallbacks.
 
-Every function takes and returns float32 CPU tensors whose last dimension is dense. With the
-C++ library they run as one call each; without it (no AVX-512, no compiler, other dtypes or
-devices) the same math runs as PyTorch ops, in transformers' order of operations.
+Every function takes and returns float32 CPU tensors whose last dimension is dense (the KV
+cache may also be float16). With the C++ library they run as one call each; without it (no
+AVX-512, no compiler, other dtypes or devices) the same math runs as PyTorch ops, in
+transformers' order of operations.
 """
 
 from __future__ import annotations
@@ -23,8 +24,23 @@ def load_library() -> ctypes.CDLL | None:
         "streamengine_add_rms_norm": [PTR, PTR, I64, PTR, F32, I64, I64, PTR],
         "streamengine_rope": [PTR, I64, I64, I64, I64, PTR, PTR],
         "streamengine_silu_mul": [PTR, I64, I64, I64, PTR],
-        "streamengine_store_kv": [PTR, I64, PTR, I64, PTR, I64, I64, PTR, PTR],
+        "streamengine_store_kv": [PTR, I64, PTR, I64, PTR, I64, I64, PTR, PTR, I64],
     }, probe="streamengine_cpu_ops_available")
+
+
+CACHE_TYPES = {torch.float32: 0, torch.float16: 1}
+"""KV-cache element types the C++ kernels read and write, by their CacheType code (cpu_vec_math.h)."""
+
+
+def cache_type(key_cache: torch.Tensor, value_cache: torch.Tensor) -> int:
+    """The CacheType code of a cache pair on CPU; ValueError for any other pair."""
+    code = CACHE_TYPES.get(key_cache.dtype)
+    on_cpu = key_cache.device.type == value_cache.device.type == "cpu"
+    if code is None or value_cache.dtype != key_cache.dtype or not on_cpu:
+        raise ValueError(
+            f"the CPU kernels take float32 or float16 caches on CPU, got {key_cache.dtype}/{value_cache.dtype}"
+        )
+    return code
 
 
 def _native(*tensors: torch.Tensor) -> ctypes.CDLL | None:
@@ -90,16 +106,20 @@ def store_kv(
     k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor
 ) -> None:
     """key_cache/value_cache [num_blocks, block_size, kv_heads, head_dim] at the slots of this
-    step's k/v [tokens, kv_heads, head_dim] (each head's head_dim dense, heads adjacent)."""
+    step's k/v [tokens, kv_heads, head_dim] (each head's head_dim dense, heads adjacent),
+    converted to the caches' dtype."""
     tokens, kv_heads, head_dim = k.shape
     width = kv_heads * head_dim
     dense = all(t.stride(1) == head_dim and t.stride(2) == 1 for t in (k, v))
-    lib = _native(k, v, key_cache, value_cache) if dense and slot_mapping.dtype == torch.int64 else None
-    if lib is None or not (key_cache.is_contiguous() and value_cache.is_contiguous()):
-        key_cache.view(-1, kv_heads, head_dim).index_copy_(0, slot_mapping, k)
-        value_cache.view(-1, kv_heads, head_dim).index_copy_(0, slot_mapping, v)
+    lib = _native(k, v) if dense and slot_mapping.dtype == torch.int64 else None
+    code = CACHE_TYPES.get(key_cache.dtype) if key_cache.dtype == value_cache.dtype else None
+    if (lib is None or code is None or key_cache.device.type != "cpu" or value_cache.device.type != "cpu"
+            or not (key_cache.is_contiguous() and value_cache.is_contiguous())):
+        # index_copy_ needs the cache's dtype: a lower-precision cache rounds here.
+        key_cache.view(-1, kv_heads, head_dim).index_copy_(0, slot_mapping, k.to(key_cache.dtype))
+        value_cache.view(-1, kv_heads, head_dim).index_copy_(0, slot_mapping, v.to(value_cache.dtype))
         return
     lib.streamengine_store_kv(
         k.data_ptr(), k.stride(0), v.data_ptr(), v.stride(0), slot_mapping.data_ptr(), tokens, width,
-        key_cache.data_ptr(), value_cache.data_ptr(),
+        key_cache.data_ptr(), value_cache.data_ptr(), code,
     )

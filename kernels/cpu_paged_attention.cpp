@@ -4,7 +4,7 @@
 // context: each (sequence, KV head) pair reads exactly its own blocks.
 //
 // Cache layout: [num_blocks, block_size, num_kv_heads, head_dim] (the engine's, see
-// model_runner.py). The query heads of a GQA group share one pass over their KV head's blocks.
+// model_runner.py), float32 or float16 (widened to float32 as it is loaded). The query heads of a GQA group share one pass over their KV head's blocks.
 // Built at run time by kernels/cpu_build.py; called by kernels/cpu_attention.py.
 
 #include <algorithm>
@@ -18,6 +18,8 @@
 #include "cpu_vec_math.h"
 
 namespace {
+
+using streamengine_cpu::load16;
 
 constexpr int MAX_GROUP = 16;    // query heads per KV head
 constexpr int MAX_VECS = 16;     // head_dim / 16, i.e. head_dim <= 256
@@ -52,7 +54,8 @@ inline __m512 transpose_sum(const __m512 v[16]) {
 
 // Blocks sit anywhere in the pool, so the hardware prefetcher cannot guess the next one: ask
 // for the next chunk's K and V rows of these heads while the current chunk is being scored.
-inline void prefetch_chunk(const float* key_cache, const float* value_cache, const int32_t* table,
+template <typename T>
+inline void prefetch_chunk(const T* key_cache, const T* value_cache, const int32_t* table,
                            int64_t start, int64_t context_len, int64_t first_kv, int64_t last_kv,
                            const Layout& L) {
   if (start >= context_len) return;
@@ -60,7 +63,7 @@ inline void prefetch_chunk(const float* key_cache, const float* value_cache, con
   const int64_t n = std::min<int64_t>({CHUNK, L.block_size - offset, context_len - start});
   const int64_t base = table[start / L.block_size] * L.block_stride + offset * L.token_stride;
   for (int64_t t = 0; t < n; ++t)
-    for (int64_t d = first_kv * L.head_dim; d < last_kv * L.head_dim; d += 16) {
+    for (int64_t d = first_kv * L.head_dim; d < last_kv * L.head_dim; d += 64 / sizeof(T)) {  // a line each
       _mm_prefetch(reinterpret_cast<const char*>(key_cache + base + t * L.token_stride + d), _MM_HINT_T0);
       _mm_prefetch(reinterpret_cast<const char*>(value_cache + base + t * L.token_stride + d), _MM_HINT_T0);
     }
@@ -94,7 +97,8 @@ struct HeadState {
   // Up to SPAN pieces of <= 16 consecutive tokens (each within one block): one softmax
   // update for all of them, so the reductions and exps of the update are amortized over up to
   // 64 tokens. offsets[j] is where piece j of this head starts in the caches.
-  void chunk(const float* key_cache, const float* value_cache, const int64_t* offsets, const int64_t* lens,
+  template <typename T>
+  void chunk(const T* key_cache, const T* value_cache, const int64_t* offsets, const int64_t* lens,
              int64_t pieces, int64_t token_stride) {
     // Compile-time trip counts for the specialized shapes, so the tiles below live in registers.
     const int64_t group = GROUP > 0 ? GROUP : this->group;
@@ -105,13 +109,13 @@ struct HeadState {
       __m512 s[SPAN];
       __m512 top = _mm512_set1_ps(-INFINITY);
       for (int64_t j = 0; j < pieces; ++j) {
-        const float* kbase = key_cache + offsets[j];
+        const T* kbase = key_cache + offsets[j];
         __m512 dots[CHUNK];
         for (int64_t t = 0; t < CHUNK; ++t) {
           if (t >= lens[j]) { dots[t] = _mm512_setzero_ps(); continue; }
-          const float* k = kbase + t * token_stride;
-          __m512 dot = _mm512_mul_ps(qv[g][0], _mm512_loadu_ps(k));
-          for (int64_t d = 1; d < vecs; ++d) dot = _mm512_fmadd_ps(qv[g][d], _mm512_loadu_ps(k + d * 16), dot);
+          const T* k = kbase + t * token_stride;
+          __m512 dot = _mm512_mul_ps(qv[g][0], load16(k));
+          for (int64_t d = 1; d < vecs; ++d) dot = _mm512_fmadd_ps(qv[g][d], load16(k + d * 16), dot);
           dots[t] = dot;
         }
         const __mmask16 valid = static_cast<__mmask16>((1u << lens[j]) - 1);
@@ -133,16 +137,16 @@ struct HeadState {
       for (int64_t d = 0; d < vecs; ++d) a[g][d] = _mm512_mul_ps(acc[g][d], r);
     }
     for (int64_t j = 0; j < pieces; ++j) {
-      const float* vbase = value_cache + offsets[j];
+      const T* vbase = value_cache + offsets[j];
       for (int64_t t = 0; t < lens[j]; ++t) {
         // Lane t of each head's probabilities, broadcast in registers (a store and scalar
         // reloads here stall on store forwarding).
         const __m512i lane = _mm512_set1_epi32(static_cast<int>(t));
         __m512 pt[G_DIM];
         for (int64_t g = 0; g < group; ++g) pt[g] = _mm512_permutexvar_ps(lane, probs[g][j]);
-        const float* v = vbase + t * token_stride;
+        const T* v = vbase + t * token_stride;
         for (int64_t d = 0; d < vecs; ++d) {
-          const __m512 vv = _mm512_loadu_ps(v + d * 16);
+          const __m512 vv = load16(v + d * 16);
           for (int64_t g = 0; g < group; ++g) a[g][d] = _mm512_fmadd_ps(pt[g], vv, a[g][d]);
         }
       }
@@ -163,10 +167,12 @@ struct HeadState {
 // KV heads [first_kv, last_kv) of one sequence: q and out are that sequence's [heads, head_dim]
 // rows (dense). Each span of up to 64 tokens is read once for all of these heads: with all of
 // them, a block's K and V are each one contiguous run of memory.
-template <int GROUP, int VECS>
-void attend(const float* q, float scale, const float* key_cache, const float* value_cache,
+template <int GROUP, int VECS, typename T>
+void attend(const float* q, float scale, const void* key_cache_bytes, const void* value_cache_bytes,
             const int32_t* table, int64_t context_len, int64_t first_kv, int64_t last_kv,
             const Layout& L, float* out) {
+  const T* key_cache = static_cast<const T*>(key_cache_bytes);
+  const T* value_cache = static_cast<const T*>(value_cache_bytes);
   HeadState<GROUP, VECS> state[MAX_KV_PER_ITEM];
   const int64_t heads = last_kv - first_kv;
   for (int64_t h = 0; h < heads; ++h) state[h].init(q + (first_kv + h) * L.group * L.head_dim, scale, L);
@@ -189,29 +195,30 @@ void attend(const float* q, float scale, const float* key_cache, const float* va
   for (int64_t h = 0; h < heads; ++h) state[h].finish(out + (first_kv + h) * L.group * L.head_dim, L);
 }
 
-using AttendFn = void (*)(const float*, float, const float*, const float*, const int32_t*, int64_t,
+using AttendFn = void (*)(const float*, float, const void*, const void*, const int32_t*, int64_t,
                          int64_t, int64_t, const Layout&, float*);
 
-template <int GROUP>
+template <int GROUP, typename T>
 AttendFn pick_vecs(int64_t vecs) {
   switch (vecs) {
-    case 1: return attend<GROUP, 1>;
-    case 2: return attend<GROUP, 2>;
-    case 4: return attend<GROUP, 4>;
-    case 8: return attend<GROUP, 8>;
-    default: return attend<0, 0>;
+    case 1: return attend<GROUP, 1, T>;
+    case 2: return attend<GROUP, 2, T>;
+    case 4: return attend<GROUP, 4, T>;
+    case 8: return attend<GROUP, 8, T>;
+    default: return attend<0, 0, T>;
   }
 }
 
+template <typename T>
 AttendFn pick_attend(int64_t group, int64_t vecs) {
   switch (group) {
-    case 1: return pick_vecs<1>(vecs);
-    case 2: return pick_vecs<2>(vecs);
-    case 3: return pick_vecs<3>(vecs);
-    case 4: return pick_vecs<4>(vecs);
-    case 6: return pick_vecs<6>(vecs);
-    case 8: return pick_vecs<8>(vecs);
-    default: return attend<0, 0>;
+    case 1: return pick_vecs<1, T>(vecs);
+    case 2: return pick_vecs<2, T>(vecs);
+    case 3: return pick_vecs<3, T>(vecs);
+    case 4: return pick_vecs<4, T>(vecs);
+    case 6: return pick_vecs<6, T>(vecs);
+    case 8: return pick_vecs<8, T>(vecs);
+    default: return attend<0, 0, T>;
   }
 }
 
@@ -227,15 +234,19 @@ extern "C" int streamengine_paged_decode_supported(int64_t num_heads, int64_t nu
 // rows:   the sequences to attend (indices into query_start_loc / seq_lens / block_tables);
 //         each has one query token, at query_start_loc[row].
 // out:    [num_tokens, num_heads, head_dim] contiguous; only the rows' tokens are written.
+// The caches hold cache_type elements (streamengine_cpu::CacheType).
 extern "C" int streamengine_paged_decode(
-    const float* query, int64_t q_token_stride, const float* key_cache, const float* value_cache,
-    int64_t block_size, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
+    const float* query, int64_t q_token_stride, const void* key_cache, const void* value_cache,
+    int64_t cache_type, int64_t block_size, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
     const int32_t* block_tables, int64_t table_stride, const int32_t* seq_lens,
     const int32_t* query_start_loc, const int64_t* rows, int64_t num_rows, float scale, float* out) {
   if (!streamengine_paged_decode_supported(num_heads, num_kv_heads, head_dim, block_size)) return -1;
   const Layout L{block_size, num_kv_heads, num_heads / num_kv_heads, head_dim,
                  block_size * num_kv_heads * head_dim, num_kv_heads * head_dim};
-  const AttendFn attend_one = pick_attend(L.group, head_dim / 16);
+  using streamengine_cpu::CACHE_F16, streamengine_cpu::CACHE_F32, streamengine_cpu::half_t;
+  if (cache_type != CACHE_F32 && cache_type != CACHE_F16) return -1;
+  const AttendFn attend_one = cache_type == CACHE_F16 ? pick_attend<half_t>(L.group, head_dim / 16)
+                                                      : pick_attend<float>(L.group, head_dim / 16);
   // Work items: all KV heads of a sequence (one contiguous read per block) when there are
   // enough sequences to keep every thread busy, else single heads (batch 1 still uses both
   // cores). Dynamic scheduling: context lengths differ.
@@ -261,7 +272,7 @@ extern "C" int streamengine_paged_decode(
 
 extern "C" int streamengine_paged_decode_supported(int64_t, int64_t, int64_t, int64_t) { return 0; }
 
-extern "C" int streamengine_paged_decode(const float*, int64_t, const float*, const float*, int64_t,
+extern "C" int streamengine_paged_decode(const float*, int64_t, const void*, const void*, int64_t, int64_t,
                                          int64_t, int64_t, int64_t, const int32_t*, int64_t,
                                          const int32_t*, const int32_t*, const int64_t*, int64_t,
                                          float, float*) {

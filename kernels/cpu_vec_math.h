@@ -3,7 +3,33 @@
 
 #include <immintrin.h>
 
+#include <cstdint>
+
 namespace streamengine_cpu {
+
+// KV-cache element types (EngineConfig.kv_cache_dtype): float32, or IEEE half precision kept
+// as raw 16-bit words and converted with the F16C instructions (round to nearest even, as
+// torch's .to(torch.float16)). Half the bytes per token: attention over long contexts is
+// bound by reading K/V.
+enum CacheType : int64_t { CACHE_F32 = 0, CACHE_F16 = 1 };
+using half_t = uint16_t;
+
+inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+inline __m512 load16(const half_t* p) {
+  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+}
+
+// n floats from src into dst, converted to the cache's element type.
+inline void store_row(const float* src, int64_t n, float* dst) {
+  for (int64_t i = 0; i < n; ++i) dst[i] = src[i];
+}
+inline void store_row(const float* src, int64_t n, half_t* dst) {
+  int64_t i = 0;
+  for (; i + 16 <= n; i += 16)
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + i),
+                        _mm512_cvtps_ph(_mm512_loadu_ps(src + i), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+  for (; i < n; ++i) dst[i] = _cvtss_sh(src[i], _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+}
 
 // e^x as 2^(x log2 e) = 2^n * 2^f with |f| <= 1/2 and 2^f from its degree-7 Taylor
 // polynomial: relative error ~1e-7, float32's own rounding. Inputs clamped to [-88, 88].

@@ -12,6 +12,7 @@ DEFAULT_KV_CACHE_BYTES = 512 * 1024 * 1024
 _BACKENDS = ("auto", "triton", "torch", "cpu")
 _PREEMPTION_MODES = ("auto", "recompute", "swap")
 _DTYPES = ("float32", "float16", "bfloat16")
+_KV_CACHE_DTYPES = ("auto", *_DTYPES)
 _MODEL_IMPLS = ("auto", "native", "transformers")
 
 
@@ -28,6 +29,10 @@ class EngineConfig:
     device: str = "auto"  # "auto": cuda when available, else cpu
     block_size: int = 16
     kv_cache_bytes: int | None = None
+    # The KV cache's element type; "auto" is the model's dtype. A float32 model with a float16
+    # cache holds twice the tokens in the same bytes and reads half per token in attention, at
+    # the cost of rounding K/V (greedy output can then differ from transformers').
+    kv_cache_dtype: str = "auto"
     num_gpu_blocks: int | None = None  # overrides kv_cache_bytes (name as in vLLM)
     max_num_seqs: int = 128
     max_num_batched_tokens: int = 2048
@@ -46,6 +51,8 @@ class EngineConfig:
 
     def __post_init__(self) -> None:
         _check(self.dtype in _DTYPES, "dtype", f"must be one of {_DTYPES}, got {self.dtype!r}")
+        _check(self.kv_cache_dtype in _KV_CACHE_DTYPES, "kv_cache_dtype",
+               f"must be one of {_KV_CACHE_DTYPES}, got {self.kv_cache_dtype!r}")
         _check(self.block_size in (8, 16, 32), "block_size", f"must be 8, 16 or 32, got {self.block_size}")
         _check(self.max_num_seqs >= 1, "max_num_seqs", "must be >= 1")
         _check(self.max_num_batched_tokens >= 1, "max_num_batched_tokens", "must be >= 1")

@@ -171,7 +171,7 @@ class EngineCore:
         swap = a block's bytes over the host link. Only their ratio matters."""
         params = sum(p.numel() for p in self.loaded.model.parameters())
         flops, link_bytes_s = (50e12, 20e9) if self.device.type == "cuda" else (80e9, 10e9)
-        block_bytes = kv_bytes_per_block(self.loaded.model.config, self.config.block_size, self.runner.dtype)
+        block_bytes = kv_bytes_per_block(self.loaded.model.config, self.config.block_size, self.runner.kv_dtype)
         return PreemptionPolicy(
             mode=self.config.preemption_mode,
             recompute_cost_per_token=2 * params / flops,

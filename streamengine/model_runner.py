@@ -40,17 +40,29 @@ def num_blocks_for(config: EngineConfig, model_config, dtype: torch.dtype) -> in
     return num_blocks
 
 
-def select_backend(name: str, device: torch.device, model_config, block_size: int, dtype: torch.dtype) -> AttentionBackend:
+def select_backend(
+    name: str, device: torch.device, model_config, block_size: int, dtype: torch.dtype, kv_dtype: torch.dtype,
+) -> AttentionBackend:
     if name in ("cpu", "auto") and device.type == "cpu":
         from streamengine.models.cpu_backend import CpuPagedAttention
 
         _, num_kv_heads, head_dim = model_shape(model_config)
-        if CpuPagedAttention.available(model_config.num_attention_heads, num_kv_heads, head_dim, block_size, dtype):
+        if CpuPagedAttention.available(
+            model_config.num_attention_heads, num_kv_heads, head_dim, block_size, dtype, kv_dtype
+        ):
             return CpuPagedAttention()
         if name == "cpu":
-            raise ValueError("attention_backend='cpu' needs float32, AVX-512, a C++ compiler and a supported head shape")
+            raise ValueError(
+                "attention_backend='cpu' needs a float32 model, a float32 or float16 KV cache, AVX-512, "
+                "a C++ compiler and a supported head shape"
+            )
     if name == "torch" or (name == "auto" and device.type != "cuda"):
         return TorchPagedAttention()
+    if kv_dtype != dtype:
+        raise ValueError(
+            f"attention_backend='triton' keeps the KV cache in the model's dtype ({dtype}); "
+            f"kv_cache_dtype={kv_dtype} runs on CPU only"
+        )
     from streamengine.models.triton_backend import TritonPagedAttention  # needs triton
 
     return TritonPagedAttention.create(device)
@@ -74,29 +86,30 @@ class ModelRunner:
         self.model = loaded.model
         self.device = device
         self.dtype = getattr(torch, config.dtype)
+        self.kv_dtype = self.dtype if config.kv_cache_dtype == "auto" else getattr(torch, config.kv_cache_dtype)
         self.block_size = config.block_size
-        self.num_blocks = num_blocks_for(config, self.model.config, self.dtype)
+        self.num_blocks = num_blocks_for(config, self.model.config, self.kv_dtype)
         num_layers, num_kv_heads, head_dim = model_shape(self.model.config)
         shape = (self.num_blocks, self.block_size, num_kv_heads, head_dim)
         self.kv_caches = [
-            (torch.zeros(shape, dtype=self.dtype, device=device),
-             torch.zeros(shape, dtype=self.dtype, device=device))
+            (torch.zeros(shape, dtype=self.kv_dtype, device=device),
+             torch.zeros(shape, dtype=self.kv_dtype, device=device))
             for _ in range(num_layers)
         ]
         self.num_cpu_blocks = config.swap_space_bytes // kv_bytes_per_block(
-            self.model.config, self.block_size, self.dtype
+            self.model.config, self.block_size, self.kv_dtype
         )
         pin = device.type == "cuda"
         self.cpu_caches = [
-            (torch.zeros((self.num_cpu_blocks, *shape[1:]), dtype=self.dtype, pin_memory=pin),
-             torch.zeros((self.num_cpu_blocks, *shape[1:]), dtype=self.dtype, pin_memory=pin))
+            (torch.zeros((self.num_cpu_blocks, *shape[1:]), dtype=self.kv_dtype, pin_memory=pin),
+             torch.zeros((self.num_cpu_blocks, *shape[1:]), dtype=self.kv_dtype, pin_memory=pin))
             for _ in range(num_layers if self.num_cpu_blocks else 0)
         ]
         # Swaps run on their own stream on CUDA; the forward waits on an event, so blocks
         # swapped out are not overwritten before their copy has landed.
         self.swap_stream = torch.cuda.Stream(device) if pin else None
         self.backend = select_backend(
-            config.attention_backend, device, self.model.config, self.block_size, self.dtype
+            config.attention_backend, device, self.model.config, self.block_size, self.dtype, self.kv_dtype
         )
         self.decoder = self.model.get_decoder()
         self.lm_head = self.model.get_output_embeddings()

@@ -28,6 +28,8 @@ def test_throughput_quick_on_tiny_model(tiny_llama_dir, tmp_path):
         "12",
         "--threads",
         "1",
+        "--systems",
+        "engine,hf_generate,hf_generate_batch,engine_kv16",
         "--json",
         str(out_json),
         "--png",
@@ -53,6 +55,10 @@ def test_throughput_quick_on_tiny_model(tiny_llama_dir, tmp_path):
             assert result["output_tok_s"] > 0 and result["requests_per_s"] > 0
     # the headline figures are the ShareGPT-like trace's
     assert data["engine_tok_s"] == data["traces"]["sharegpt"]["systems"]["engine"]["output_tok_s"]
+    assert data["engine_kv16_tok_s"] > 0 and data["speedups"]["engine_kv16_vs_engine"] > 0
+    kv16 = data["traces"]["sharegpt"]["systems"]["engine_kv16"]["details"]
+    engine = data["traces"]["sharegpt"]["systems"]["engine"]["details"]
+    assert kv16["kv_capacity_tokens"] >= 2 * engine["kv_capacity_tokens"]  # same bytes, half per token
     assert out_png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 

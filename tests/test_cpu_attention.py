@@ -70,3 +70,25 @@ def test_bad_inputs_raise_clear_errors():
     q, kc, vc, tables, seq_lens, qsl = make_case([5], 4, 2, 32, 16)
     with pytest.raises(ValueError, match="block_tables must be a CPU torch.int32"):
         paged_decode(q, kc, vc, tables.long(), seq_lens, qsl, torch.tensor([0]), 1.0, torch.empty_like(q))
+
+
+@pytest.mark.parametrize("num_seqs", [3, 40])
+@pytest.mark.parametrize("heads,kv_heads,head_dim", [(9, 3, 64), (8, 2, 128), (20, 10, 16)])
+def test_float16_cache_matches_reference_on_the_same_values(heads, kv_heads, head_dim, num_seqs):
+    # The kernel widens each half to float32 exactly, so it must match the float32 reference
+    # run on the widened cache as closely as a float32 cache does.
+    lens = ([1, 7, 16, 17, 33, 100, 257] * 6)[:num_seqs]
+    q, kc, vc, tables, seq_lens, qsl = make_case(lens, heads, kv_heads, head_dim, 16, seed=5)
+    kc16, vc16 = kc.half(), vc.half()
+    expected = ref_paged_attention(q, kc16.float(), vc16.float(), tables, seq_lens, qsl, scale=head_dim**-0.5)
+    out = torch.full_like(q, float("nan"))
+    paged_decode(q, kc16, vc16, tables, seq_lens, qsl, torch.arange(len(lens)), head_dim**-0.5, out)
+    torch.testing.assert_close(out, expected, rtol=2e-5, atol=2e-5)
+
+
+def test_cache_dtypes_the_kernel_does_not_take_are_refused():
+    q, kc, vc, tables, seq_lens, qsl = make_case([5], 4, 2, 32, 16)
+    rows, out = torch.tensor([0]), torch.empty_like(q)
+    for k, v in ((kc.bfloat16(), vc.bfloat16()), (kc.half(), vc), (kc.double(), vc.double())):
+        with pytest.raises(ValueError, match="float32 or float16 caches"):
+            paged_decode(q, k, v, tables, seq_lens, qsl, rows, 1.0, out)

@@ -8,6 +8,7 @@ import time
 
 import pytest
 import torch
+from transformers import AutoConfig
 
 from streamengine import AsyncEngine, EngineConfig, SamplingParams
 
@@ -229,3 +230,22 @@ def test_release_openmp_pool_ends_this_threads_workers():
     while threads() >= before and time.monotonic() < deadline:
         time.sleep(0.01)
     assert threads() < before
+
+
+def test_kv_cache_dtype_sizes_the_pool_and_is_validated(tiny_llama_dir):
+    from streamengine.core import EngineCore
+    from streamengine.model_runner import kv_bytes_per_block, select_backend
+
+    model_config = AutoConfig.from_pretrained(tiny_llama_dir)
+    budget = 64 * kv_bytes_per_block(model_config, 16, torch.float32)
+    blocks = {}
+    for kv_dtype in ("auto", "float16", "bfloat16"):
+        core = EngineCore(EngineConfig(model=str(tiny_llama_dir), kv_cache_bytes=budget, kv_cache_dtype=kv_dtype))
+        runner = core.runner
+        assert all(c.dtype == runner.kv_dtype for pair in runner.kv_caches for c in pair)
+        blocks[kv_dtype] = core.stats()["num_total_blocks"]
+    assert blocks == {"auto": 64, "float16": 128, "bfloat16": 128}  # same bytes, twice the tokens
+    with pytest.raises(ValueError, match="EngineConfig.kv_cache_dtype must be one of"):
+        EngineConfig(kv_cache_dtype="fp8")
+    with pytest.raises(ValueError, match="kv_cache_dtype=torch.float16 runs on CPU only"):
+        select_backend("triton", torch.device("cpu"), model_config, 16, torch.float32, torch.float16)

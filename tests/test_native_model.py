@@ -124,17 +124,23 @@ def test_fused_ops_match_transformers(monkeypatch, kernels):
     torch.testing.assert_close(cpu_ops.silu_mul(gate_up), F.silu(gate_up[:, :37]) * gate_up[:, 37:], rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("cache_dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("head_dim", [8, 40])  # width below one vector; two vectors and a tail
 @pytest.mark.parametrize("kernels", ["cpu", "torch"])
-def test_store_kv_writes_slots(monkeypatch, kernels):
+def test_store_kv_writes_slots(monkeypatch, kernels, head_dim, cache_dtype):
     if kernels == "torch":
         monkeypatch.setattr(cpu_ops, "load_library", lambda: None)
-    qkv = torch.randn(3, 4 * 8)  # k and v: one head each of D=8, after two q heads
-    k, v = qkv[:, 16:24].view(3, 1, 8), qkv[:, 24:].view(3, 1, 8)
-    key_cache, value_cache = torch.zeros(2, 4, 1, 8), torch.zeros(2, 4, 1, 8)
+    d = head_dim
+    qkv = torch.randn(3, 4 * d) * 3  # k and v: one head each, after two q heads
+    qkv[0, 2 * d : 2 * d + 3] = torch.tensor([1e5, 3e-7, -2.5e-6])  # overflow and subnormals in half
+    k, v = qkv[:, 2 * d : 3 * d].view(3, 1, d), qkv[:, 3 * d :].view(3, 1, d)
+    key_cache, value_cache = torch.zeros(2, 4, 1, d, dtype=cache_dtype), torch.zeros(2, 4, 1, d, dtype=cache_dtype)
     cpu_ops.store_kv(k, v, torch.tensor([5, 0, 7]), key_cache, value_cache)
-    flat_k, flat_v = key_cache.view(8, 8), value_cache.view(8, 8)
-    assert torch.equal(flat_k[[5, 0, 7]], k[:, 0]) and torch.equal(flat_v[[5, 0, 7]], v[:, 0])
-    assert torch.equal(flat_k[[1, 2, 3, 4, 6]], torch.zeros(5, 8))
+    flat_k, flat_v = key_cache.view(8, d), value_cache.view(8, d)
+    # Bit for bit what torch's conversion gives (round to nearest even).
+    assert torch.equal(flat_k[[5, 0, 7]], k[:, 0].to(cache_dtype))
+    assert torch.equal(flat_v[[5, 0, 7]], v[:, 0].to(cache_dtype))
+    assert torch.equal(flat_k[[1, 2, 3, 4, 6]], torch.zeros(5, d, dtype=cache_dtype))
 
 
 def test_unsupported_models_keep_the_transformers_path():
@@ -182,12 +188,13 @@ def test_native_hidden_states_match_transformers(request, folder_fixture):
         torch.testing.assert_close(logits, reference.lm_head(got[[10, 30]]), rtol=1e-4, atol=1e-4)
 
 
-def _packed_meta(model, lens, cached, backend):
+def _packed_meta(model, lens, cached, backend, cache_dtype=torch.float32):
     """Metadata for one step: sequence i has `cached[i]` tokens already in the cache and
     `lens[i]` new ones (1 = a decode row), blocks laid out back to back from block 1."""
     cfg = model.config
     kv_heads, head_dim = cfg.num_key_value_heads, cfg.hidden_size // cfg.num_attention_heads
-    caches = [(torch.zeros(16, 16, kv_heads, head_dim), torch.zeros(16, 16, kv_heads, head_dim))
+    shape = (16, 16, kv_heads, head_dim)
+    caches = [(torch.zeros(shape, dtype=cache_dtype), torch.zeros(shape, dtype=cache_dtype))
               for _ in range(cfg.num_hidden_layers)]
     tables, slots, positions, start = [], [], [], 1
     for n, c in zip(lens, cached, strict=True):
@@ -242,10 +249,12 @@ def test_fused_layers_match_the_op_by_op_path(tiny_qwen2_dir):
 
 
 @needs_kernel
+@pytest.mark.parametrize("cache_dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize("folder_fixture", ["tiny_llama_dir", "tiny_qwen2_dir"])
-def test_decode_stack_matches_the_per_layer_path(request, folder_fixture):
+def test_decode_stack_matches_the_per_layer_path(request, folder_fixture, cache_dtype):
     """A decode-only step (contexts of 21, 6 and 34 tokens, one on a block boundary) through
-    the one-call DecodeStack gives the hidden states and caches of the per-layer fused calls."""
+    the one-call DecodeStack gives the hidden states and caches of the per-layer fused calls,
+    and of the PyTorch backend (SDPA over the gathered cache, index_copy_ stores)."""
     from streamengine.models.cpu_backend import CpuPagedAttention
 
     register_paged_attention()
@@ -255,21 +264,24 @@ def test_decode_stack_matches_the_per_layer_path(request, folder_fixture):
     assert native.stack is not None
     stack = native.stack
     results = []
-    for decode_stack in (stack, None):
+    for decode_stack, backend in ((stack, CpuPagedAttention), (None, CpuPagedAttention), (None, TorchPagedAttention)):
         native.stack = decode_stack
-        first, pos1 = _packed_meta(model, [20, 5, 33], [0, 0, 0], CpuPagedAttention())
+        first, pos1 = _packed_meta(model, [20, 5, 33], [0, 0, 0], backend(), cache_dtype)
         ids1 = torch.randint(3, 1000, (58,), generator=torch.Generator().manual_seed(5))
-        second, pos2 = _packed_meta(model, [1, 1, 1], [20, 5, 33], CpuPagedAttention())
+        second, pos2 = _packed_meta(model, [1, 1, 1], [20, 5, 33], backend(), cache_dtype)
         second.kv_caches = first.kv_caches
-        assert second.backend.decode_only_plan(second) is not None
+        if decode_stack is not None:
+            assert second.backend.decode_only_plan(second) is not None
         with torch.inference_mode():
             native.forward(ids1, pos1, first)
             h = native.forward(torch.tensor([7, 70, 700]), pos2, second)
         results.append((h, [c.clone() for pair in first.kv_caches for c in pair]))
-    (a, ca), (b, cb) = results
-    torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
-    for x, y in zip(ca, cb, strict=True):
-        torch.testing.assert_close(x, y, rtol=1e-5, atol=1e-5)
+    (a, ca), *others = results
+    for b, cb in others:
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+        for x, y in zip(ca, cb, strict=True):
+            assert x.dtype == cache_dtype
+            torch.testing.assert_close(x, y, rtol=1e-5, atol=1e-5)
 
 
 @needs_kernel
@@ -289,9 +301,15 @@ def test_decode_stack_rejects_mismatched_inputs(tiny_llama_dir):
     with pytest.raises(ValueError, match="one query token per row"):
         native.stack.run(torch.zeros(3, hidden), torch.zeros(3, hidden), cos, sin, meta.slot_mapping,
                          meta.kv_caches, plan, native.scale)
+    for caches in ([(k.half(), v) for k, v in meta.kv_caches], [(k.bfloat16(), v.bfloat16()) for k, v in meta.kv_caches]):
+        with pytest.raises(ValueError, match="float32 or float16 caches"):
+            native.stack.run(h, x, cos, sin, meta.slot_mapping, caches, plan, native.scale)
+    first_half = [(k.half(), v.half()) if i == 0 else (k, v) for i, (k, v) in enumerate(meta.kv_caches)]
+    with pytest.raises(ValueError, match="all alike"):
+        native.stack.run(h, x, cos, sin, meta.slot_mapping, first_half, plan, native.scale)
     with pytest.raises(ValueError, match="contiguous"):
-        native.stack.run(h, x, cos, sin, meta.slot_mapping, [(k.half(), v) for k, v in meta.kv_caches], plan,
-                         native.scale)
+        strided = [(k.transpose(1, 2).contiguous().transpose(1, 2), v) for k, v in meta.kv_caches]
+        native.stack.run(h, x, cos, sin, meta.slot_mapping, strided, plan, native.scale)
     mixed, _ = _packed_meta(model, [1, 4], [3, 0], CpuPagedAttention())
     assert mixed.backend.decode_only_plan(mixed) is None  # a prefill row: the per-layer path runs
 

@@ -108,3 +108,17 @@ async def test_request_larger_than_pool_fails_cleanly(tiny_llama_dir):
             await anext(engine.generate("hello " * 80, SamplingParams(max_tokens=8)))
         ok = [o async for o in engine.generate("hello", SamplingParams(max_tokens=4, ignore_eos=True))]
         assert ok[-1].finished
+
+
+async def test_swap_restores_a_float16_cache_exactly(tiny_llama_dir):
+    # Swapped blocks come back bit for bit, so a float16 cache under pressure gives the
+    # outputs of the same cache without pressure (recompute would not promise that: it
+    # rebuilds K/V from the float32 prefill instead of reading the rounded cache).
+    free, _ = await run_all(tiny_llama_dir, mixed_params(), num_gpu_blocks=256, kv_cache_dtype="float16")
+    outs, stats = await run_all(
+        tiny_llama_dir, mixed_params(), num_gpu_blocks=12, preemption_mode="swap", kv_cache_dtype="float16",
+        swap_space_bytes=swap_bytes(tiny_llama_dir, 64),
+    )
+    assert outs == free
+    assert stats["num_swap_outs"] > 0
+    assert stats["num_swap_blocks_free"] == stats["num_swap_blocks"] == 128  # float16: twice the blocks

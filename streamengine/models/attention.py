@@ -136,8 +136,8 @@ class TorchPagedAttention:
         num_kv_heads, head_dim = key_cache.shape[2], key_cache.shape[3]
         flat_k = key_cache.view(-1, num_kv_heads, head_dim)  # [num_slots, kv_heads, head_dim]
         flat_v = value_cache.view(-1, num_kv_heads, head_dim)
-        flat_k.index_copy_(0, meta.slot_mapping, k)
-        flat_v.index_copy_(0, meta.slot_mapping, v)
+        flat_k.index_copy_(0, meta.slot_mapping, k.to(flat_k.dtype))  # a float16 cache rounds here
+        flat_v.index_copy_(0, meta.slot_mapping, v.to(flat_v.dtype))
         p = meta.prepared
         if p["direct"]:
             return self._decode_rows(q, key_cache, value_cache, p["decode_groups"][0], scale)
@@ -159,6 +159,7 @@ class TorchPagedAttention:
         # index_select copies whole rows; several times faster on CPU than advanced indexing.
         kd = key_cache.index_select(0, group.blocks).view(num_seqs, -1, num_kv_heads, head_dim).transpose(1, 2)  # [G, kv_heads, L, D]
         vd = value_cache.index_select(0, group.blocks).view(num_seqs, -1, num_kv_heads, head_dim).transpose(1, 2)
+        kd, vd = kd.to(qd.dtype), vd.to(qd.dtype)  # no-ops unless the cache has its own dtype
         o = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=group.mask, scale=scale)
         return o.reshape(num_seqs, -1, head_dim)  # [G, num_heads, D]
 
@@ -178,8 +179,8 @@ class TorchPagedAttention:
             table = meta.block_tables[i, :num_blocks].long()
             offsets = torch.arange(block_size, device=q.device)
             slots = (table[:, None] * block_size + offsets).reshape(-1)[:ctx_len]
-            ki = flat_k.index_select(0, slots).transpose(0, 1)  # [kv_heads, ctx_len, D]
-            vi = flat_v.index_select(0, slots).transpose(0, 1)
+            ki = flat_k.index_select(0, slots).transpose(0, 1).to(q.dtype)  # [kv_heads, ctx_len, D]
+            vi = flat_v.index_select(0, slots).transpose(0, 1).to(q.dtype)
             qpos = torch.arange(ctx_len - q_len, ctx_len, device=q.device)[:, None]
             mask = torch.arange(ctx_len, device=q.device)[None, :] <= qpos  # [q_len, ctx_len]
             o = F.scaled_dot_product_attention(qi, ki, vi, attn_mask=mask, scale=scale, enable_gqa=True)

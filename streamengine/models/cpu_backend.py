@@ -10,14 +10,18 @@ from __future__ import annotations
 import torch
 
 from streamengine.kernels.cpu_attention import DecodePlan, decode_supported
-from streamengine.kernels.cpu_ops import store_kv
+from streamengine.kernels.cpu_ops import CACHE_TYPES, store_kv
 from streamengine.models.attention import AttentionMetadata, TorchPagedAttention
 
 
 class CpuPagedAttention(TorchPagedAttention):
     @staticmethod
-    def available(num_heads: int, num_kv_heads: int, head_dim: int, block_size: int, dtype: torch.dtype) -> bool:
-        return dtype == torch.float32 and decode_supported(num_heads, num_kv_heads, head_dim, block_size)
+    def available(num_heads: int, num_kv_heads: int, head_dim: int, block_size: int, dtype: torch.dtype,
+                  kv_dtype: torch.dtype | None = None) -> bool:
+        """Whether the kernel runs here: a float32 model, a float32 or float16 cache, a supported shape."""
+        kv_dtype = dtype if kv_dtype is None else kv_dtype
+        return (dtype == torch.float32 and kv_dtype in CACHE_TYPES
+                and decode_supported(num_heads, num_kv_heads, head_dim, block_size))
 
     def prepare(self, meta: AttentionMetadata) -> None:
         p = meta.prepared
