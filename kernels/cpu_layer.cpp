@@ -69,8 +69,9 @@ extern "C" int streamengine_decode_layers(
     const int64_t* layers, int64_t num_layers, int64_t T, int64_t hidden, int64_t heads, int64_t kv_heads,
     int64_t head_dim, int64_t qkv_padded, int64_t o_padded, int64_t gu_padded, int64_t intermediate,
     int64_t down_padded, float eps, float scale, const float* cos, const float* sin, const int64_t* slots,
-    int64_t cache_type, int64_t block_size, const int32_t* block_tables, int64_t table_stride, const int32_t* seq_lens,
-    const int32_t* query_start_loc, const int64_t* rows, int64_t num_rows, float* h, float* x, float* work) {
+    int64_t cache_type, int64_t block_size, const int32_t* block_tables, int64_t table_stride,
+    const int32_t* seq_lens, const int32_t* query_start_loc, const int64_t* rows, int64_t num_rows, float* h,
+    float* x, float* work) {
   float* qkv = work;
   float* attn = qkv + T * qkv_padded;
   float* o = attn + T * heads * head_dim;
