@@ -244,6 +244,17 @@ def test_kv_cache_dtype_sizes_the_pool_and_is_validated(tiny_llama_dir):
         runner = core.runner
         assert all(c.dtype == runner.kv_dtype for pair in runner.kv_caches for c in pair)
         blocks[kv_dtype] = core.stats()["num_total_blocks"]
+        # Each cache type serves a request through its attention path (float16: the C++
+        # kernels where they run; bfloat16: PyTorch) and gives every block back.
+        core.add_request("r", "Hello there, how are you today?", SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
+        outputs = []
+        for _ in range(50):  # 1 prefill + 7 decode steps are needed; a bound, not a hang
+            if not core.has_work():
+                break
+            outputs += core.step()
+        final = outputs[-1]
+        assert final.finished and len(final.outputs[0].token_ids) == 8
+        assert core.stats()["num_free_blocks"] == blocks[kv_dtype]
     assert blocks == {"auto": 64, "float16": 128, "bfloat16": 128}  # same bytes, twice the tokens
     with pytest.raises(ValueError, match="EngineConfig.kv_cache_dtype must be one of"):
         EngineConfig(kv_cache_dtype="fp8")
