@@ -32,11 +32,16 @@ CACHE_TYPES = {torch.float32: 0, torch.float16: 1}
 """KV-cache element types the C++ kernels read and write, by their CacheType code (cpu_vec_math.h)."""
 
 
+def _cache_code(key_cache: torch.Tensor, value_cache: torch.Tensor) -> int | None:
+    """The CacheType code of a cache pair the kernels take (same dtype, both on CPU), else None."""
+    on_cpu = key_cache.device.type == value_cache.device.type == "cpu"
+    return CACHE_TYPES.get(key_cache.dtype) if on_cpu and key_cache.dtype == value_cache.dtype else None
+
+
 def cache_type(key_cache: torch.Tensor, value_cache: torch.Tensor) -> int:
     """The CacheType code of a cache pair on CPU; ValueError for any other pair."""
-    code = CACHE_TYPES.get(key_cache.dtype)
-    on_cpu = key_cache.device.type == value_cache.device.type == "cpu"
-    if code is None or value_cache.dtype != key_cache.dtype or not on_cpu:
+    code = _cache_code(key_cache, value_cache)
+    if code is None:
         raise ValueError(
             f"the CPU kernels take float32 or float16 caches on CPU, got {key_cache.dtype}/{value_cache.dtype}"
         )
@@ -112,9 +117,8 @@ def store_kv(
     width = kv_heads * head_dim
     dense = all(t.stride(1) == head_dim and t.stride(2) == 1 for t in (k, v))
     lib = _native(k, v) if dense and slot_mapping.dtype == torch.int64 else None
-    code = CACHE_TYPES.get(key_cache.dtype) if key_cache.dtype == value_cache.dtype else None
-    if (lib is None or code is None or key_cache.device.type != "cpu" or value_cache.device.type != "cpu"
-            or not (key_cache.is_contiguous() and value_cache.is_contiguous())):
+    code = _cache_code(key_cache, value_cache)
+    if lib is None or code is None or not (key_cache.is_contiguous() and value_cache.is_contiguous()):
         # index_copy_ needs the cache's dtype: a lower-precision cache rounds here.
         key_cache.view(-1, kv_heads, head_dim).index_copy_(0, slot_mapping, k.to(key_cache.dtype))
         value_cache.view(-1, kv_heads, head_dim).index_copy_(0, slot_mapping, v.to(value_cache.dtype))

@@ -7,17 +7,17 @@ import asyncio
 import os
 import sys
 
-from streamengine.config import EngineConfig
+from streamengine.config import DTYPES, KV_CACHE_DTYPES, EngineConfig
 
 
 def _engine_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("engine")
     g.add_argument("--model", default=None, help="HF folder or .gguf file (default: SmolLM2-135M-Instruct)")
-    g.add_argument("--dtype", default="float32", choices=["float32", "float16", "bfloat16"])
+    g.add_argument("--dtype", default="float32", choices=DTYPES)
     g.add_argument("--device", default="auto")
     g.add_argument("--block-size", type=int, default=16)
     g.add_argument("--kv-cache-bytes", type=int, default=None, help="KV pool budget in bytes (default 512 MiB)")
-    g.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "float32", "float16", "bfloat16"],
+    g.add_argument("--kv-cache-dtype", default="auto", choices=KV_CACHE_DTYPES,
                    help="KV cache element type (auto: the model's dtype)")
     g.add_argument("--num-blocks", type=int, default=None, help="KV pool size in blocks (overrides bytes)")
     g.add_argument("--max-num-seqs", type=int, default=128)
@@ -34,7 +34,8 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
 def config_from_args(a: argparse.Namespace) -> EngineConfig:
     return EngineConfig(
         model=a.model, dtype=a.dtype, device=a.device, block_size=a.block_size,
-        kv_cache_bytes=a.kv_cache_bytes, kv_cache_dtype=a.kv_cache_dtype, num_gpu_blocks=a.num_blocks, max_num_seqs=a.max_num_seqs,
+        kv_cache_bytes=a.kv_cache_bytes, kv_cache_dtype=a.kv_cache_dtype, num_gpu_blocks=a.num_blocks,
+        max_num_seqs=a.max_num_seqs,
         max_num_batched_tokens=a.max_num_batched_tokens, max_model_len=a.max_model_len,
         enable_prefix_caching=not a.no_prefix_caching, attention_backend=a.attention_backend,
         preemption_mode=a.preemption_mode, swap_space_bytes=a.swap_space_bytes, seed=a.seed,

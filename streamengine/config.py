@@ -11,8 +11,8 @@ DEFAULT_KV_CACHE_BYTES = 512 * 1024 * 1024
 
 _BACKENDS = ("auto", "triton", "torch", "cpu")
 _PREEMPTION_MODES = ("auto", "recompute", "swap")
-_DTYPES = ("float32", "float16", "bfloat16")
-_KV_CACHE_DTYPES = ("auto", *_DTYPES)
+DTYPES = ("float32", "float16", "bfloat16")
+KV_CACHE_DTYPES = ("auto", *DTYPES)
 _MODEL_IMPLS = ("auto", "native", "transformers")
 
 
@@ -50,9 +50,9 @@ class EngineConfig:
     cache_dir: str | None = None  # where converted GGUF copies are kept
 
     def __post_init__(self) -> None:
-        _check(self.dtype in _DTYPES, "dtype", f"must be one of {_DTYPES}, got {self.dtype!r}")
-        _check(self.kv_cache_dtype in _KV_CACHE_DTYPES, "kv_cache_dtype",
-               f"must be one of {_KV_CACHE_DTYPES}, got {self.kv_cache_dtype!r}")
+        _check(self.dtype in DTYPES, "dtype", f"must be one of {DTYPES}, got {self.dtype!r}")
+        _check(self.kv_cache_dtype in KV_CACHE_DTYPES, "kv_cache_dtype",
+               f"must be one of {KV_CACHE_DTYPES}, got {self.kv_cache_dtype!r}")
         _check(self.block_size in (8, 16, 32), "block_size", f"must be 8, 16 or 32, got {self.block_size}")
         _check(self.max_num_seqs >= 1, "max_num_seqs", "must be >= 1")
         _check(self.max_num_batched_tokens >= 1, "max_num_batched_tokens", "must be >= 1")

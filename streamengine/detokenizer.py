@@ -33,9 +33,10 @@ def decode_function(tokenizer: Tokenizer) -> Decode:
 
     transformers' fast tokenizers wrap a Rust `tokenizers.Tokenizer` in Python layers
     (argument conversion, batch detection, optional space clean-up) that cost more than the
-    decode of a short window itself: at batch 128 two windows per request and step took
-    ~3 ms of the step. When the wrapper is transformers' own and would not clean up spaces,
-    its result is the backend's, so the backend is called directly.
+    decode of a short window itself: two windows per request and step for 128 requests took
+    0.95 ms through the wrapper, 0.35 ms straight through the backend. When the wrapper is
+    transformers' own and would not clean up spaces, its result is the backend's, so the
+    backend is called directly.
     """
     backend = getattr(tokenizer, "backend_tokenizer", None)
     if backend is not None and _renders_as_backend(tokenizer):

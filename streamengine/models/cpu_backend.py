@@ -17,9 +17,8 @@ from streamengine.models.attention import AttentionMetadata, TorchPagedAttention
 class CpuPagedAttention(TorchPagedAttention):
     @staticmethod
     def available(num_heads: int, num_kv_heads: int, head_dim: int, block_size: int, dtype: torch.dtype,
-                  kv_dtype: torch.dtype | None = None) -> bool:
+                  kv_dtype: torch.dtype) -> bool:
         """Whether the kernel runs here: a float32 model, a float32 or float16 cache, a supported shape."""
-        kv_dtype = dtype if kv_dtype is None else kv_dtype
         return (dtype == torch.float32 and kv_dtype in CACHE_TYPES
                 and decode_supported(num_heads, num_kv_heads, head_dim, block_size))
 
