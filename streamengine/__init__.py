@@ -14,6 +14,10 @@ __all__ = [
     "CompletionOutput",
     "EngineConfig",
     "EngineDeadError",
+    "EngineError",
+    "EngineOverloadedError",
+    "LimitExceededError",
+    "RequestFailedError",
     "RequestOutput",
     "SamplingParams",
 ]
@@ -21,7 +25,11 @@ __version__ = "0.1.0"
 
 _WHERE = {
     "AsyncEngine": "streamengine.engine",
-    "EngineDeadError": "streamengine.engine",
+    "EngineDeadError": "streamengine.errors",
+    "EngineError": "streamengine.errors",
+    "EngineOverloadedError": "streamengine.errors",
+    "LimitExceededError": "streamengine.errors",
+    "RequestFailedError": "streamengine.errors",
     "EngineConfig": "streamengine.config",
     "CompletionOutput": "streamengine.outputs",
     "RequestOutput": "streamengine.outputs",
@@ -30,7 +38,14 @@ _WHERE = {
 
 if TYPE_CHECKING:
     from streamengine.config import EngineConfig
-    from streamengine.engine import AsyncEngine, EngineDeadError
+    from streamengine.engine import AsyncEngine
+    from streamengine.errors import (
+        EngineDeadError,
+        EngineError,
+        EngineOverloadedError,
+        LimitExceededError,
+        RequestFailedError,
+    )
     from streamengine.outputs import CompletionOutput, RequestOutput
     from streamengine.sampling import SamplingParams
 

@@ -17,16 +17,13 @@ from collections.abc import AsyncIterator
 from concurrent.futures import ThreadPoolExecutor
 
 from streamengine.config import EngineConfig
+from streamengine.errors import EngineDeadError
 from streamengine.core import EngineCore
 from streamengine.models import LoadedModel
 from streamengine.outputs import RequestOutput
 from streamengine.sampling import SamplingParams
 
 log = logging.getLogger(__name__)
-
-
-class EngineDeadError(RuntimeError):
-    """The engine stopped; requests still in flight end with this."""
 
 
 class _RequestStream:

@@ -16,8 +16,11 @@ from streamengine.server import openai, protocol
 from streamengine.server.metrics import ServerMetrics
 from streamengine.server.security import KeyRing, OriginPolicy
 from streamengine.server.state import (
+    DEFAULT_HEARTBEAT_S,
     DEFAULT_MAX_BODY_BYTES,
+    DEFAULT_MAX_CONNECTIONS,
     DEFAULT_MAX_MESSAGE_BYTES,
+    DEFAULT_MAX_PENDING_BYTES,
     STATE_KEY,
     TENANT_KEY,
     ServerState,
@@ -47,6 +50,10 @@ def create_app(
     model_name: str | None = None,
     max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+    max_pending_bytes: int = DEFAULT_MAX_PENDING_BYTES,
+    max_connections: int = DEFAULT_MAX_CONNECTIONS,
+    heartbeat_s: float = DEFAULT_HEARTBEAT_S,
+    request_timeout: float | None = None,
     web_dir: Path | str | None = None,
 ) -> web.Application:
     """The server for `engine` (an `AsyncEngine`), started and stopped with the app.
@@ -69,6 +76,10 @@ def create_app(
         max_prompt_tokens=max_prompt_tokens,
         metrics=ServerMetrics(engine.stats),
         max_message_bytes=max_message_bytes,
+        max_pending_bytes=max_pending_bytes,
+        max_connections=max_connections,
+        heartbeat_s=heartbeat_s,
+        request_timeout=request_timeout,
     )
     app = web.Application(middlewares=[_errors, _auth], client_max_size=max_body_bytes)
     app[STATE_KEY] = state

@@ -26,6 +26,12 @@ HARD_LIMIT_FACTOR = 4
 """aiohttp closes the socket (1009) above this multiple, so no frame can balloon memory."""
 DEFAULT_MAX_BODY_BYTES = 4 << 20
 """HTTP request bodies above this are answered 413."""
+DEFAULT_MAX_PENDING_BYTES = 8 << 20
+"""Unsent bytes one WebSocket may hold (merged deltas included) before it is closed with 1008."""
+DEFAULT_MAX_CONNECTIONS = 1024
+"""Open WebSockets the server accepts at once; more are answered 503."""
+DEFAULT_HEARTBEAT_S = 30.0
+"""WebSocket ping interval; a peer that answers no ping within half of it is dropped."""
 
 
 class PromptTooLong(ValueError):
@@ -41,11 +47,15 @@ class ServerState:
     max_prompt_tokens: int | None
     metrics: ServerMetrics
     max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES
+    max_pending_bytes: int = DEFAULT_MAX_PENDING_BYTES
+    max_connections: int = DEFAULT_MAX_CONNECTIONS
+    heartbeat_s: float = DEFAULT_HEARTBEAT_S
+    request_timeout: float | None = None  # seconds from arrival to the last token; None = none
     created: int = field(default_factory=lambda: int(time.time()))
     connections: set[Connection] = field(default_factory=set)
     # Engine request ids of HTTP requests in flight, aborted on shutdown so handlers end fast.
     http_requests: set[str] = field(default_factory=set)
-    shutting_down: bool = False
+    shutting_down: bool = False  # True from the start of a drain: no new requests are admitted
     _tokenizer_pool: ThreadPoolExecutor | None = None
 
     async def tokenize_async(self, prompt: str | list[int]) -> list[int]:

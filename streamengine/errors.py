@@ -1,0 +1,40 @@
+"""The engine's exceptions, shared by the engine and the server (which maps each to a status).
+
+`ValueError` stays the base of every "your request is wrong" error, so callers that catch it
+keep working; the others are `EngineError`s: the request was fine, the engine could not serve it.
+"""
+
+from __future__ import annotations
+
+
+class LimitExceededError(ValueError):
+    """A request goes past one of the engine's or server's configured limits.
+
+    `limit` names the limit (a config field, CLI option or SamplingParams bound) so a client
+    can tell which one; the message says the value and the maximum.
+    """
+
+    def __init__(self, limit: str, message: str) -> None:
+        super().__init__(message)
+        self.limit = limit
+
+
+class EngineError(RuntimeError):
+    """The engine could not serve a request that was itself valid."""
+
+
+class EngineDeadError(EngineError):
+    """The engine stopped; requests still in flight end with this."""
+
+
+class RequestFailedError(EngineError):
+    """This request was ended by a fault inside the engine (a failed step, a core restart).
+    Other requests go on; the message says what happened."""
+
+
+class EngineOverloadedError(EngineError):
+    """Admission refused because the queue is full; try again after `retry_after` seconds."""
+
+    def __init__(self, message: str, retry_after: float = 1.0) -> None:
+        super().__init__(message)
+        self.retry_after = retry_after
