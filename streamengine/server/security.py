@@ -15,9 +15,12 @@ from aiohttp import web
 class Tenant:
     name: str  # "tenant-<8 hex>": safe to log, reveals nothing usable about the key
     cache_salt: str | None
+    # May read the global views (/metrics, /v1/kv_state, WebSocket kv_state): with no keys
+    # configured everyone may; with keys, only the holder of an admin key.
+    is_admin: bool = False
 
 
-ANONYMOUS = Tenant("anonymous", None)
+ANONYMOUS = Tenant("anonymous", None, is_admin=True)
 
 
 class KeyRing:
