@@ -6,6 +6,10 @@ kept because tokenizers such as SentencePiece render a token's leading space onl
 another token) and the same window plus the new tokens. The new text is the difference.
 While the window decodes to a trailing U+FFFD, the new tokens end inside a multi-byte
 character, so the text is held until the character completes.
+
+Stop strings are found by an Aho-Corasick automaton (stop_strings.py) built once per request
+and shared by its samples: each new character costs O(1) amortized, however many and however
+long the stop strings are.
 """
 
 from __future__ import annotations
@@ -14,6 +18,7 @@ from collections.abc import Callable
 from typing import Protocol
 
 from .sampling import SamplingParams
+from .stop_strings import ROOT, StopAutomaton, held_length, scan
 
 _PROMPT_CONTEXT_TOKENS = 5
 """Prompt tokens to decode in front of the first output token (see the module docstring)."""
@@ -73,7 +78,9 @@ class IncrementalDetokenizer:
     ) -> None:
         self._decode_ids = decode_function(tokenizer)
         self._skip_special = params.skip_special_tokens
-        self._stops: list[str] = list(params.stop)
+        # Shared with the request's other samples; this detokenizer keeps only its state.
+        self._automaton: StopAutomaton | None = params.stop_automaton()
+        self._stop_state = ROOT
         self._include_stop = params.include_stop_str_in_output
         self._min_tokens = params.min_tokens
         # The window: a few already-rendered ids, then the ids not yet rendered.
@@ -118,15 +125,16 @@ class IncrementalDetokenizer:
         for token_id in token_ids:
             self._ids.append(token_id)
             self._num_output_tokens += 1
-            start = len(self._text)
-            self._text += self._decode_new()
-            if len(self._text) == start:
+            new = self._decode_new()
+            if not new:
                 continue
-            if self._stops and self._num_output_tokens >= self._min_tokens:
-                stop = self._find_stop(start)
-                if stop is not None:
-                    return stop
-            self._held = self._longest_stop_prefix()
+            start = len(self._text)
+            self._text += new
+            if self._automaton is None:
+                continue
+            stop = self._match_stops(self._automaton, start, new)
+            if stop is not None:
+                return stop
         return None
 
     def finish(self) -> None:
@@ -172,28 +180,17 @@ class IncrementalDetokenizer:
         self._read_offset = len(self._ids)
         return full[len(prefix) :]
 
-    def _find_stop(self, start: int) -> str | None:
-        """The earliest stop string that ends in the text added from `start` on."""
-        best: tuple[int, str] | None = None
-        for stop in self._stops:
-            pos = self._text.find(stop, max(0, start - len(stop) + 1))
-            if pos >= 0 and (best is None or pos < best[0]):
-                best = (pos, stop)
-        if best is None:
+    def _match_stops(self, automaton: StopAutomaton, start: int, new: str) -> str | None:
+        """Read the text `new` added at `start`; end the request at the stop string that starts
+        first among those ending in it (unless min_tokens are still to come)."""
+        self._stop_state, match = scan(automaton, self._stop_state, new)
+        if match is None or self._num_output_tokens < self._min_tokens:
+            self._held = held_length(automaton, self._stop_state)
             return None
-        pos, stop = best
+        stop = automaton.stops[match.index]
+        pos = start + match.start
         self._text = self._text[: pos + len(stop) if self._include_stop else pos]
         self._held = 0
         self._finished = True
         self._stop_str = stop
         return stop
-
-    def _longest_stop_prefix(self) -> int:
-        """Length of the longest proper prefix of a stop string that ends `_text`."""
-        longest = 0
-        for stop in self._stops:
-            for k in range(min(len(stop) - 1, len(self._text)), longest, -1):
-                if self._text.endswith(stop[:k]):
-                    longest = k
-                    break
-        return longest

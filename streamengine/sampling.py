@@ -18,6 +18,9 @@ import msgspec
 import numpy as np
 import torch
 
+from .errors import LimitExceededError
+from .stop_strings import StopAutomaton, build_automaton
+
 MAX_N = 128
 MAX_LOGPROBS = 20
 GREEDY_EPS = 1e-5
@@ -26,6 +29,11 @@ _SEED_MIN = -(2**63)
 _SEED_MAX = 2**64 - 1  # the range torch.Generator.manual_seed accepts
 
 MAX_BEAM_WIDTH = 32
+# Bounds on the work one request's stop conditions can ask for (issue 12): the automaton of the
+# stop strings has at most MAX_STOP_STRINGS * MAX_STOP_STRING_CHARS nodes.
+MAX_STOP_STRINGS = 32
+MAX_STOP_STRING_CHARS = 256
+MAX_STOP_TOKEN_IDS = 256
 _INT_FIELDS = ("n", "top_k", "min_tokens", "beam_width")
 _FLOAT_FIELDS = (
     "temperature",
@@ -38,12 +46,16 @@ _FLOAT_FIELDS = (
 )
 
 
-class SamplingParams(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+class SamplingParams(msgspec.Struct, kw_only=True, forbid_unknown_fields=True, dict=True):
     """How to pick the tokens of one request (names and ranges follow vLLM / OpenAI).
 
     Validated on construction and on `msgspec.convert` / `msgspec.json.decode`; a bad value
-    raises ValueError naming the field. `stop` may be given as one string. `seed` may be any
-    integer torch accepts, -2**63 .. 2**64-1 (negative seeds are mapped to 64 bits by torch).
+    raises ValueError naming the field, and a value past one of the bounds below (MAX_N,
+    MAX_BEAM_WIDTH, MAX_STOP_STRINGS, MAX_STOP_STRING_CHARS, MAX_STOP_TOKEN_IDS) raises its
+    subclass LimitExceededError, whose `limit` is the bound's name in lower case ("max_n").
+    `stop` may be given as one string. `seed` may be any integer torch accepts,
+    -2**63 .. 2**64-1 (negative seeds are mapped to 64 bits by torch). `dict=True` leaves room
+    for the cached stop automaton, which is not a field: never encoded nor compared.
     """
 
     n: int = 1
@@ -83,7 +95,8 @@ class SamplingParams(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
         self._check_lists()
 
     def _check_ranges(self) -> None:
-        _check(1 <= self.n <= MAX_N, "n", f"must be in [1, {MAX_N}], got {self.n}")
+        _check(self.n >= 1, "n", f"must be in [1, {MAX_N}], got {self.n}")
+        _check_limit(self.n <= MAX_N, "max_n", "n", f"must be in [1, {MAX_N}], got {self.n}")
         self._check_beam()
         _check(
             0.0 <= self.temperature < math.inf,
@@ -144,11 +157,9 @@ class SamplingParams(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
             )
 
     def _check_beam(self) -> None:
-        _check(
-            1 <= self.beam_width <= MAX_BEAM_WIDTH,
-            "beam_width",
-            f"must be in [1, {MAX_BEAM_WIDTH}], got {self.beam_width}",
-        )
+        message = f"must be in [1, {MAX_BEAM_WIDTH}], got {self.beam_width}"
+        _check(self.beam_width >= 1, "beam_width", message)
+        _check_limit(self.beam_width <= MAX_BEAM_WIDTH, "max_beam_width", "beam_width", message)
         _check(isinstance(self.early_stopping, bool), "early_stopping", "must be a bool")
         _check(math.isfinite(self.length_penalty), "length_penalty", "must be finite")
         if self.beam_width == 1:
@@ -167,18 +178,49 @@ class SamplingParams(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
             "stop",
             f"must be a string or a list of strings, got {self.stop!r}",
         )
-        for s in self.stop:
+        # Counted before any string is looked at: the checks themselves stay bounded.
+        _check_limit(
+            len(self.stop) <= MAX_STOP_STRINGS,
+            "max_stop_strings",
+            "stop",
+            f"has {len(self.stop)} strings, more than the maximum of {MAX_STOP_STRINGS}",
+        )
+        for i, s in enumerate(self.stop):
             _check(
                 isinstance(s, str) and s != "", "stop", f"must hold non-empty strings, got {s!r}"
+            )
+            _check_limit(
+                len(s) <= MAX_STOP_STRING_CHARS,
+                "max_stop_string_chars",
+                f"stop[{i}]",
+                f"has {len(s)} characters, more than the maximum of {MAX_STOP_STRING_CHARS}",
             )
         _check(
             isinstance(self.stop_token_ids, list),
             "stop_token_ids",
             f"must be a list of ints, got {self.stop_token_ids!r}",
         )
+        _check_limit(
+            len(self.stop_token_ids) <= MAX_STOP_TOKEN_IDS,
+            "max_stop_token_ids",
+            "stop_token_ids",
+            f"has {len(self.stop_token_ids)} ids, more than the maximum of {MAX_STOP_TOKEN_IDS}",
+        )
         for t in self.stop_token_ids:
             _require_int("stop_token_ids", t)
             _check(t >= 0, "stop_token_ids", f"must hold ids >= 0, got {t}")
+
+    def stop_automaton(self) -> StopAutomaton | None:
+        """The automaton of `stop` (None without stop strings), built on first use and kept on
+        this object: the n detokenizers of a request share one."""
+        if not self.stop:
+            return None
+        stops = tuple(self.stop)
+        cached: StopAutomaton | None = getattr(self, "_stop_automaton", None)
+        if cached is None or cached.stops != stops:  # also rebuilt if `stop` was changed
+            cached = build_automaton(stops)
+            self._stop_automaton = cached
+        return cached
 
     @property
     def greedy(self) -> bool:
@@ -203,11 +245,12 @@ class SamplingParams(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> SamplingParams:
-        """Convert a JSON-like mapping; any error is a ValueError naming the field."""
+        """Convert a JSON-like mapping; any error is a ValueError naming the field (a
+        LimitExceededError, with its `limit`, for a value past a bound)."""
         try:
             return msgspec.convert(data, cls)
         except msgspec.ValidationError as exc:
-            raise ValueError(_describe(exc)) from None
+            raise _as_value_error(exc) from None
 
 
 def decode_params(data: bytes | str) -> SamplingParams:
@@ -215,9 +258,17 @@ def decode_params(data: bytes | str) -> SamplingParams:
     try:
         return msgspec.json.decode(data, type=SamplingParams)
     except msgspec.ValidationError as exc:
-        raise ValueError(_describe(exc)) from None
+        raise _as_value_error(exc) from None
     except msgspec.DecodeError as exc:
         raise ValueError(f"SamplingParams: invalid JSON: {exc}") from None
+
+
+def _as_value_error(exc: msgspec.ValidationError) -> ValueError:
+    # msgspec wraps what __post_init__ raised in a ValidationError and keeps it as the cause:
+    # a limit error is handed on as itself, so the caller still sees which limit.
+    if isinstance(exc.__cause__, LimitExceededError):
+        return exc.__cause__
+    return ValueError(_describe(exc))
 
 
 def _describe(exc: msgspec.ValidationError) -> str:
@@ -236,6 +287,11 @@ def _describe(exc: msgspec.ValidationError) -> str:
 def _check(ok: bool, field: str, message: str) -> None:
     if not ok:
         raise ValueError(f"SamplingParams.{field} {message}")
+
+
+def _check_limit(ok: bool, limit: str, field: str, message: str) -> None:
+    if not ok:
+        raise LimitExceededError(limit, f"SamplingParams.{field} {message}")
 
 
 def _require_int(field: str, value: object) -> None:

@@ -1,4 +1,4 @@
-"""bench/throughput.py in its quickest mode on a tiny model, so the benchmark cannot rot."""
+"""Benchmarks in their quickest modes on a tiny model, and their helpers, so they cannot rot."""
 
 from __future__ import annotations
 
@@ -80,3 +80,60 @@ def test_trace_statistics_match_the_paper():
     assert make_trace(SHAREGPT, 10, ids, seed=3) == full[:10]
     assert make_trace(SHAREGPT, 10, ids, seed=4) != full[:10]
     assert all(100 <= t < 1100 for r in full for t in r.prompt_token_ids)
+
+
+def _load_serving():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("bench_serving", ROOT / "bench" / "serving.py")
+    module = importlib.util.module_from_spec(spec)
+    before = list(sys.path)
+    sys.modules[spec.name] = module  # dataclasses look their module up while the file runs
+    try:
+        spec.loader.exec_module(module)  # puts bench/ on sys.path, as a script needs
+    finally:
+        sys.path[:] = before
+        del sys.modules[spec.name]
+    return module
+
+
+class _Engine:
+    """What the probe reads of the engine: the scheduler's running list."""
+
+    class core:
+        class scheduler:
+            running = [1, 2]
+
+
+def test_lag_probe_never_reports_negative_lag():
+    """uvloop's millisecond timers may wake a sleep before its perf_counter deadline (a busy CI
+    run once reported p50 = -0.005 ms): such a wake-up is on time, lag 0, and is counted."""
+    import asyncio
+    import itertools
+
+    serving = _load_serving()
+    # a clock that runs backwards: every wake-up comes "before" its deadline
+    probe = serving.LagProbe(_Engine(), clock=itertools.count(0.0, -1.0).__next__)
+
+    async def run_briefly():
+        task = asyncio.create_task(probe.run())
+        await asyncio.sleep(0.05)
+        task.cancel()
+        try:
+            await task
+        except asyncio.CancelledError:
+            pass
+
+    asyncio.run(run_briefly())
+    report = probe.report()
+    assert report["lag_samples"] > 0 and report["lag_early_samples"] == report["lag_samples"]
+    assert report["lag_p50_ms"] == report["lag_p99_ms"] == report["lag_max_ms"] == 0.0
+    assert report["max_running"] == 2
+
+    probe.reset()
+    for overshoot in (-5e-6, 0.0, 0.002, 0.004, -1e-3):
+        probe.record(overshoot)
+    report = probe.report()
+    assert report["lag_samples"] == 5 and report["lag_early_samples"] == 2
+    assert 0.0 <= report["lag_p50_ms"] <= report["lag_p99_ms"] <= report["lag_max_ms"] == 4.0
+    assert abs(report["lag_mean_ms"] - 1.2) < 1e-9

@@ -10,7 +10,13 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from streamengine.errors import LimitExceededError
 from streamengine.sampling import (
+    MAX_BEAM_WIDTH,
+    MAX_N,
+    MAX_STOP_STRING_CHARS,
+    MAX_STOP_STRINGS,
+    MAX_STOP_TOKEN_IDS,
     Sampler,
     SamplerOutput,
     SamplingParams,
@@ -103,6 +109,88 @@ def test_unknown_field_and_bad_json() -> None:
         decode_params(b'{"n": ')
     with pytest.raises(TypeError):
         SamplingParams(best_of=2)  # type: ignore[call-arg]
+
+
+# (limit name, field as the message names it, value just under, just over, the count over)
+LIMITS = [
+    ("max_n", "n", {"n": MAX_N}, {"n": MAX_N + 1}, MAX_N + 1, MAX_N),
+    (
+        "max_beam_width",
+        "beam_width",
+        {"beam_width": MAX_BEAM_WIDTH},
+        {"beam_width": MAX_BEAM_WIDTH + 1},
+        MAX_BEAM_WIDTH + 1,
+        MAX_BEAM_WIDTH,
+    ),
+    (
+        "max_stop_strings",
+        "stop",
+        {"stop": [f"stop{i}" for i in range(MAX_STOP_STRINGS)]},
+        {"stop": [f"stop{i}" for i in range(MAX_STOP_STRINGS + 1)]},
+        MAX_STOP_STRINGS + 1,
+        MAX_STOP_STRINGS,
+    ),
+    (
+        "max_stop_string_chars",
+        "stop[1]",
+        {"stop": ["ok", "x" * MAX_STOP_STRING_CHARS]},
+        {"stop": ["ok", "x" * (MAX_STOP_STRING_CHARS + 1)]},
+        MAX_STOP_STRING_CHARS + 1,
+        MAX_STOP_STRING_CHARS,
+    ),
+    (
+        "max_stop_string_chars",
+        "stop[0]",
+        {"stop": "é" * MAX_STOP_STRING_CHARS},  # characters, not bytes; one string is a list of one
+        {"stop": "é" * (MAX_STOP_STRING_CHARS + 1)},
+        MAX_STOP_STRING_CHARS + 1,
+        MAX_STOP_STRING_CHARS,
+    ),
+    (
+        "max_stop_token_ids",
+        "stop_token_ids",
+        {"stop_token_ids": list(range(MAX_STOP_TOKEN_IDS))},
+        {"stop_token_ids": list(range(MAX_STOP_TOKEN_IDS + 1))},
+        MAX_STOP_TOKEN_IDS + 1,
+        MAX_STOP_TOKEN_IDS,
+    ),
+]
+
+MAKERS = {
+    "direct": lambda fields: SamplingParams(**fields),
+    "from_dict": SamplingParams.from_dict,  # what the servers call
+    "decode_params": lambda fields: decode_params(msgspec.json.encode(fields)),
+}
+
+
+@pytest.mark.parametrize("make", MAKERS.values(), ids=MAKERS.keys())
+@pytest.mark.parametrize(
+    ("limit", "field", "under", "over", "value", "maximum"),
+    LIMITS,
+    ids=[f"{limit}-{field}" for limit, field, *_ in LIMITS],
+)
+def test_limits(make, limit, field, under, over, value, maximum) -> None:
+    make(under)  # at the bound: accepted
+    with pytest.raises(LimitExceededError) as info:
+        make(over)
+    assert type(info.value) is LimitExceededError  # itself, not msgspec's ValidationError
+    assert info.value.limit == limit
+    message = str(info.value)
+    assert message.startswith(f"SamplingParams.{field} "), message
+    assert str(value) in message and str(maximum) in message, message
+
+
+def test_limits_through_msgspec_still_name_the_field() -> None:
+    # msgspec's own entry points wrap the error in its ValidationError (still a ValueError)
+    with pytest.raises(ValueError, match=r"SamplingParams\.stop has 33 strings"):
+        msgspec.convert({"stop": ["s"] * 33}, SamplingParams)
+
+
+def test_lower_bounds_are_not_limits() -> None:
+    for fields in ({"n": 0}, {"beam_width": 0}, {"stop": [""]}, {"stop_token_ids": [-1]}):
+        with pytest.raises(ValueError) as info:
+            SamplingParams.from_dict(fields)
+        assert not isinstance(info.value, LimitExceededError), fields
 
 
 def test_min_tokens_must_not_exceed_max_tokens() -> None:
