@@ -1,13 +1,39 @@
-"""CLI: `python -m streamengine generate ...` and `python -m streamengine serve ...`."""
+"""CLI: `python -m streamengine generate ...` and `python -m streamengine serve ...`.
+
+API and admin keys come from repeatable options, else from STREAMENGINE_API_KEY /
+STREAMENGINE_ADMIN_KEY (comma-separated lists). Usage errors, including a refused open
+bind, exit with code 2.
+"""
 
 from __future__ import annotations
 
 import argparse
-import asyncio
+import dataclasses
 import os
 import sys
+from collections.abc import Mapping
+from typing import Any
 
+from streamengine import config as _config
 from streamengine.config import DTYPES, KV_CACHE_DTYPES, EngineConfig
+from streamengine.server import _run  # the one event-loop runner (uvloop when installed)
+from streamengine.server.state import (
+    DEFAULT_MAX_CONNECTIONS,
+    DEFAULT_SHUTDOWN_TIMEOUT_S,
+    DEFAULT_STALL_TIMEOUT_S,
+)
+
+# The config's own lists, so a backend added there is accepted here (it lacked "cpu" once).
+ATTENTION_BACKENDS = getattr(_config, "ATTENTION_BACKENDS", None) or _config._BACKENDS
+PREEMPTION_MODES = getattr(_config, "PREEMPTION_MODES", None) or _config._PREEMPTION_MODES
+
+# EngineConfig fields that are newer than some checkouts: offered only when the config has
+# them. "none" means None (no limit); leaving the option out keeps the config's default.
+_OPTIONAL_ENGINE_FIELDS = {
+    "max_waiting": "requests allowed to wait for a slot; more are refused as overloaded",
+    "max_prefill_chunk": "most prompt tokens one request prefills in one step",
+    "max_tokens_cap": "largest max_tokens a request may ask for",
+}
 
 
 def _engine_args(p: argparse.ArgumentParser) -> None:
@@ -24,14 +50,35 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--max-num-batched-tokens", type=int, default=2048)
     g.add_argument("--max-model-len", type=int, default=None)
     g.add_argument("--no-prefix-caching", action="store_true")
-    g.add_argument("--attention-backend", default="auto", choices=["auto", "triton", "torch"])
-    g.add_argument("--preemption-mode", default="recompute", choices=["auto", "recompute", "swap"])
+    g.add_argument("--attention-backend", default="auto", choices=ATTENTION_BACKENDS)
+    g.add_argument("--preemption-mode", default="recompute", choices=PREEMPTION_MODES)
     g.add_argument("--swap-space-bytes", type=int, default=0)
     g.add_argument("--seed", type=int, default=0)
     g.add_argument("--num-threads", type=int, default=None)
+    defaults = {f.name: f.default for f in dataclasses.fields(EngineConfig)}
+    for name in _present_optional_fields():
+        shown = "none" if defaults[name] is None else defaults[name]
+        g.add_argument(f"--{name.replace('_', '-')}", type=_int_or_none, default=argparse.SUPPRESS,
+                       metavar="N", help=f"{_OPTIONAL_ENGINE_FIELDS[name]} (none: no limit; default {shown})")
+
+
+def _present_optional_fields() -> list[str]:
+    names = {f.name for f in dataclasses.fields(EngineConfig)}
+    return [name for name in _OPTIONAL_ENGINE_FIELDS if name in names]
+
+
+def _int_or_none(text: str) -> int | None:
+    if text.strip().lower() == "none":
+        return None
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer or 'none', got {text!r}") from None
 
 
 def config_from_args(a: argparse.Namespace) -> EngineConfig:
+    # Options left out are absent from the namespace (SUPPRESS): the config's default applies.
+    optional = {name: getattr(a, name) for name in _present_optional_fields() if hasattr(a, name)}
     return EngineConfig(
         model=a.model, dtype=a.dtype, device=a.device, block_size=a.block_size,
         kv_cache_bytes=a.kv_cache_bytes, kv_cache_dtype=a.kv_cache_dtype, num_gpu_blocks=a.num_blocks,
@@ -39,7 +86,7 @@ def config_from_args(a: argparse.Namespace) -> EngineConfig:
         max_num_batched_tokens=a.max_num_batched_tokens, max_model_len=a.max_model_len,
         enable_prefix_caching=not a.no_prefix_caching, attention_backend=a.attention_backend,
         preemption_mode=a.preemption_mode, swap_space_bytes=a.swap_space_bytes, seed=a.seed,
-        num_threads=a.num_threads,
+        num_threads=a.num_threads, **optional,
     )
 
 
@@ -57,13 +104,61 @@ def build_parser() -> argparse.ArgumentParser:
     _engine_args(gen)
 
     serve = sub.add_parser("serve", help="start the HTTP/WebSocket server")
-    serve.add_argument("--host", default="127.0.0.1")
-    serve.add_argument("--port", type=int, default=int(os.environ.get("PORT", 8000)))
-    serve.add_argument("--api-key", default=os.environ.get("STREAMENGINE_API_KEY"))
-    serve.add_argument("--allowed-origin", action="append", default=[], help="repeatable")
-    serve.add_argument("--max-prompt-tokens", type=int, default=None)
+    _serve_args(serve)
     _engine_args(serve)
     return parser
+
+
+def _serve_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--host", default="127.0.0.1",
+                   help="address to bind (default 127.0.0.1); any other needs a key or --allow-unauthenticated")
+    p.add_argument("--port", type=int, default=int(os.environ.get("PORT", 8000)))
+    # Repeatable options start from None, not from the environment: argparse would append
+    # to an environment default instead of replacing it.
+    p.add_argument("--api-key", action="append", default=None, metavar="KEY",
+                   help="repeatable; default: $STREAMENGINE_API_KEY, a comma-separated list")
+    p.add_argument("--admin-key", action="append", default=None, metavar="KEY",
+                   help="repeatable; an API key that may also read /metrics and /v1/kv_state; "
+                        "default: $STREAMENGINE_ADMIN_KEY, a comma-separated list")
+    p.add_argument("--allow-unauthenticated", action="store_true",
+                   help="serve a non-loopback address without any key (trusted networks only)")
+    p.add_argument("--allowed-origin", action="append", default=[], metavar="ORIGIN",
+                   help="repeatable; browser origin allowed to call the API (* = any)")
+    p.add_argument("--allowed-host", action="append", default=[], metavar="NAME",
+                   help="repeatable; Host name to answer besides the loopback ones (*.example.com, * = any)")
+    p.add_argument("--max-prompt-tokens", type=int, default=None)
+    p.add_argument("--max-connections", type=int, default=DEFAULT_MAX_CONNECTIONS,
+                   help=f"open WebSockets at once; more get 503 (default {DEFAULT_MAX_CONNECTIONS})")
+    p.add_argument("--request-timeout", type=float, default=None, metavar="SECONDS",
+                   help="end a request this long after it arrived (default: no limit)")
+    p.add_argument("--stall-timeout", type=float, default=DEFAULT_STALL_TIMEOUT_S, metavar="SECONDS",
+                   help=f"/ready is 503 once the engine has work but no progress for this long "
+                        f"(default {DEFAULT_STALL_TIMEOUT_S:g})")
+    p.add_argument("--shutdown-timeout", type=float, default=DEFAULT_SHUTDOWN_TIMEOUT_S, metavar="SECONDS",
+                   help=f"on SIGTERM/SIGINT, how long requests in flight may finish before they are "
+                        f"aborted (default {DEFAULT_SHUTDOWN_TIMEOUT_S:g})")
+
+
+def resolve_keys(cli: list[str] | None, env: str | None) -> list[str]:
+    """The keys given on the command line, else those of the variable (a comma list)."""
+    if cli:
+        return list(cli)
+    return [key.strip() for key in (env or "").split(",") if key.strip()]
+
+
+def server_options(a: argparse.Namespace, environ: Mapping[str, str] | None = None) -> dict[str, Any]:
+    """`run_server`'s keyword arguments from parsed `serve` options and the environment."""
+    env = os.environ if environ is None else environ
+    return {
+        "host": a.host, "port": a.port,
+        "api_key": resolve_keys(a.api_key, env.get("STREAMENGINE_API_KEY")),
+        "admin_keys": resolve_keys(a.admin_key, env.get("STREAMENGINE_ADMIN_KEY")),
+        "allow_unauthenticated": a.allow_unauthenticated,
+        "allowed_origins": list(a.allowed_origin), "allowed_hosts": list(a.allowed_host),
+        "max_prompt_tokens": a.max_prompt_tokens, "max_connections": a.max_connections,
+        "request_timeout": a.request_timeout, "stall_timeout": a.stall_timeout,
+        "shutdown_timeout": a.shutdown_timeout,
+    }
 
 
 async def _generate(a: argparse.Namespace) -> None:
@@ -91,23 +186,11 @@ def main(argv: list[str] | None = None) -> int:
         else:
             from streamengine.server import run_server
 
-            run_server(
-                config_from_args(a), host=a.host, port=a.port, api_key=a.api_key,
-                allowed_origins=a.allowed_origin, max_prompt_tokens=a.max_prompt_tokens,
-            )
+            run_server(config_from_args(a), **server_options(a))
     except (ValueError, FileNotFoundError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     return 0
-
-
-def _run(coro) -> None:
-    try:
-        import uvloop
-
-        uvloop.run(coro)
-    except ImportError:
-        asyncio.run(coro)
 
 
 if __name__ == "__main__":

@@ -27,6 +27,7 @@
     reconnectDelay: 500,
     kvTimer: null,
     lastKv: null,
+    kvDenied: false,    // the server keeps the block map for admin keys: stop asking
     // Extra sampling params merged into every request (handy from the console or tests).
     extraParams: {},
   };
@@ -108,6 +109,7 @@
       case "ready":
         state.ready = true;
         state.reconnectDelay = 500;
+        state.kvDenied = false; // this socket may hold another key: ask once more
         ui.model.textContent = msg.model;
         setStatus("connected", "on");
         updateButtons();
@@ -141,8 +143,18 @@
     scrollDown();
   }
 
+  // The KV map is a view of every tenant's cache: with API keys only admin keys may read it.
+  const KV_REFUSED = new Set(["admin_required", "forbidden", "permission_denied"]);
+
   function onError(msg) {
     if (msg.code === "unknown_id") return; // a Stop that raced the end of the reply
+    if (msg.id === null && KV_REFUSED.has(msg.code)) {
+      // a refused kv_state poll: the chat goes on, the page just shows no block map
+      state.kvDenied = true;
+      clearTimeout(state.kvTimer);
+      ui.kvSummary.textContent = "block map: needs an admin key on this server";
+      return;
+    }
     if (state.current && (msg.id === state.current.id || msg.id === null)) {
       state.current.el.classList.add("error");
       state.current.bubble.textContent = state.current.text || msg.message;
@@ -288,7 +300,7 @@
 
   function pollKv() {
     clearTimeout(state.kvTimer);
-    if (!state.ready) return;
+    if (!state.ready || state.kvDenied) return;
     send({ type: "kv_state" });
     state.kvTimer = setTimeout(pollKv, state.current ? KV_POLL_BUSY_MS : KV_POLL_IDLE_MS);
   }

@@ -5,13 +5,22 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import signal
-import sys
-from collections.abc import Sequence
+from collections.abc import Coroutine, Sequence
+from typing import Any
 
 from streamengine.config import EngineConfig
-from streamengine.server.app import create_app
+from streamengine.server.app import create_app, drain
+from streamengine.server.security import check_exposure, hosts_for_bind
+from streamengine.server.state import (
+    DEFAULT_MAX_CONNECTIONS,
+    DEFAULT_SHUTDOWN_TIMEOUT_S,
+    DEFAULT_STALL_TIMEOUT_S,
+)
 
-__all__ = ["create_app", "run_server"]
+__all__ = ["create_app", "drain", "run_server"]
+
+_CLEANUP_TIMEOUT_S = 10.0
+"""After the drain, how long aiohttp waits for handlers that are still running."""
 
 
 def run_server(
@@ -21,44 +30,71 @@ def run_server(
     api_key: str | Sequence[str] | None = None,
     allowed_origins: Sequence[str] = (),
     max_prompt_tokens: int | None = None,
+    *,
+    admin_keys: Sequence[str] = (),
+    allowed_hosts: Sequence[str] = (),
+    allow_unauthenticated: bool = False,
+    stall_timeout: float = DEFAULT_STALL_TIMEOUT_S,
+    shutdown_timeout: float = DEFAULT_SHUTDOWN_TIMEOUT_S,
+    request_timeout: float | None = None,
+    max_connections: int = DEFAULT_MAX_CONNECTIONS,
 ) -> None:
-    """Loads the model, serves until SIGINT/SIGTERM, then shuts down gracefully.
+    """Loads the model, serves until SIGINT/SIGTERM, drains, then shuts down.
 
-    Binds 127.0.0.1 unless told otherwise; runs on uvloop when it is installed.
+    Binds 127.0.0.1 unless told otherwise, and refuses (ValueError, before loading anything)
+    a non-loopback address without a key unless `allow_unauthenticated`. The Host names
+    answered are the loopback ones, `host` itself when it is a specific address, and
+    `allowed_hosts`; on a wildcard address with no `allowed_hosts`, any. Runs on uvloop when
+    it is installed.
     """
+    has_keys = bool(api_key) or bool(admin_keys)
+    check_exposure(host, has_keys=has_keys, allow_unauthenticated=allow_unauthenticated)
+    if shutdown_timeout < 0:
+        raise ValueError(f"shutdown_timeout must be >= 0 seconds, got {shutdown_timeout}")
     from streamengine.engine import AsyncEngine
 
     print(f"streamengine: loading {config.model or 'the default model (SmolLM2-135M-Instruct)'} ...", flush=True)
     engine = AsyncEngine(config)
     app = create_app(
-        engine, api_key=api_key, allowed_origins=list(allowed_origins),
-        max_prompt_tokens=max_prompt_tokens, model_name=engine.model_name,
+        engine, api_key=api_key, admin_keys=list(admin_keys), allowed_origins=list(allowed_origins),
+        allowed_hosts=hosts_for_bind(host, list(allowed_hosts)), max_prompt_tokens=max_prompt_tokens,
+        model_name=engine.model_name, stall_timeout=stall_timeout, request_timeout=request_timeout,
+        max_connections=max_connections,
     )
-    _run(_serve(app, host, port, engine.model_name))
+    _run(_serve(app, host, port, engine.model_name, shutdown_timeout))
 
 
-async def _serve(app, host: str, port: int, model_name: str) -> None:
+async def _serve(app, host: str, port: int, model_name: str, shutdown_timeout: float) -> None:
     from aiohttp import web
 
-    runner = web.AppRunner(app, handle_signals=False, shutdown_timeout=10.0)
+    runner = web.AppRunner(app, handle_signals=False, shutdown_timeout=_CLEANUP_TIMEOUT_S)
     await runner.setup()
     try:
+        stop, hurry = _signal_events()
         site = web.TCPSite(runner, host, port)
         await site.start()
         print(f"streamengine: serving {model_name} at {_url(host, port)}  (Ctrl+C to stop)", flush=True)
-        await _until_signalled()
+        await stop.wait()
+        print(f"streamengine: draining: requests in flight get up to {shutdown_timeout:g} s "
+              "(signal again to stop now) ...", flush=True)
+        await drain(app, shutdown_timeout, hurry=hurry)
         print("streamengine: shutting down ...", flush=True)
     finally:
         await runner.cleanup()
 
 
-async def _until_signalled() -> None:
-    stop = asyncio.Event()
+def _signal_events() -> tuple[asyncio.Event, asyncio.Event]:
+    """(first SIGINT/SIGTERM, second one): the second cuts the drain short."""
+    stop, hurry = asyncio.Event(), asyncio.Event()
+
+    def on_signal() -> None:
+        (hurry if stop.is_set() else stop).set()
+
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         with contextlib.suppress(NotImplementedError):  # Windows
-            loop.add_signal_handler(sig, stop.set)
-    await stop.wait()
+            loop.add_signal_handler(sig, on_signal)
+    return stop, hurry
 
 
 def _url(host: str, port: int) -> str:
@@ -69,12 +105,15 @@ def _url(host: str, port: int) -> str:
     return f"http://{shown}:{port}/{suffix}"
 
 
-def _run(coro) -> None:
+def _run(coro: Coroutine[Any, Any, None]) -> None:
+    """Runs `coro` on uvloop when it is installed, else on asyncio's loop.
+
+    The import is settled before anything runs: an ImportError raised by the program
+    itself must propagate, not start the (already awaited) coroutine a second time.
+    """
     try:
         import uvloop
     except ImportError:
-        uvloop = None
-    if uvloop is not None and sys.platform != "win32":
-        uvloop.run(coro)
-    else:
         asyncio.run(coro)
+        return
+    uvloop.run(coro)

@@ -1,4 +1,11 @@
-"""The aiohttp app factory: routes, auth and error middlewares, engine lifespan, shutdown."""
+"""The aiohttp app factory: routes; the Host, Origin/CORS, drain, auth and error middlewares;
+liveness and readiness; engine lifespan; the graceful drain and the shutdown behind it.
+
+Middlewares, outermost first: the Host check (DNS rebinding), the Origin check and CORS
+preflights, errors in OpenAI's shape, admission (refused while draining; counts requests in
+flight), then the API key and admin check. CORS response headers are added just before any
+response is sent (`on_response_prepare`), so streamed and error responses carry them too.
+"""
 
 from __future__ import annotations
 
@@ -14,13 +21,15 @@ from prometheus_client import CONTENT_TYPE_LATEST
 
 from streamengine.server import openai, protocol
 from streamengine.server.metrics import ServerMetrics
-from streamengine.server.security import KeyRing, OriginPolicy
+from streamengine.server.security import HostPolicy, KeyRing, OriginPolicy, is_same_origin
 from streamengine.server.state import (
     DEFAULT_HEARTBEAT_S,
     DEFAULT_MAX_BODY_BYTES,
     DEFAULT_MAX_CONNECTIONS,
     DEFAULT_MAX_MESSAGE_BYTES,
     DEFAULT_MAX_PENDING_BYTES,
+    DEFAULT_STALL_TIMEOUT_S,
+    DRAIN_RETRY_AFTER_S,
     STATE_KEY,
     TENANT_KEY,
     ServerState,
@@ -33,10 +42,20 @@ log = logging.getLogger(__name__)
 WEB_DIR = Path(__file__).resolve().parents[2] / "web"
 """The chat page (plain files, no build step), at the repository root next to the package."""
 
-_PUBLIC_PATHS = frozenset({"/", "/health", "/favicon.ico", "/v1/stream"})
+_PUBLIC_PATHS = frozenset({"/", "/health", "/ready", "/favicon.ico", "/v1/stream"})
 _PUBLIC_PREFIXES = ("/static/",)
 # /v1/stream is "public" to the HTTP middleware only: the WebSocket checks the key itself,
 # because browsers cannot put an Authorization header on a WebSocket handshake.
+_ADMIN_PATHS = frozenset({"/metrics", "/v1/kv_state"})
+"""Views of the whole server (every tenant's load and cache): admin keys only, once keys exist."""
+_PROBE_PATHS = frozenset({"/health", "/ready"})
+# Orchestrators probe by pod IP (`Host: 10.x.y.z:8000`), a name no --allowed-host lists; these
+# routes are public and reveal only the engine's state, so the Host check leaves them alone.
+_CORS_METHODS = "GET, POST, OPTIONS"
+_CORS_HEADERS = ("Authorization", "Content-Type")
+_CORS_MAX_AGE_S = 600
+_ABORT_GRACE_S = 5.0
+"""After aborting, how long a drain waits for handlers to send their last bytes."""
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
@@ -54,24 +73,33 @@ def create_app(
     max_connections: int = DEFAULT_MAX_CONNECTIONS,
     heartbeat_s: float = DEFAULT_HEARTBEAT_S,
     request_timeout: float | None = None,
+    admin_keys: str | Sequence[str] | None = None,
+    allowed_hosts: Sequence[str] | None = None,
+    stall_timeout: float = DEFAULT_STALL_TIMEOUT_S,
     web_dir: Path | str | None = None,
 ) -> web.Application:
     """The server for `engine` (an `AsyncEngine`), started and stopped with the app.
 
     `api_key`: one key or several (each its own tenant with its own prefix-cache salt);
-    None = no auth. `allowed_origins`: extra browser origins allowed to open the WebSocket
-    (`*` = any); the server's own origin is always allowed. `max_prompt_tokens`: prompts
-    longer than this are refused with a structured error. `model_name`: the id reported by
-    /v1/models and required (when given) in OpenAI requests; default `engine.model_name`.
+    None = no auth. `admin_keys`: keys that also read /metrics and /v1/kv_state (with keys
+    configured, nobody else may). `allowed_origins`: extra browser origins allowed to call
+    the API and open the WebSocket (`*` = any); the server's own origin is always allowed.
+    `allowed_hosts`: Host names answered besides the loopback ones (`*` = any; None = loopback
+    only). `stall_timeout`: /ready is 503 once the engine has work but no progress for this
+    many seconds. `max_prompt_tokens`: prompts longer than this are refused with a structured
+    error. `model_name`: the id reported by /v1/models and required (when given) in OpenAI
+    requests; default `engine.model_name`.
     """
     if max_prompt_tokens is not None and max_prompt_tokens < 1:
         raise ValueError(f"max_prompt_tokens must be >= 1 or None, got {max_prompt_tokens}")
     if max_message_bytes < 1 or max_body_bytes < 1:
         raise ValueError("max_message_bytes and max_body_bytes must be >= 1")
+    if not stall_timeout > 0:
+        raise ValueError(f"stall_timeout must be > 0 seconds, got {stall_timeout}")
     state = ServerState(
         engine=engine,
         model_name=model_name or engine.model_name,
-        keys=KeyRing(api_key),
+        keys=KeyRing(api_key, admin_keys),
         origins=OriginPolicy(allowed_origins),
         max_prompt_tokens=max_prompt_tokens,
         metrics=ServerMetrics(engine.stats),
@@ -80,17 +108,23 @@ def create_app(
         max_connections=max_connections,
         heartbeat_s=heartbeat_s,
         request_timeout=request_timeout,
+        hosts=HostPolicy(allowed_hosts or ()),
+        stall_timeout=stall_timeout,
     )
-    app = web.Application(middlewares=[_errors, _auth], client_max_size=max_body_bytes)
+    app = web.Application(
+        middlewares=[_hosts, _origins, _errors, _admission, _auth], client_max_size=max_body_bytes
+    )
     app[STATE_KEY] = state
     app.cleanup_ctx.append(_engine_lifespan)
     app.on_shutdown.append(_on_shutdown)
+    app.on_response_prepare.append(_cors_headers)
     _add_routes(app, Path(web_dir) if web_dir is not None else WEB_DIR)
     return app
 
 
 def _add_routes(app: web.Application, web_dir: Path) -> None:
     app.router.add_get("/health", health)
+    app.router.add_get("/ready", ready)
     app.router.add_get("/metrics", metrics)
     app.router.add_get("/v1/stream", stream_handler)
     app.router.add_get("/v1/kv_state", kv_state)
@@ -124,16 +158,151 @@ async def _engine_lifespan(app: web.Application) -> AsyncIterator[None]:
 
 
 async def _on_shutdown(app: web.Application) -> None:
-    """Runs before aiohttp waits for handlers: end every stream so that wait is short."""
+    """Runs before aiohttp waits for handlers: end every stream so that wait is short.
+    After a `drain` nothing is left to end; without one (tests, embedders) this is the drain
+    with no grace period."""
     state = app[STATE_KEY]
     state.shutting_down = True
+    await _abort_all(state)
+
+
+async def drain(app: web.Application, timeout: float, *, hurry: asyncio.Event | None = None) -> None:
+    """Stops admission, lets requests in flight finish for up to `timeout` seconds (less if
+    `hurry` is set), then aborts the rest and closes every WebSocket with 1001.
+
+    New OpenAI POSTs get 503 with Retry-After from the moment it starts, and /ready says
+    "draining", so a load balancer sends new work elsewhere. Stopping the engine and the
+    listener is left to the app's cleanup, which follows.
+    """
+    state = app[STATE_KEY]
+    state.shutting_down = True
+    if not await _wait_quiet(state, timeout, hurry):
+        log.warning("drain: %s still in flight after %.1f s; aborting them", _in_flight(state), timeout)
+    await _abort_all(state)
+    await _abort_stragglers(state, _ABORT_GRACE_S)
+
+
+def _in_flight(state: ServerState) -> str:
+    ws = sum(len(conn.live) for conn in state.connections)
+    return f"{state.http_in_flight} HTTP and {ws} WebSocket requests"
+
+
+def _busy(state: ServerState) -> bool:
+    return state.http_in_flight > 0 or any(conn.live for conn in state.connections)
+
+
+async def _wait_quiet(state: ServerState, timeout: float, hurry: asyncio.Event | None) -> bool:
+    """True once nothing is in flight; False at the deadline or when `hurry` is set."""
+    deadline = asyncio.get_running_loop().time() + timeout
+    # Polling, because requests end in three places (HTTP handlers, WebSocket tasks, aborts);
+    # a 20 ms tick costs nothing next to a drain of seconds.
+    while _busy(state):
+        if asyncio.get_running_loop().time() >= deadline or (hurry is not None and hurry.is_set()):
+            return False
+        await asyncio.sleep(0.02)
+    return True
+
+
+async def _abort_all(state: ServerState) -> None:
+    # An aborted HTTP request ends with finish_reason "abort"; a WebSocket is closed with
+    # 1001 "server shutting down" after its requests are aborted and their blocks freed.
     for request_id in list(state.http_requests):
         await state.engine.abort(request_id)
     closing = [c.close(WSCloseCode.GOING_AWAY, "server shutting down") for c in list(state.connections)]
     await asyncio.gather(*closing, return_exceptions=True)
 
 
+async def _abort_stragglers(state: ServerState, grace: float) -> None:
+    """Waits up to `grace` for the aborted handlers to send their last bytes, aborting any
+    HTTP request that reached the engine only after the cut (it was still tokenizing)."""
+    aborted = set(state.http_requests)
+    deadline = asyncio.get_running_loop().time() + grace
+    while _busy(state) and asyncio.get_running_loop().time() < deadline:
+        for request_id in state.http_requests - aborted:
+            aborted.add(request_id)
+            await state.engine.abort(request_id)
+        await asyncio.sleep(0.02)
+
+
 # ---- middlewares ----------------------------------------------------------------------------
+
+
+@web.middleware
+async def _hosts(request: web.Request, handler: Handler) -> web.StreamResponse:
+    """Answers only the names this server has (see HostPolicy): the DNS-rebinding guard."""
+    host = request.headers.get("Host")
+    if request.path in _PROBE_PATHS or get_state(request).hosts.allows(host):
+        return await handler(request)
+    return openai.error_response(
+        421, f"this server does not answer to the host name {host!r}; "
+        "start it with --allowed-host NAME to add a name it may be reached by",
+        type_="invalid_request_error", code="host_not_allowed",
+    )
+
+
+@web.middleware
+async def _origins(request: web.Request, handler: Handler) -> web.StreamResponse:
+    """Browsers send Origin on cross-site requests: refuse other sites (a plain `text/plain`
+    POST needs no preflight, so without this any page could run completions here), and
+    answer CORS preflights for the allowed ones. Not for the page, nor the WebSocket,
+    whose handler applies the same policy itself."""
+    origin = request.headers.get("Origin")
+    if origin is None or not _is_api(request.path):
+        return await handler(request)
+    if not get_state(request).origins.allows(origin, request.headers.get("Host")):
+        return openai.error_response(
+            403, f"requests from the browser origin {origin!r} are not allowed; "
+            "start the server with --allowed-origin ORIGIN to allow it",
+            type_="permission_error", code="origin_not_allowed",
+        )
+    if request.method == "OPTIONS" and "Access-Control-Request-Method" in request.headers:
+        return _preflight(request)
+    return await handler(request)
+
+
+def _preflight(request: web.Request) -> web.Response:
+    # The origin is trusted by now, so any header it asks for may be sent (OpenAI's browser
+    # client adds its own `x-stainless-*` headers).
+    asked = request.headers.get("Access-Control-Request-Headers", "")
+    headers = list(_CORS_HEADERS) + [h.strip() for h in asked.split(",") if h.strip().isascii() and h.strip()]
+    return web.Response(status=204, headers={
+        "Access-Control-Allow-Methods": _CORS_METHODS,
+        "Access-Control-Allow-Headers": ", ".join(dict.fromkeys(headers)),
+        "Access-Control-Max-Age": str(_CORS_MAX_AGE_S),
+    })
+
+
+async def _cors_headers(request: web.Request, response: web.StreamResponse) -> None:
+    """Lets an allowed cross-origin page read the response (same-origin ones need nothing)."""
+    origin = request.headers.get("Origin")
+    if origin is None or not _is_api(request.path):
+        return
+    state = get_state(request)
+    host = request.headers.get("Host")
+    if is_same_origin(origin, host) or not state.origins.allows(origin, host):
+        return
+    response.headers["Access-Control-Allow-Origin"] = origin
+    response.headers["Access-Control-Expose-Headers"] = "Retry-After"
+    vary = response.headers.get("Vary")
+    response.headers["Vary"] = f"{vary}, Origin" if vary else "Origin"
+
+
+@web.middleware
+async def _admission(request: web.Request, handler: Handler) -> web.StreamResponse:
+    """Refuses new work while draining; counts the work in flight that a drain waits for."""
+    if request.method != "POST" or not request.path.startswith("/v1/"):
+        return await handler(request)
+    state = get_state(request)
+    if state.shutting_down:
+        return openai.error_response(
+            503, "server shutting down: not accepting new requests", type_="server_error",
+            code="shutting_down", headers={"Retry-After": str(DRAIN_RETRY_AFTER_S)},
+        )
+    state.http_in_flight += 1
+    try:
+        return await handler(request)
+    finally:
+        state.http_in_flight -= 1
 
 
 @web.middleware
@@ -167,21 +336,86 @@ async def _auth(request: web.Request, handler: Handler) -> web.StreamResponse:
             headers={"WWW-Authenticate": "Bearer"},
         )
     request[TENANT_KEY] = tenant
+    if request.path in _ADMIN_PATHS and not tenant.is_admin:
+        return _admin_required(state, request.path)
     return await handler(request)
+
+
+def _admin_required(state: ServerState, path: str) -> web.Response:
+    if state.keys.has_admin:
+        why = f"{path} shows every tenant's load and cache: it needs an admin key (--admin-key)"
+    else:
+        why = (f"{path} shows every tenant's load and cache, so with API keys it is for admin "
+               "keys only, and this server has none: start it with --admin-key "
+               "(or STREAMENGINE_ADMIN_KEY) to read it")
+    return openai.error_response(403, why, type_="permission_error", code="admin_required")
 
 
 def _is_page(path: str) -> bool:
     return path == "/" or path.startswith(_PUBLIC_PREFIXES)
 
 
+def _is_api(path: str) -> bool:
+    return not _is_page(path) and path != "/v1/stream"
+
+
 # ---- small routes ---------------------------------------------------------------------------
 
 
+def engine_health(engine: Any) -> dict[str, Any]:
+    """`engine.health()`, or the same keys derived from `is_running` for an engine without it."""
+    health = getattr(engine, "health", None)
+    if callable(health):
+        return dict(health())
+    running = bool(engine.is_running)
+    return {
+        "state": "ready" if running else "stopped",
+        "reason": None if running else "engine not running",
+        "seconds_since_progress": 0.0,
+        "num_restarts": 0,
+        "num_requests": int(engine.stats().get("num_requests", 0)) if running else 0,
+    }
+
+
+def readiness(state: ServerState, health: dict[str, Any]) -> tuple[str, str | None]:
+    """("ready", None), or why this server should get no new work now."""
+    if state.shutting_down:
+        return "draining", "server shutting down: finishing the requests in flight, admitting none"
+    engine_state = health.get("state", "stopped")
+    if engine_state != "ready":
+        detail = health.get("reason")
+        return engine_state, f"engine {engine_state}" + (f": {detail}" if detail else "")
+    stalled_s = float(health.get("seconds_since_progress") or 0.0)
+    num_requests = int(health.get("num_requests") or 0)
+    if num_requests and stalled_s > state.stall_timeout:
+        return "stalled", (f"engine holds {num_requests} requests but made no progress for "
+                           f"{stalled_s:.0f} s (--stall-timeout {state.stall_timeout:g} s)")
+    return "ready", None
+
+
 async def health(request: web.Request) -> web.Response:
+    """Liveness: answered by the event loop alone, so a busy engine does not fail it; 503 only
+    when the engine stopped for good outside a drain (restarting the process is the cure)."""
     state = get_state(request)
-    running = state.engine.is_running and not state.shutting_down
-    body = {"status": "ok" if running else "unavailable", "auth_required": state.keys.enabled}
-    return web.json_response(body, status=200 if running else 503)
+    h = engine_health(state.engine)
+    dead = h.get("state") == "stopped" and not state.shutting_down
+    body = {
+        "status": "dead" if dead else "ok",
+        "engine": h.get("state"),
+        "reason": h.get("reason"),
+        "draining": state.shutting_down,
+        "auth_required": state.keys.enabled,  # the chat page asks for a key when true
+    }
+    return web.json_response(body, status=503 if dead else 200)
+
+
+async def ready(request: web.Request) -> web.Response:
+    """Readiness: 200 only when new requests would be served now."""
+    state = get_state(request)
+    h = engine_health(state.engine)
+    status, reason = readiness(state, h)
+    body = {"status": status, "reason": reason, "engine": h.get("state")}
+    return web.json_response(body, status=200 if status == "ready" else 503)
 
 
 async def metrics(request: web.Request) -> web.Response:

@@ -1,9 +1,13 @@
-"""API keys (one tenant each), per-tenant prefix-cache salts, and the WebSocket Origin check."""
+"""Who may talk to the server: API keys (one tenant each, with its own prefix-cache salt;
+admin keys also read the global views), the Host check against DNS rebinding, the Origin
+check for browsers, and the refusal to serve a non-loopback address without a key."""
 
 from __future__ import annotations
 
 import hashlib
 import hmac
+import ipaddress
+import re
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from urllib.parse import urlsplit
@@ -25,16 +29,15 @@ ANONYMOUS = Tenant("anonymous", None, is_admin=True)
 
 class KeyRing:
     """The accepted API keys. Each key is a tenant with its own prefix-cache salt, so one
-    tenant's prompts can never produce prefix-cache hits (a timing side channel) for another."""
+    tenant's prompts can never produce prefix-cache hits (a timing side channel) for another.
+    An admin key is such a tenant too, one that may also read the global views."""
 
-    def __init__(self, keys: str | Sequence[str] | None) -> None:
-        if isinstance(keys, str):
-            keys = [keys]
-        keys = list(keys or [])
-        for key in keys:
-            if not isinstance(key, str) or not key or key != key.strip():
-                raise ValueError("API keys must be non-empty strings without surrounding spaces")
-        self._keys = [(key.encode(), _tenant_for(key)) for key in keys]
+    def __init__(self, keys: str | Sequence[str] | None, admin_keys: str | Sequence[str] | None = None) -> None:
+        keys, admin = _key_list(keys), _key_list(admin_keys)
+        # a key listed as both is an admin key: the stronger grant is the one meant
+        self._keys = [(k.encode(), _tenant_for(k, is_admin=False)) for k in keys if k not in admin]
+        self._keys += [(k.encode(), _tenant_for(k, is_admin=True)) for k in admin]
+        self.has_admin = bool(admin)
 
     @property
     def enabled(self) -> bool:
@@ -58,9 +61,18 @@ class KeyRing:
         return self.lookup(bearer_token(request.headers.get("Authorization")))
 
 
-def _tenant_for(key: str) -> Tenant:
+def _key_list(keys: str | Sequence[str] | None) -> list[str]:
+    keys = [keys] if isinstance(keys, str) else list(keys or [])
+    for key in keys:
+        if not isinstance(key, str) or not key or key != key.strip():
+            raise ValueError("API keys must be non-empty strings without surrounding spaces")
+    return keys
+
+
+def _tenant_for(key: str, *, is_admin: bool) -> Tenant:
     digest = hashlib.sha256(b"streamengine-tenant\0" + key.encode()).hexdigest()
-    return Tenant(name=f"tenant-{digest[:8]}", cache_salt=digest)
+    prefix = "admin" if is_admin else "tenant"
+    return Tenant(name=f"{prefix}-{digest[:8]}", cache_salt=digest, is_admin=is_admin)
 
 
 def bearer_token(header: str | None) -> str | None:
@@ -73,7 +85,7 @@ def bearer_token(header: str | None) -> str | None:
 
 
 class OriginPolicy:
-    """Which browser origins may open the WebSocket.
+    """Which browser origins may call the API and open the WebSocket.
 
     No Origin header: not a browser (browsers always send one on WebSocket handshakes), so
     allowed; API-key auth still applies. Otherwise the origin must be listed, or `*` listed,
@@ -90,10 +102,13 @@ class OriginPolicy:
             return True
         if self._any:
             return True
-        normalized = normalize_origin(origin)
-        if normalized in self._allowed:
-            return True
-        return host is not None and _host_port(normalized) == _default_port(host.lower(), normalized)
+        return normalize_origin(origin) in self._allowed or is_same_origin(origin, host)
+
+
+def is_same_origin(origin: str, host: str | None) -> bool:
+    """The page making the request was served by this very server (host:port equal)."""
+    normalized = normalize_origin(origin)
+    return host is not None and _host_port(normalized) == _default_port(host.lower(), normalized)
 
 
 def normalize_origin(origin: str) -> str:
@@ -123,3 +138,100 @@ def _default_port(host: str, normalized_origin: str) -> str:
         if host.endswith(suffix):
             return host[: -len(suffix)]
     return host
+
+
+# ---- Host: DNS rebinding ----------------------------------------------------------------------
+
+LOOPBACK_HOSTS = ("localhost", "*.localhost", "127.0.0.1", "[::1]")
+"""Always accepted: a browser only sends these for a page that is itself on this machine."""
+
+_HOST_NAME = re.compile(r"^(\*\.)?[a-z0-9_]([a-z0-9_.-]*[a-z0-9_])?$|^\[[0-9a-f:.]+\]$")
+
+
+class HostPolicy:
+    """Which names the server answers to (the Host header, port ignored).
+
+    Why: a page on attacker.example can re-point its own name at 127.0.0.1 (DNS rebinding);
+    the browser then treats this server as same-origin with the attacker's page, but still
+    sends `Host: attacker.example`. Answering only the names the server really has closes
+    that door. Loopback names are always allowed; `*.example.com` matches subdomains; `*`
+    matches any name. No Host header at all (HTTP/1.0 tools) is not a browser: allowed.
+    """
+
+    def __init__(self, allowed: Iterable[str] = ()) -> None:
+        names = [normalize_host(strip_port(n)) for n in allowed]
+        self.any = "*" in names
+        names = [n for n in names if n != "*"]
+        for name in names:
+            if not _HOST_NAME.match(name):
+                raise ValueError(f"not a host name or address: {name!r} (--allowed-host)")
+        names += LOOPBACK_HOSTS
+        self._exact = frozenset(n for n in names if not n.startswith("*."))
+        self._suffixes = tuple(n[1:] for n in names if n.startswith("*."))  # ".example.com"
+
+    def allows(self, host_header: str | None) -> bool:
+        if host_header is None or self.any:
+            return True
+        name = normalize_host(strip_port(host_header))
+        return name in self._exact or name.endswith(self._suffixes)
+
+
+def strip_port(host_header: str) -> str:
+    """`example.com:8000` -> `example.com`; `[::1]:8000` -> `[::1]`."""
+    host = host_header.strip()
+    if host.startswith("["):
+        return host[: host.find("]") + 1] if "]" in host else host
+    return host.rsplit(":", 1)[0] if host.count(":") == 1 else host
+
+
+def normalize_host(name: str) -> str:
+    """Lower case, no trailing dot, IPv6 literals in brackets (as they appear in Host)."""
+    name = name.strip().lower().rstrip(".")
+    if ":" in name and not name.startswith("["):
+        name = f"[{name}]"
+    return name
+
+
+def is_wildcard_address(host: str) -> bool:
+    return host in ("", "0.0.0.0", "::", "[::]")
+
+
+def hosts_for_bind(bind_host: str, extra: Sequence[str]) -> list[str]:
+    """The names to accept besides the loopback ones, for a server bound to `bind_host`.
+
+    A wildcard bind with no names given accepts any Host: the server's public names are not
+    known, and such a server must have an API key anyway (`check_exposure`), which a rebound
+    page does not have. A specific address is a name the server answers to.
+    """
+    if is_wildcard_address(bind_host):
+        return list(extra) if extra else ["*"]
+    own = normalize_host(bind_host)
+    if own in LOOPBACK_HOSTS or is_loopback(bind_host):
+        return list(extra)
+    return [own, *extra]
+
+
+# ---- binding ----------------------------------------------------------------------------------
+
+
+def is_loopback(host: str) -> bool:
+    name = host.strip().strip("[]").lower().rstrip(".")
+    if name == "localhost" or name.endswith(".localhost"):
+        return True
+    try:
+        return ipaddress.ip_address(name).is_loopback
+    except ValueError:
+        return False  # a host name: it may resolve to anything
+
+
+def check_exposure(host: str, *, has_keys: bool, allow_unauthenticated: bool) -> None:
+    """Refuses (ValueError) to serve a non-loopback address to everyone by accident."""
+    if has_keys or allow_unauthenticated or is_loopback(host):
+        return
+    shown = host or "all interfaces"
+    raise ValueError(
+        f"refusing to serve on {shown} without an API key: anyone who can reach that address "
+        "could run the model, read the metrics and the KV-cache state. Set --api-key "
+        "(or STREAMENGINE_API_KEY, a comma-separated list), or pass --allow-unauthenticated "
+        "if every client on that network is trusted."
+    )

@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any
 from aiohttp import web
 
 from streamengine.server.metrics import ServerMetrics
-from streamengine.server.security import KeyRing, OriginPolicy, Tenant
+from streamengine.server.security import HostPolicy, KeyRing, OriginPolicy, Tenant
 
 if TYPE_CHECKING:
     from streamengine.server.websocket import Connection
@@ -32,6 +32,12 @@ DEFAULT_MAX_CONNECTIONS = 1024
 """Open WebSockets the server accepts at once; more are answered 503."""
 DEFAULT_HEARTBEAT_S = 30.0
 """WebSocket ping interval; a peer that answers no ping within half of it is dropped."""
+DEFAULT_STALL_TIMEOUT_S = 120.0
+"""/ready turns 503 when the engine has work but has made no progress for this long."""
+DEFAULT_SHUTDOWN_TIMEOUT_S = 30.0
+"""How long a drain lets requests in flight finish before it aborts them."""
+DRAIN_RETRY_AFTER_S = 5
+"""Retry-After sent with the 503 of requests refused during a drain."""
 
 
 class PromptTooLong(ValueError):
@@ -51,11 +57,15 @@ class ServerState:
     max_connections: int = DEFAULT_MAX_CONNECTIONS
     heartbeat_s: float = DEFAULT_HEARTBEAT_S
     request_timeout: float | None = None  # seconds from arrival to the last token; None = none
+    hosts: HostPolicy = field(default_factory=HostPolicy)
+    stall_timeout: float = DEFAULT_STALL_TIMEOUT_S
     created: int = field(default_factory=lambda: int(time.time()))
     connections: set[Connection] = field(default_factory=set)
     # Engine request ids of HTTP requests in flight, aborted on shutdown so handlers end fast.
     http_requests: set[str] = field(default_factory=set)
     shutting_down: bool = False  # True from the start of a drain: no new requests are admitted
+    # OpenAI POSTs being handled (tokenizing, generating or writing): a drain waits for these.
+    http_in_flight: int = 0
     _tokenizer_pool: ThreadPoolExecutor | None = None
 
     async def tokenize_async(self, prompt: str | list[int]) -> list[int]:
