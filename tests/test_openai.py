@@ -9,9 +9,16 @@ import time
 
 import aiohttp
 import pytest
-from aiohttp.test_utils import TestServer
+from aiohttp.test_utils import TestClient, TestServer
+from test_server_limits import ScriptedEngine
 
 from streamengine import AsyncEngine, EngineConfig
+from streamengine.errors import (
+    EngineDeadError,
+    EngineOverloadedError,
+    LimitExceededError,
+    RequestFailedError,
+)
 from streamengine.server import create_app
 
 openai = pytest.importorskip("openai")
@@ -219,3 +226,113 @@ async def test_shutdown_ends_streams_in_flight(engine):
     assert last["choices"][0]["finish_reason"] == "abort"
     assert not engine.is_running
     assert engine.stats()["num_requests"] == 0
+
+
+# ---- limits and the engine's errors, over plain HTTP ---------------------------------------------
+
+ROUTES = [
+    ("/v1/completions", {"prompt": "Hi"}),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "Hi"}]}),
+]
+
+
+@contextlib.asynccontextmanager
+async def http_client(engine, **options):
+    async with TestClient(TestServer(create_app(engine, model_name="tiny", **options))) as client:
+        yield client
+
+
+def nested(depth: int) -> str:
+    return "[" * depth + "]" * depth
+
+
+async def sse_events(resp) -> list:
+    """The `data:` payloads of an event stream, JSON-decoded except the final [DONE]."""
+    events = []
+    async for line in resp.content:
+        if line.startswith(b"data: "):
+            payload = line[len(b"data: "):].strip()
+            events.append(payload.decode() if payload == b"[DONE]" else json.loads(payload))
+    return events
+
+
+async def test_deeply_nested_bodies_are_400s(engine):
+    bodies = {
+        "/v1/completions": f'{{"prompt": {nested(1000)}, "max_tokens": 2}}',
+        "/v1/chat/completions": f'{{"messages": [{{"role": "user", "content": "x"}}], "junk": {nested(1000)}}}',
+    }
+    async with http_client(engine) as http:
+        for path, raw in bodies.items():
+            resp = await http.post(path, data=raw, headers={"Content-Type": "application/json"})
+            assert resp.status == 400, path
+            error = (await resp.json())["error"]
+            assert error["code"] == "too_deep" and error["type"] == "invalid_request_error"
+        resp = await http.post("/v1/completions", json={"prompt": "Hi", "max_tokens": 2, "ignore_eos": True})
+        assert resp.status == 200 and (await resp.json())["usage"]["completion_tokens"] == 2
+
+
+async def test_sampling_limits_are_400_limit_exceeded(engine):
+    async with http_client(engine) as http:
+        for path, base in ROUTES:
+            resp = await http.post(path, json={**base, "stop": ["x"] * 33})
+            assert resp.status == 400
+            error = (await resp.json())["error"]
+            assert (error["code"], error["param"]) == ("limit_exceeded", "max_stop_strings")
+
+
+REFUSALS = [  # error raised by the engine on the first step, status, code, param, Retry-After
+    (LimitExceededError("max_num_seqs", "n=40 is more than max_num_seqs=32"), 400, "limit_exceeded",
+     "max_num_seqs", None),
+    (EngineOverloadedError("the engine's queue is full", retry_after=2.5), 429, "overloaded", None, "3"),
+    (EngineOverloadedError("the engine's queue is full", retry_after=0.2), 429, "overloaded", None, "1"),
+    (RequestFailedError("step failed: out of memory"), 500, "engine_error", None, None),
+    (EngineDeadError("engine stopped"), 500, "engine_error", None, None),
+]
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["plain", "stream"])
+@pytest.mark.parametrize(("path", "base"), ROUTES, ids=["completions", "chat"])
+async def test_engine_refusals_get_their_status(engine, path, base, stream):
+    for error, status, code, param, retry_after in REFUSALS:
+        fake = ScriptedEngine(engine, error=error)
+        async with http_client(fake) as http:
+            resp = await http.post(path, json={**base, "max_tokens": 4, "stream": stream})
+            assert resp.status == status, error
+            body = (await resp.json())["error"]
+            assert (body["code"], body["param"]) == (code, param)
+            assert str(error) in body["message"]  # the engine's own words
+            assert resp.headers.get("Retry-After") == retry_after
+        assert not fake.live
+
+
+@pytest.mark.parametrize(("path", "base"), ROUTES, ids=["completions", "chat"])
+async def test_engine_failure_mid_generation(engine, path, base):
+    fake = ScriptedEngine(engine, error=RequestFailedError("step failed: out of memory"), fail_after=2)
+    async with http_client(fake) as http:
+        resp = await http.post(path, json={**base, "max_tokens": 8})
+        assert resp.status == 500
+        body = (await resp.json())["error"]
+        assert body["code"] == "engine_error" and "out of memory" in body["message"]
+        resp = await http.post(path, json={**base, "max_tokens": 8, "stream": True})
+        assert resp.status == 200  # headers went out with the first chunk: the error is in-band
+        events = await sse_events(resp)
+        assert events[-1] == "[DONE]" and "choices" in events[0]
+        error = events[-2]["error"]
+        assert error["code"] == "engine_error" and "out of memory" in error["message"]
+    assert not fake.live
+
+
+@pytest.mark.parametrize(("path", "base"), ROUTES, ids=["completions", "chat"])
+async def test_request_timeout_is_504_or_in_band_and_frees_blocks(engine, path, base):
+    body = {**base, "max_tokens": 900, "ignore_eos": True, "temperature": 0}  # the chat prompt is ~30 tokens
+    async with http_client(engine, request_timeout=1.0) as http:
+        resp = await http.post(path, json=body)
+        assert resp.status == 504
+        assert (await resp.json())["error"]["code"] == "timeout"
+        await wait_idle(engine)
+        resp = await http.post(path, json={**body, "stream": True})
+        assert resp.status == 200
+        events = await sse_events(resp)
+        assert events[-1] == "[DONE]" and events[-2]["error"]["code"] == "timeout"
+        assert any(e.get("choices") for e in events[:-2])  # it streamed before it timed out
+        await wait_idle(engine)

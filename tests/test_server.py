@@ -275,32 +275,41 @@ async def test_slow_reader_coalesces_and_does_not_stall_others(engine):
         assert slow_result["text"] == engine.tokenizer.decode(slow_result["tokens"], skip_special_tokens=True)
 
 
-async def test_outbox_coalesces_deltas_and_bounds_other_messages():
+async def test_outbox_coalesces_deltas_and_bounds_its_bytes():
     overflowed = []
-    box = Outbox(lambda: overflowed.append(True), max_control=3)
+    box = Outbox(lambda: overflowed.append(True), max_bytes=64 * 1024)
     for i in range(50):
         box.push_delta("a", SampleDelta(0, f"t{i} ", [i], [{i: -1.0}], None))
         box.push_delta("a", SampleDelta(1, "x", [100 + i], None, None))
     box.push_delta("b", SampleDelta(0, "b", [7], None, None))
     assert len(box) == 3 and box.num_coalesced == 98
-    first = await box.get()
-    assert (first.id, first.index) == ("a", 0)
-    assert first.text == "".join(f"t{i} " for i in range(50)) and first.token_ids == list(range(50))
-    assert first.logprobs == [{i: -1.0} for i in range(50)]
-    second = await box.get()
-    assert (second.index, len(second.token_ids)) == (1, 50)
+    assert 0 < box.pending_bytes < 64 * 1024
+    first = json.loads(await box.get())
+    assert (first["id"], first["index"]) == ("a", 0)
+    assert first["text"] == "".join(f"t{i} " for i in range(50)) and first["token_ids"] == list(range(50))
+    assert first["logprobs"] == [{str(i): -1.0} for i in range(50)]
+    second = json.loads(await box.get())
+    assert (second["index"], len(second["token_ids"])) == (1, 50)
+    assert json.loads(await box.get())["id"] == "b"
+    assert box.pending_bytes == 0  # the estimate returns to zero once everything is taken
     from streamengine.server.protocol import Error, KvState
 
-    for _ in range(3):
-        box.push(Error(None, "bad_json", "x"))
-    assert not overflowed
+    pushed = 0
+    while not overflowed:  # other messages count against the same budget
+        box.push(Error(None, "bad_json", "x" * 100))
+        pushed += 1
+    assert 100 < pushed < 64 * 1024 // 200
+    # a peer that never reads is cut off rather than buffered forever: what it did not read
+    # is dropped, and nothing more is queued for it
+    assert len(box) == 0 and box.pending_bytes == 0
     box.push(Error(None, "bad_json", "x"))
-    assert overflowed  # a peer that never reads is cut off rather than buffered forever
-    kv = KvState(16, 2, "00", {"free": 2})
+    box.push_delta("a", SampleDelta(0, "late", [1], None, None))
+    assert len(box) == 0 and overflowed == [True]
     box2 = Outbox(lambda: None)
-    box2.push(kv, replace_key="kv")
+    box2.push(KvState(16, 2, "00", {"free": 2}), replace_key="kv")
     box2.push(KvState(16, 2, "22", {"used": 2}), replace_key="kv")
-    assert len(box2) == 1 and (await box2.get()).blocks == "22"
+    assert len(box2) == 1 and json.loads(await box2.get())["blocks"] == "22"
+    assert box2.pending_bytes == 0
 
 
 # ---- security ---------------------------------------------------------------------------------
@@ -445,7 +454,8 @@ async def test_metrics_parse_and_count_tokens(engine):
 async def test_health(engine):
     async with serve(engine) as client:
         resp = await client.get("/health")
-        assert resp.status == 200 and (await resp.json()) == {"status": "ok", "auth_required": False}
+        body = await resp.json()
+        assert resp.status == 200 and body["status"] == "ok" and body["auth_required"] is False
 
 
 async def test_graceful_shutdown_closes_sockets_going_away_and_aborts(engine):

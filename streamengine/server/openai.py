@@ -3,14 +3,19 @@
 Request bodies are decoded with msgspec (unknown fields ignored, as OpenAI clients send many),
 mapped onto the engine's SamplingParams, and streamed as server-sent events ending with
 `data: [DONE]` when `stream` is true. Streaming responses start once the first output exists,
-so a request the engine refuses (bad params, context too long) still gets a plain 400.
-A client that goes away mid-request has its request aborted at the next engine step.
+so a request the engine refuses still gets a plain status: 400 for bad params, a context too
+long or an engine limit (`param` names the limit, code `limit_exceeded`), 429 with Retry-After
+when the engine's queue is full, 500 with the engine's message when it fails the request, 504
+past the server's request timeout. After the first chunk, a failure is reported in-band (an
+`{"error": ...}` event, then `data: [DONE]`). A client that goes away mid-request has its
+request aborted at the next engine step.
 """
 
 from __future__ import annotations
 
 import contextlib
 import logging
+import math
 import re
 import time
 from collections.abc import AsyncIterator
@@ -20,6 +25,7 @@ from typing import Any
 import msgspec
 from aiohttp import web
 
+from streamengine.errors import EngineError, EngineOverloadedError, LimitExceededError
 from streamengine.sampling import SamplingParams
 from streamengine.server.state import (
     TENANT_KEY,
@@ -28,7 +34,7 @@ from streamengine.server.state import (
     get_state,
     new_request_id,
 )
-from streamengine.server.streaming import StepUpdate, stream_request
+from streamengine.server.streaming import RequestTimeoutError, StepUpdate, stream_request
 
 log = logging.getLogger(__name__)
 
@@ -39,12 +45,18 @@ class OpenAIError(Exception):
     """Answered as {"error": {"message", "type", "param", "code"}} with `status`."""
 
     def __init__(self, status: int, message: str, *, type_: str = "invalid_request_error",
-                 param: str | None = None, code: str | None = None) -> None:
+                 param: str | None = None, code: str | None = None,
+                 headers: dict[str, str] | None = None) -> None:
         super().__init__(message)
         self.status, self.message, self.type, self.param, self.code = status, message, type_, param, code
+        self.headers = headers
 
     def response(self) -> web.Response:
-        return error_response(self.status, self.message, type_=self.type, param=self.param, code=self.code)
+        return error_response(self.status, self.message, type_=self.type, param=self.param, code=self.code,
+                              headers=self.headers)
+
+    def body(self) -> dict:
+        return error_body(self.message, type_=self.type, param=self.param, code=self.code)
 
 
 def error_body(message: str, *, type_: str, param: str | None = None, code: str | None = None) -> dict:
@@ -65,12 +77,32 @@ _STATUS_TYPES = {
 }
 
 
+def _engine_failure(exc: Exception) -> OpenAIError | None:
+    """The OpenAI error for an exception out of the engine's stream; None if not the engine's."""
+    message = str(exc) or type(exc).__name__
+    if isinstance(exc, PromptTooLong):
+        return OpenAIError(400, message, param="prompt", code="context_length_exceeded")
+    if isinstance(exc, LimitExceededError):
+        return OpenAIError(400, message, param=exc.limit, code="limit_exceeded")
+    if isinstance(exc, ValueError):
+        return OpenAIError(400, message, code="context_length_exceeded" if "context length" in message else None)
+    if isinstance(exc, EngineOverloadedError):
+        retry_after = str(max(1, math.ceil(exc.retry_after)))  # Retry-After takes whole seconds
+        return OpenAIError(429, message, type_="rate_limit_error", code="overloaded",
+                           headers={"Retry-After": retry_after})
+    if isinstance(exc, RequestTimeoutError):
+        return OpenAIError(504, message, type_="server_error", code="timeout")
+    if isinstance(exc, EngineError):
+        return OpenAIError(500, message, type_="server_error", code="engine_error")
+    return None
+
+
 def http_exception_response(exc: web.HTTPException) -> web.Response:
     """Any aiohttp HTTP error (404 route, 405, 413 body too large) in OpenAI's error shape."""
     code = {413: "request_too_large", 404: "not_found", 405: "method_not_allowed"}.get(exc.status)
     message = exc.text if exc.text and not exc.text.startswith(f"{exc.status}:") else exc.reason
     return error_response(exc.status, message.strip(), type_=_STATUS_TYPES.get(exc.status, "server_error"),
-                          code=code, headers={k: v for k, v in exc.headers.items() if k == "Allow"})
+                          code=code, headers={k: v for k, v in exc.headers.items() if k in ("Allow", "Retry-After")})
 
 
 _AT_PATH = re.compile(r" - at `\$\.?([^`]*)`$")
@@ -157,6 +189,8 @@ def _sampling_params(body: _Common, max_tokens: int | None, logprobs: int | None
         fields["stop"] = body.stop
     try:
         return SamplingParams.from_dict(fields)
+    except LimitExceededError as exc:
+        raise OpenAIError(400, str(exc), param=exc.limit, code="limit_exceeded") from None
     except ValueError as exc:
         raise _validation_error(exc) from None
 
@@ -170,6 +204,8 @@ def _decode(body: bytes, kind: type[msgspec.Struct]) -> Any:
         raise _validation_error(exc) from None
     except msgspec.DecodeError as exc:
         raise OpenAIError(400, f"invalid JSON body: {exc}") from None
+    except RecursionError:  # msgspec's, even inside fields it skips
+        raise OpenAIError(400, "invalid JSON body: nested too deeply", code="too_deep") from None
 
 
 def _check_model(state: ServerState, model: str | None) -> None:
@@ -239,6 +275,7 @@ class _Runner:
             request_id=self.engine_id,
             cache_salt=tenant.cache_salt if tenant is not None else None,
             recorder=state.metrics.recorder(),
+            timeout=state.request_timeout,
         )
 
     def client_gone(self) -> bool:
@@ -259,24 +296,35 @@ class _Runner:
 
 
 async def _first_update(runner: _Runner) -> StepUpdate:
-    """The first output; engine-side validation errors surface here as 400s."""
+    """The first output; the engine's refusals (validation, limits, overload) surface here."""
     try:
-        return await anext(runner.updates)
-    except PromptTooLong as exc:
-        raise OpenAIError(400, str(exc), param="prompt", code="context_length_exceeded") from None
-    except ValueError as exc:
-        code = "context_length_exceeded" if "context length" in str(exc) else None
-        raise OpenAIError(400, str(exc), code=code) from None
+        return await _mapped(anext(runner.updates))
     except StopAsyncIteration:
         raise OpenAIError(503, "the request ended before producing output (server shutting down?)",
                           type_="server_error") from None
 
 
+async def _mapped(step: Any) -> StepUpdate:
+    """Awaits one step of the stream, turning the engine's exceptions into OpenAIError."""
+    try:
+        return await step
+    except Exception as exc:
+        failure = _engine_failure(exc)
+        if failure is None:
+            raise
+        raise failure from None
+
+
 async def _updates(runner: _Runner, first: StepUpdate) -> AsyncIterator[StepUpdate]:
+    """Every update, the first one included; the engine's failures come as OpenAIError."""
     yield first
     if first.finished:
         return
-    async for update in runner.updates:
+    while True:
+        try:
+            update = await _mapped(anext(runner.updates))
+        except StopAsyncIteration:
+            return
         yield update
 
 
@@ -387,9 +435,11 @@ async def _stream(runner: _Runner, first: StepUpdate) -> web.StreamResponse:
     except ConnectionError:
         pass  # the client left; returning closes the engine stream, which aborts the request
     except Exception as exc:  # headers are sent: report in-band, as OpenAI's streams do
-        log.exception("streaming request %s failed", runner.engine_id)
+        if not isinstance(exc, OpenAIError):
+            log.exception("streaming request %s failed", runner.engine_id)
+            exc = OpenAIError(500, f"generation failed: {type(exc).__name__}", type_="server_error")
         with contextlib.suppress(ConnectionError):
-            await send(error_body(f"generation failed: {type(exc).__name__}", type_="server_error"))
+            await send(exc.body())
             await send("[DONE]")
     return response
 

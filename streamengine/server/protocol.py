@@ -5,29 +5,48 @@ Server -> client: `ready`, `delta`, `done`, `error`, `kv_state`.
 
 Sampling parameters travel as a plain object and are converted into the engine's own
 `SamplingParams`, so every knob the engine accepts is available here with its own validation.
+Request ids are at most `MAX_ID_CHARS` characters: errors echo them, so a long id must not be
+able to multiply what the server holds for a client.
+
+Every problem with one message or request is an `error` (codes below) and the socket stays
+open. The socket itself is closed only with: 1001 (server shutting down), 1007 (a text frame
+that is not UTF-8, refused by aiohttp), 1008 (the client reads too slowly even for merged
+deltas), 1009 (a frame over 4x the message limit, refused by aiohttp), 4001 (unauthorized).
 """
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Annotated, Any
 
 import msgspec
 
 # Error codes sent in `error.code`; the WebSocket stays open after each of these.
-BAD_JSON = "bad_json"
-BAD_MESSAGE = "bad_message"
+BAD_JSON = "bad_json"  # not JSON (or not UTF-8)
+TOO_DEEP = "too_deep"  # JSON nested deeper than the decoder goes (about 1,000 levels)
+BAD_MESSAGE = "bad_message"  # JSON of the wrong shape (unknown type or field, id too long, ...)
 BAD_PARAMS = "invalid_params"
 DUPLICATE_ID = "duplicate_id"
 UNKNOWN_ID = "unknown_id"
-MESSAGE_TOO_LARGE = "message_too_large"
+MESSAGE_TOO_LARGE = "message_too_large"  # over max_message_bytes, counted in UTF-8 bytes
 PROMPT_TOO_LONG = "prompt_too_long"
-TOO_MANY_REQUESTS = "too_many_requests"
-ENGINE_ERROR = "engine_error"
+TOO_MANY_REQUESTS = "too_many_requests"  # live requests on this socket
+LIMIT_EXCEEDED = "limit_exceeded"  # an engine limit; `limit` names it
+OVERLOADED = "overloaded"  # the engine's queue is full; retry after `retry_after` seconds
+TIMEOUT = "timeout"  # the request ran past the server's request timeout and was aborted
+SHUTTING_DOWN = "shutting_down"  # the server is draining: no new requests
+FORBIDDEN = "forbidden"  # the tenant may not do this (kv_state needs an admin key)
+AUTH_NOT_REQUIRED = "auth_not_required"  # an `auth` message to a server without keys
+ENGINE_ERROR = "engine_error"  # the engine failed this request; `message` says how
 
-# Close codes. 4001 is in the private range (4000-4999) that applications may define.
+# Close codes. 4001 is in the private range (4000-4999) that applications may define;
+# 1008 (policy violation) closes a client that reads too slowly even for merged deltas.
 CLOSE_UNAUTHORIZED = 4001
 PROTOCOL_NAME = "streamengine.v1"
 BEARER_PROTOCOL_PREFIX = "bearer."
+
+
+MAX_ID_CHARS = 256
+RequestId = Annotated[str, msgspec.Meta(max_length=MAX_ID_CHARS)]
 
 
 class ChatMessage(msgspec.Struct, forbid_unknown_fields=True):
@@ -43,14 +62,14 @@ class Auth(msgspec.Struct, tag="auth", tag_field="type", forbid_unknown_fields=T
 
 
 class Generate(msgspec.Struct, tag="generate", tag_field="type", forbid_unknown_fields=True):
-    id: str
+    id: RequestId
     prompt: str | list[int] | None = None
     messages: list[ChatMessage] | None = None
     params: dict[str, Any] = {}
 
 
 class Abort(msgspec.Struct, tag="abort", tag_field="type", forbid_unknown_fields=True):
-    id: str
+    id: RequestId
 
 
 class KvStateRequest(msgspec.Struct, tag="kv_state", tag_field="type", forbid_unknown_fields=True):
@@ -61,9 +80,10 @@ ClientMessage = Auth | Generate | Abort | KvStateRequest
 
 
 class _IdProbe(msgspec.Struct):
-    """Lenient view of a rejected message, to address the error to its request id if any."""
+    """Lenient view of a rejected message, to address the error to its request id if any
+    (an over-long id fails this too, so it is never echoed)."""
 
-    id: str | None = None
+    id: RequestId | None = None
 
 
 # ---- server -> client ---------------------------------------------------------------------
@@ -97,10 +117,12 @@ class Done(msgspec.Struct, tag="done", tag_field="type"):
     finish_reasons: list[str | None] = []
 
 
-class Error(msgspec.Struct, tag="error", tag_field="type"):
+class Error(msgspec.Struct, tag="error", tag_field="type", omit_defaults=True):
     id: str | None
     code: str
     message: str
+    limit: str | None = None  # with limit_exceeded: which limit (a config or SamplingParams name)
+    retry_after: float | None = None  # with overloaded: seconds to wait before trying again
 
 
 class KvState(msgspec.Struct, tag="kv_state", tag_field="type"):
@@ -114,6 +136,10 @@ class KvState(msgspec.Struct, tag="kv_state", tag_field="type"):
 ServerMessage = Ready | Delta | Done | Error | KvState
 
 
+class TooDeep(ValueError):
+    """A message nested deeper than the decoder can follow."""
+
+
 class Codec:
     """Per-connection encoder/decoder pair (msgspec's are cheap, but reuse avoids rebuilds)."""
 
@@ -125,13 +151,17 @@ class Codec:
         self._encoder = msgspec.json.Encoder()
 
     def decode(self, data: str | bytes) -> ClientMessage:
-        """Raises msgspec.DecodeError (bad JSON) or msgspec.ValidationError (bad shape)."""
-        return self._decoder.decode(data)
+        """Raises msgspec.DecodeError (bad JSON), msgspec.ValidationError (bad shape) or
+        TooDeep (msgspec's RecursionError, raised even inside fields it would skip)."""
+        try:
+            return self._decoder.decode(data)
+        except RecursionError:
+            raise TooDeep("JSON nested too deeply") from None
 
     def probe_id(self, data: str | bytes) -> str | None:
         try:
             return self._probe.decode(data).id
-        except (msgspec.DecodeError, msgspec.ValidationError):
+        except (msgspec.DecodeError, msgspec.ValidationError, RecursionError):
             return None
 
     def encode(self, message: ServerMessage) -> str:

@@ -2,18 +2,28 @@
 
 The engine yields cumulative text and token ids (one update per step, several tokens at once
 when it coalesced for a slow consumer); clients want what is new. `stream_request` turns the
-one into the other, records the request's metrics, and aborts the request in the engine
-whenever the consumer stops early (disconnect, cancellation, error).
+one into the other, records the request's metrics, enforces the server's request timeout
+(`RequestTimeoutError`), and aborts the request in the engine whenever the stream ends early
+(disconnect, cancellation, error, timeout).
 """
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
 
 from streamengine.server.metrics import RequestRecorder
+
+
+class RequestTimeoutError(Exception):
+    """The request ran longer than the server's `request_timeout`; it has been aborted."""
+
+    def __init__(self, timeout: float) -> None:
+        super().__init__(f"request timed out after {timeout:g} s (the server's request timeout)")
+        self.timeout = timeout
 
 
 @dataclass(slots=True)
@@ -91,27 +101,57 @@ async def stream_request(
     request_id: str,
     cache_salt: str | None,
     recorder: RequestRecorder,
+    timeout: float | None = None,
 ) -> AsyncIterator[StepUpdate]:
     """Deltas of one engine request. Leaving early (break, cancel, error) aborts it.
 
-    ValueError from the engine (bad params, prompt too long) propagates from the first step.
+    The engine's own errors (ValueError for bad params or a long prompt, LimitExceededError,
+    EngineOverloadedError on the first step; EngineError later) propagate unchanged. With
+    `timeout`, an update not produced within that many seconds of the start ends the stream
+    with RequestTimeoutError (and the request is aborted).
     """
     tracker = DeltaTracker()
     stream = engine.generate(prompt, params, request_id=request_id, cache_salt=cache_salt)
+    deadline = None if timeout is None else asyncio.get_running_loop().time() + timeout
     finished = False
     try:
-        async for out in stream:
+        while not finished:
+            out = await _next_output(stream, deadline, timeout)
+            if out is None:
+                return
             update = tracker.update(out)
             longest = max((len(d.token_ids) for d in update.deltas), default=0)
             new_tokens = sum(len(d.token_ids) for d in update.deltas)
             recorder.on_step(update.prompt_tokens, new_tokens, longest, update.finished)
             finished = update.finished
             yield update
-            if finished:
-                return
     finally:
         if not finished:
             await _close_quietly(engine, stream, request_id)
+
+
+async def _next_output(stream: AsyncIterator[Any], deadline: float | None, timeout: float | None) -> Any:
+    """The engine's next output, None at its end; RequestTimeoutError past the deadline."""
+    try:
+        if deadline is None:
+            return await anext(stream)
+        return await _next_before(stream, deadline, timeout or 0.0)
+    except StopAsyncIteration:
+        return None
+
+
+async def _next_before(stream: AsyncIterator[Any], deadline: float, timeout: float) -> Any:
+    # Checked first: a deadline already past may never fire if the step does not suspend.
+    if asyncio.get_running_loop().time() >= deadline:
+        raise RequestTimeoutError(timeout)
+    scope = asyncio.timeout_at(deadline)
+    try:
+        async with scope:
+            return await anext(stream)  # a timeout cancels the engine's generator: it aborts
+    except TimeoutError:
+        if scope.expired():
+            raise RequestTimeoutError(timeout) from None
+        raise
 
 
 async def _close_quietly(engine: Any, stream: Any, request_id: str) -> None:

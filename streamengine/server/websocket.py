@@ -2,16 +2,31 @@
 
 Slow readers. Every request task pushes into the connection's `Outbox` without ever waiting,
 so neither the engine nor other clients can be stalled by one socket. A single writer task
-drains the outbox. While the socket is busy, token deltas of the same (request, sample) merge
-into one pending message (text concatenated, token ids appended): nothing is dropped, and the
-backlog is bounded by the outputs themselves (max_tokens). Other messages (done, error,
-kv_state) queue in order; more than `MAX_PENDING_CONTROL` of them unsent means the peer is
-not reading at all, and the socket is closed with 1008 (policy violation, "client too slow").
+drains the outbox, and hands a message to the transport only while the transport holds less
+than `WRITE_BUFFER_HIGH` unsent bytes; the kernel is told to hold at most
+`KERNEL_UNSENT_BYTES` unsent (TCP_NOTSENT_LOWAT, where the OS has it). Everything else waits
+in the outbox, where token deltas of the same (request, sample) merge into one pending message
+(text concatenated, token ids and logprobs appended): nothing is dropped, and an aiohttp
+heartbeat ping never queues behind more than those two small buffers and one message.
+
+Memory bound. The outbox keeps an estimate of its unsent bytes (text length, 8 bytes per token
+id, 24 per logprob entry, the exact encoded size of every other message, plus
+`ITEM_OVERHEAD` per message); past `state.max_pending_bytes` (8 MiB by default) the socket's
+requests are aborted, its unsent messages dropped, and it is closed with 1008 ("client too
+slow"). So the output one socket holds is at most max_pending_bytes (as estimated; the Python
+objects behind it take a small multiple) + the one message being written (no larger than the
+estimate let it grow, give or take JSON escapes) + WRITE_BUFFER_HIGH + KERNEL_UNSENT_BYTES:
+about 2 x 8 MiB + 128 KiB with the defaults. Its input is one frame of at most 4 x
+max_message_bytes. The server holds at most `state.max_connections` (1024) sockets:
+handshakes beyond that are answered 503. Request ids are capped at 256 characters
+(protocol.MAX_ID_CHARS) and error texts at `MAX_ERROR_CHARS`, so no input is multiplied into
+what a socket holds.
 
 Security. Browser handshakes from a disallowed Origin get HTTP 403. With API keys, a client
 authenticates by `Authorization: Bearer` on the handshake, by offering the subprotocol
 `bearer.<key>` (next to `streamengine.v1`), or by an `auth` message first; anything else first,
-a wrong key, or silence for `AUTH_TIMEOUT_S` closes the socket with 4001.
+a wrong key, or silence for `AUTH_TIMEOUT_S` closes the socket with 4001. `kv_state` (the
+global block map) needs an admin tenant; without keys everyone is one.
 """
 
 from __future__ import annotations
@@ -19,31 +34,46 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import socket
 from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import msgspec
 from aiohttp import WSCloseCode, WSMsgType, web
 
+from streamengine.errors import EngineError, EngineOverloadedError, LimitExceededError
 from streamengine.sampling import SamplingParams
 from streamengine.server import protocol as p
 from streamengine.server.security import Tenant, bearer_token
 from streamengine.server.state import (
+    DEFAULT_MAX_PENDING_BYTES,
     HARD_LIMIT_FACTOR,
     PromptTooLong,
     ServerState,
     get_state,
     new_request_id,
 )
-from streamengine.server.streaming import SampleDelta, StepUpdate, stream_request
+from streamengine.server.streaming import (
+    RequestTimeoutError,
+    SampleDelta,
+    StepUpdate,
+    stream_request,
+)
 
 log = logging.getLogger(__name__)
 
 AUTH_TIMEOUT_S = 10.0
 MAX_LIVE_REQUESTS = 256
-MAX_PENDING_CONTROL = 1024
 CLOSE_TOO_SLOW = WSCloseCode.POLICY_VIOLATION  # 1008
+CLOSE_TIMEOUT_S = 10.0  # a peer that takes no close frame in this long has its transport aborted
+WRITE_BUFFER_HIGH = 64 * 1024  # transport bytes above which the writer leaves messages merging
+KERNEL_UNSENT_BYTES = 64 * 1024  # TCP_NOTSENT_LOWAT: unsent bytes the kernel may hold
+ITEM_OVERHEAD = 128  # estimated bytes of bookkeeping per queued message
+MAX_ERROR_CHARS = 512  # error texts may quote the input (a field name, a value): clip them
+LOGPROB_ENTRY_BYTES = 24
+TOKEN_ID_BYTES = 8
 
 
 # ---- outbox ---------------------------------------------------------------------------------
@@ -56,64 +86,99 @@ class _PendingDelta:
     text: list[str]
     token_ids: list[int]
     logprobs: list[dict[int, float]] | None
+    nbytes: int = ITEM_OVERHEAD
 
-    def merge(self, delta: SampleDelta) -> None:
+    def merge(self, delta: SampleDelta) -> int:
+        """Appends `delta`; returns the bytes it adds to the estimate."""
         self.text.append(delta.text)
         self.token_ids.extend(delta.token_ids)
         if delta.logprobs is not None:
             if self.logprobs is None:
                 self.logprobs = []
             self.logprobs.extend(delta.logprobs)
+        added = _delta_bytes(delta)
+        self.nbytes += added
+        return added
 
     def message(self) -> p.Delta:
         return p.Delta(self.request_id, self.index, "".join(self.text), self.token_ids, self.logprobs)
 
 
-class Outbox:
-    """Unsent messages of one socket, in order; deltas of one (request, sample) coalesce."""
+def _delta_bytes(delta: SampleDelta) -> int:
+    logprobs = delta.logprobs or ()
+    return (len(delta.text) + TOKEN_ID_BYTES * len(delta.token_ids)
+            + sum(TOKEN_ID_BYTES + LOGPROB_ENTRY_BYTES * len(entry) for entry in logprobs))
 
-    def __init__(self, on_overflow: Callable[[], None], max_control: int = MAX_PENDING_CONTROL) -> None:
-        self._items: OrderedDict[tuple, _PendingDelta | p.ServerMessage] = OrderedDict()
+
+class Outbox:
+    """Unsent messages of one socket, in order, and an estimate of their bytes.
+
+    Deltas of one (request, sample) coalesce into one pending message; other messages are kept
+    encoded. When `pending_bytes` would pass `max_bytes`, everything unsent is dropped, further
+    pushes are ignored and `on_overflow` is called once: the socket is to be closed.
+    """
+
+    def __init__(self, on_overflow: Callable[[], None], max_bytes: int = DEFAULT_MAX_PENDING_BYTES,
+                 codec: p.Codec | None = None) -> None:
+        self._items: OrderedDict[tuple, _PendingDelta | str] = OrderedDict()
         self._ready = asyncio.Event()
         self._serial = 0
-        self._num_control = 0
-        self._max_control = max_control
+        self._codec = codec or p.Codec()
         self._on_overflow = on_overflow
+        self.max_bytes = max_bytes
+        self.pending_bytes = 0
+        self.overflowed = False
         self.num_coalesced = 0  # deltas merged into an unsent one (observable by tests)
 
     def push_delta(self, request_id: str, delta: SampleDelta) -> None:
+        if self.overflowed:
+            return
         key = ("delta", request_id, delta.index)
         pending = self._items.get(key)
         if pending is not None:
-            pending.merge(delta)  # type: ignore[union-attr]
             self.num_coalesced += 1
-            return
-        logprobs = list(delta.logprobs) if delta.logprobs is not None else None
-        self._items[key] = _PendingDelta(request_id, delta.index, [delta.text], list(delta.token_ids), logprobs)
-        self._ready.set()
+        else:
+            pending = _PendingDelta(request_id, delta.index, [], [], None, ITEM_OVERHEAD + len(request_id))
+            self._items[key] = pending
+            self._grow(pending.nbytes)
+            self._ready.set()
+        self._grow(pending.merge(delta))  # type: ignore[union-attr]
 
     def push(self, message: p.ServerMessage, *, replace_key: str | None = None) -> None:
         """Queue a non-delta message; with `replace_key`, a newer one replaces an unsent one."""
-        if replace_key is not None and ("latest", replace_key) in self._items:
-            self._items[("latest", replace_key)] = message
+        if self.overflowed:
             return
-        if self._num_control >= self._max_control:
-            self._on_overflow()
-            return
-        self._serial += 1
-        key = ("latest", replace_key) if replace_key is not None else ("msg", self._serial)
-        self._items[key] = message
-        self._num_control += 1
+        text = self._codec.encode(message)
+        if replace_key is not None:
+            key: tuple = ("latest", replace_key)
+            replaced = self._items.get(key)
+            if isinstance(replaced, str):
+                self.pending_bytes -= ITEM_OVERHEAD + len(replaced)
+        else:
+            self._serial += 1
+            key = ("msg", self._serial)
+        self._items[key] = text  # a replacement keeps the unsent one's place in the order
         self._ready.set()
+        self._grow(ITEM_OVERHEAD + len(text))
 
-    async def get(self) -> p.ServerMessage:
+    def _grow(self, nbytes: int) -> None:
+        self.pending_bytes += nbytes
+        if self.pending_bytes > self.max_bytes and not self.overflowed:
+            self.overflowed = True
+            self._items.clear()
+            self.pending_bytes = 0
+            self._on_overflow()
+
+    async def get(self) -> str:
+        """The next message, encoded."""
         while not self._items:
             self._ready.clear()
             await self._ready.wait()
-        key, item = self._items.popitem(last=False)
+        _, item = self._items.popitem(last=False)
         if isinstance(item, _PendingDelta):
-            return item.message()
-        self._num_control -= 1
+            self.pending_bytes -= item.nbytes
+            return self._codec.encode(item.message())
+        self.pending_bytes -= ITEM_OVERHEAD + len(item)
         return item
 
     def __len__(self) -> int:
@@ -133,13 +198,15 @@ class _Live:
 class Connection:
     """One WebSocket: a reader loop (this handler), a writer task, one task per request."""
 
-    def __init__(self, state: ServerState, ws: web.WebSocketResponse, tenant: Tenant | None) -> None:
+    def __init__(self, state: ServerState, ws: web.WebSocketResponse, tenant: Tenant | None,
+                 transport: asyncio.BaseTransport | None = None) -> None:
         self.state = state
         self.ws = ws
         self.tenant = tenant  # None until authenticated
         self.codec = p.Codec()
-        self.outbox = Outbox(self._too_slow)
+        self.outbox = Outbox(self._too_slow, state.max_pending_bytes, self.codec)
         self.live: dict[str, _Live] = {}
+        self._transport = transport
         self._writer: asyncio.Task | None = None
         self._closing: asyncio.Task | None = None
 
@@ -155,15 +222,21 @@ class Connection:
                 if msg.type in (WSMsgType.TEXT, WSMsgType.BINARY):
                     await self._on_message(msg.data)
                 elif msg.type is WSMsgType.ERROR:
-                    break  # aiohttp already closed it (e.g. 1009 above the hard size limit)
+                    break  # aiohttp already closed it (1009 above the hard size limit, 1007 bad UTF-8)
         finally:
             await self._teardown()
 
     async def close(self, code: int, reason: str) -> None:
-        """Aborts every request of this socket, then closes it (used on server shutdown)."""
+        """Aborts every request of this socket, then closes it (server shutdown, too slow)."""
         await self._cancel_requests()
-        with contextlib.suppress(Exception):
-            await self.ws.close(code=code, message=reason.encode())
+        try:
+            # A peer that reads nothing never takes the close frame: give up and drop it.
+            async with asyncio.timeout(CLOSE_TIMEOUT_S):
+                await self.ws.close(code=code, message=reason.encode())
+        except TimeoutError:
+            self._abort_transport()
+        except Exception:  # noqa: BLE001 - the socket is going away either way
+            log.debug("closing a WebSocket failed", exc_info=True)
 
     async def _teardown(self) -> None:
         await self._cancel_requests()
@@ -185,19 +258,36 @@ class Connection:
         self.live.clear()
 
     def _too_slow(self) -> None:
-        if self._closing is None:
-            log.warning("closing a WebSocket whose client does not read its messages")
-            self._closing = asyncio.create_task(
-                self.close(CLOSE_TOO_SLOW, "client too slow: send queue full")
-            )
+        if self._closing is not None:
+            return
+        log.warning("closing a WebSocket whose client does not read its messages")
+        if self._writer is not None:
+            self._writer.cancel()  # the outbox was dropped; only the close frame goes out now
+        reason = f"client too slow: over {self.state.max_pending_bytes} bytes unsent"
+        self._closing = asyncio.create_task(self.close(CLOSE_TOO_SLOW, reason))
+
+    def _abort_transport(self) -> None:
+        if self._transport is not None:
+            self._transport.abort()
 
     async def _write_loop(self) -> None:
         while True:
-            message = await self.outbox.get()
+            await self._transport_drained()
+            text = await self.outbox.get()
             try:
-                await self.ws.send_str(self.codec.encode(message))
+                await self.ws.send_str(text)
             except (ConnectionError, RuntimeError):
                 return  # the reader loop sees the close and tears down
+
+    async def _transport_drained(self) -> None:
+        """Waits while the transport holds WRITE_BUFFER_HIGH bytes or more: messages not yet
+        taken keep merging in the outbox instead of queueing ahead of heartbeat pings."""
+        delay = 0.002
+        while (transport := self._transport) is not None and not transport.is_closing():
+            if transport.get_write_buffer_size() < WRITE_BUFFER_HIGH:  # type: ignore[attr-defined]
+                return
+            await asyncio.sleep(delay)  # polled: rare (a backed-up peer) and cheap
+            delay = min(2 * delay, 0.05)
 
     # -- authentication
 
@@ -211,7 +301,7 @@ class Connection:
             return False
         try:
             message = self.codec.decode(msg.data)
-        except (msgspec.DecodeError, msgspec.ValidationError):
+        except (msgspec.DecodeError, msgspec.ValidationError, p.TooDeep):
             message = None
         if not isinstance(message, p.Auth):
             await self._refuse("authentication required: the first message must be `auth`")
@@ -237,14 +327,17 @@ class Connection:
     # -- messages
 
     async def _on_message(self, data: str | bytes) -> None:
-        if len(data) > self.state.max_message_bytes:
-            self._error(
-                None, p.MESSAGE_TOO_LARGE,
-                f"message of {len(data)} bytes exceeds the limit of {self.state.max_message_bytes}",
-            )
+        if self._closing is not None:
+            return  # being closed (too slow): start no more work for it
+        limit = self.state.max_message_bytes
+        if (size := _size_over(data, limit)) is not None:
+            self._error(None, p.MESSAGE_TOO_LARGE, f"message of {size} bytes exceeds the limit of {limit} bytes")
             return
         try:
             message = self.codec.decode(data)
+        except p.TooDeep as exc:
+            self._error(None, p.TOO_DEEP, str(exc))
+            return
         except msgspec.ValidationError as exc:  # a subclass of DecodeError: test it first
             self._error(self.codec.probe_id(data), p.BAD_MESSAGE, f"invalid message: {exc}")
             return
@@ -257,10 +350,19 @@ class Connection:
             await self._on_abort(message.id)
         elif isinstance(message, p.KvStateRequest):
             self._on_kv_state()
-        elif isinstance(message, p.Auth) and self.state.keys.enabled:
+        elif isinstance(message, p.Auth):
+            self._on_auth_again()
+
+    def _on_auth_again(self) -> None:
+        if self.state.keys.enabled:
             self._error(None, p.BAD_MESSAGE, "already authenticated")
+        else:
+            self._error(None, p.AUTH_NOT_REQUIRED, "this server has no API keys: no `auth` is needed")
 
     def _on_generate(self, msg: p.Generate) -> None:
+        if self.state.shutting_down:
+            self._error(msg.id, p.SHUTTING_DOWN, "the server is shutting down: no new requests")
+            return
         if msg.id in self.live:
             self._error(msg.id, p.DUPLICATE_ID, f"request id {msg.id!r} is already streaming")
             return
@@ -269,12 +371,15 @@ class Connection:
             return
         try:
             params = self._check(msg)
-        except ValueError as exc:
-            self._error(msg.id, p.BAD_PARAMS, str(exc))
+        except RecursionError:
+            self._error(msg.id, p.TOO_DEEP, "params nested too deeply")
+            return
+        except ValueError as exc:  # LimitExceededError among them: a SamplingParams bound
+            self.outbox.push(_failure(msg.id, "", exc))
             return
         live = _Live(new_request_id("ws"))
         self.live[msg.id] = live
-        live.task = asyncio.create_task(self._run(msg, live, params), name=f"ws-req-{msg.id}")
+        live.task = asyncio.create_task(self._run(msg, live, params), name="ws-request")
 
     @staticmethod
     def _check(msg: p.Generate) -> SamplingParams:
@@ -296,15 +401,10 @@ class Connection:
             if not live.aborted:  # an abort may arrive before generation starts
                 last = await self._pump(client_id, live, prompt_ids, params)
             self.outbox.push(_done(client_id, last))
-        except PromptTooLong as exc:
-            self._error(client_id, p.PROMPT_TOO_LONG, str(exc))
-        except ValueError as exc:  # tokenization or the engine's own checks (context length)
-            self._error(client_id, p.BAD_PARAMS, str(exc))
         except asyncio.CancelledError:
             raise
         except Exception as exc:  # one request failing must not take the socket down
-            log.exception("request %s failed", live.engine_id)
-            self._error(client_id, p.ENGINE_ERROR, f"generation failed: {type(exc).__name__}")
+            self.outbox.push(_failure(client_id, live.engine_id, exc))
         finally:
             if self.live.get(client_id) is live:
                 del self.live[client_id]
@@ -318,6 +418,7 @@ class Connection:
             request_id=live.engine_id,
             cache_salt=self.tenant.cache_salt if self.tenant else None,
             recorder=self.state.metrics.recorder(),
+            timeout=self.state.request_timeout,
         )
         async with contextlib.aclosing(updates):
             async for update in updates:
@@ -332,7 +433,7 @@ class Connection:
     async def _on_abort(self, client_id: str) -> None:
         live = self.live.get(client_id)
         if live is None:
-            self._error(client_id, p.UNKNOWN_ID, f"no live request with id {client_id!r}")
+            self._error(client_id, p.UNKNOWN_ID, "no live request with this id")
             return
         live.aborted = True
         # The engine ends the stream with finish_reason "abort" and the request task sends
@@ -340,6 +441,9 @@ class Connection:
         await self.state.engine.abort(live.engine_id)
 
     def _on_kv_state(self) -> None:
+        if self.tenant is None or not self.tenant.is_admin:
+            self._error(None, p.FORBIDDEN, "kv_state shows every tenant's blocks: it needs an admin API key")
+            return
         kv_state = getattr(self.state.engine, "kv_state", None)
         if kv_state is None:
             self._error(None, p.BAD_MESSAGE, "this engine does not expose its KV-cache state")
@@ -347,7 +451,26 @@ class Connection:
         self.outbox.push(p.kv_state_message(kv_state()), replace_key="kv_state")
 
     def _error(self, request_id: str | None, code: str, message: str) -> None:
-        self.outbox.push(p.Error(request_id, code, message))
+        self.outbox.push(p.Error(request_id, code, _clip(message)))
+
+
+def _failure(client_id: str, engine_id: str, exc: Exception) -> p.Error:
+    """The structured error for a request that ended with `exc` (see protocol's codes)."""
+    text = _clip(str(exc) or type(exc).__name__)
+    if isinstance(exc, PromptTooLong):
+        return p.Error(client_id, p.PROMPT_TOO_LONG, text)
+    if isinstance(exc, LimitExceededError):
+        return p.Error(client_id, p.LIMIT_EXCEEDED, text, limit=exc.limit)
+    if isinstance(exc, ValueError):  # tokenization or the engine's own checks (context length)
+        return p.Error(client_id, p.BAD_PARAMS, text)
+    if isinstance(exc, EngineOverloadedError):
+        return p.Error(client_id, p.OVERLOADED, text, retry_after=float(exc.retry_after))
+    if isinstance(exc, RequestTimeoutError):
+        return p.Error(client_id, p.TIMEOUT, text)
+    if isinstance(exc, EngineError):
+        return p.Error(client_id, p.ENGINE_ERROR, text)
+    log.error("request %s failed", engine_id, exc_info=exc)
+    return p.Error(client_id, p.ENGINE_ERROR, f"generation failed: {type(exc).__name__}")
 
 
 def _done(client_id: str, last: StepUpdate | None) -> p.Done:
@@ -359,6 +482,21 @@ def _done(client_id: str, last: StepUpdate | None) -> p.Done:
     return p.Done(client_id, reasons[0], usage, reasons)
 
 
+def _size_over(data: str | bytes, limit: int) -> int | None:
+    """The message's size in bytes when it is over `limit` (text counted in UTF-8), else None."""
+    if isinstance(data, str):
+        if len(data) * 4 <= limit:
+            return None  # no character takes more than 4 bytes: no need to encode
+        size = len(data.encode("utf-8", "surrogatepass"))
+    else:
+        size = len(data)
+    return size if size > limit else None
+
+
+def _clip(text: str) -> str:
+    return text if len(text) <= MAX_ERROR_CHARS else text[: MAX_ERROR_CHARS - 3] + "..."
+
+
 # ---- the route ------------------------------------------------------------------------------
 
 
@@ -368,22 +506,38 @@ async def stream_handler(request: web.Request) -> web.StreamResponse:
         raise web.HTTPForbidden(text="WebSocket origin not allowed (see --allowed-origin)\n")
     if state.shutting_down:
         raise web.HTTPServiceUnavailable(text="server shutting down\n")
+    if len(state.connections) >= state.max_connections:
+        raise web.HTTPServiceUnavailable(text=f"at most {state.max_connections} WebSocket connections\n",
+                                         headers={"Retry-After": "1"})
     tenant, offered_key = _handshake_tenant(state, request)
     if offered_key and tenant is None:
         raise web.HTTPUnauthorized(text="invalid API key\n")
     ws = web.WebSocketResponse(
         protocols=(p.PROTOCOL_NAME,),
         max_msg_size=state.max_message_bytes * HARD_LIMIT_FACTOR,
-        heartbeat=30.0,
+        heartbeat=state.heartbeat_s or None,
     )
-    await ws.prepare(request)
-    conn = Connection(state, ws, tenant)
-    state.connections.add(conn)
+    conn = Connection(state, ws, tenant, request.transport)
+    state.connections.add(conn)  # before the handshake's await, so concurrent ones count too
     try:
+        await ws.prepare(request)
+        _limit_kernel_unsent(request.transport)
         await conn.serve()
     finally:
         state.connections.discard(conn)
     return ws
+
+
+def _limit_kernel_unsent(transport: Any) -> None:
+    """Caps what the kernel keeps unsent for this socket (TCP_NOTSENT_LOWAT). Without it the
+    kernel takes megabytes from a peer with a small window (about 3 MB on loopback), and every
+    heartbeat ping queues behind them; data in flight is not limited, so throughput is kept."""
+    option = getattr(socket, "TCP_NOTSENT_LOWAT", None)
+    sock = transport.get_extra_info("socket") if transport is not None else None
+    if option is None or sock is None or sock.family not in (socket.AF_INET, socket.AF_INET6):
+        return
+    with contextlib.suppress(OSError):
+        sock.setsockopt(socket.IPPROTO_TCP, option, KERNEL_UNSENT_BYTES)
 
 
 def _handshake_tenant(state: ServerState, request: web.Request) -> tuple[Tenant | None, bool]:
@@ -405,4 +559,3 @@ def _key_from_handshake(request: web.Request) -> str | None:
         if proto.startswith(p.BEARER_PROTOCOL_PREFIX):
             return proto[len(p.BEARER_PROTOCOL_PREFIX) :]
     return None
-
