@@ -172,7 +172,7 @@ class TorchPagedAttention:
         if ctx_len == q_len:  # nothing cached before this chunk: use the fresh K/V
             ki = k[start:end].transpose(0, 1)  # [kv_heads, q_len, D]
             vi = v[start:end].transpose(0, 1)
-            o = F.scaled_dot_product_attention(qi, ki, vi, is_causal=True, scale=scale, enable_gqa=True)
+            o = _sdpa(qi, ki, vi, is_causal=True, scale=scale)
         else:
             block_size = meta.kv_caches[0][0].shape[1]
             num_blocks = -(-ctx_len // block_size)
@@ -183,5 +183,14 @@ class TorchPagedAttention:
             vi = flat_v.index_select(0, slots).transpose(0, 1).to(q.dtype)
             qpos = torch.arange(ctx_len - q_len, ctx_len, device=q.device)[:, None]
             mask = torch.arange(ctx_len, device=q.device)[None, :] <= qpos  # [q_len, ctx_len]
-            o = F.scaled_dot_product_attention(qi, ki, vi, attn_mask=mask, scale=scale, enable_gqa=True)
+            o = _sdpa(qi, ki, vi, attn_mask=mask, scale=scale)
         out[start:end] = o.transpose(0, 1)
+
+
+def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, **kwargs) -> torch.Tensor:
+    """SDPA of one request, q [num_heads, q_len, D] over k/v [kv_heads, ctx_len, D].
+
+    With a batch dimension PyTorch's fused CPU (flash) kernel takes the call; 3-D inputs fall
+    back to the unfused math path, measured 3x slower at 256 queries over 8,000 tokens.
+    """
+    return F.scaled_dot_product_attention(q[None], k[None], v[None], enable_gqa=True, **kwargs)[0]
