@@ -10,11 +10,25 @@ results match `generate(num_beams=k, do_sample=False)` token for token.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 import torch
 
 _NEG = -1.0e9  # transformers' "impossible" score
+_FLOOR = _NEG / 2  # a finite score for what an extreme length penalty would make -inf or nan
+
+
+def normalized_score(scores: torch.Tensor, length: int, length_penalty: float) -> torch.Tensor:
+    """`scores / length ** length_penalty` exactly as transformers computes it (a Python float
+    power, then a tensor division), safe for any finite penalty: a power that overflows is
+    inf (the score becomes -0.0), and a score that becomes -inf or nan (the power underflows
+    to 0) is clamped to `_FLOOR`, still above `_NEG` so a finished hypothesis stays finished."""
+    try:
+        denominator = length**length_penalty
+    except OverflowError:
+        denominator = math.inf
+    return torch.nan_to_num(scores / denominator, nan=_FLOOR, posinf=_FLOOR, neginf=_FLOOR)
 
 
 @dataclass(slots=True)
@@ -29,7 +43,7 @@ class BeamSearchState:
     width: int
     prompt_len: int
     max_length: int  # prompt + max new tokens, absolute
-    stop_token_ids: list[int]
+    stop_token_ids: frozenset[int]
     length_penalty: float = 1.0
     early_stopping: bool = False
     running_scores: torch.Tensor = field(init=False)  # [width] float32
@@ -57,13 +71,16 @@ class BeamSearchState:
         cur_len = self.prompt_len + len(beam_outputs[0])
         vocab = logprobs.shape[1]
         num_stops = len(self.stop_token_ids)
-        keep = max(2, 1 + num_stops) * self.width
+        # Enough candidates that `width` of them survive even if every stop id is among the
+        # best, but never more than exist (a request may name every token as a stop id).
+        keep = min(max(2, 1 + num_stops) * self.width, self.width * vocab)
         total = (logprobs.float() + self.running_scores[:, None]).reshape(-1)  # [width * vocab]
         cand_scores, cand_index = torch.topk(total, k=keep)
         cand_beams = (cand_index // vocab).tolist()
         cand_tokens = (cand_index % vocab).tolist()
         at_max = cur_len + 1 >= self.max_length
-        hits = torch.tensor([at_max or t in self.stop_token_ids for t in cand_tokens])  # [keep]
+        stops = self.stop_token_ids
+        hits = torch.tensor([at_max or t in stops for t in cand_tokens], dtype=torch.bool)  # [keep]
 
         self._update_finished(beam_outputs, cand_scores, cand_beams, cand_tokens, hits, cur_len)
         running = cand_scores + hits.float() * _NEG
@@ -78,7 +95,7 @@ class BeamSearchState:
         top_k = torch.zeros_like(hits)
         top_k[: self.width] = True
         just_finished = hits & top_k
-        scores = cand_scores / ((cur_len + 1 - self.prompt_len) ** self.length_penalty)
+        scores = normalized_score(cand_scores, cur_len + 1 - self.prompt_len, self.length_penalty)
         if bool(self.finished_flags.all()) and self.early_stopping:
             scores = scores + _NEG
         if not self.improvable:
@@ -98,7 +115,7 @@ class BeamSearchState:
             best_len = self.max_length - self.prompt_len
         else:
             best_len = cur_len - self.prompt_len
-        best_running = self.running_scores[0] / (best_len**self.length_penalty)
+        best_running = normalized_score(self.running_scores[0], best_len, self.length_penalty)
         worst = torch.where(self.finished_flags, self.finished_scores.min(), torch.tensor(_NEG))
         return bool((best_running > worst).any())
 

@@ -7,8 +7,11 @@
 from __future__ import annotations
 
 import itertools
+import logging
 import time
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
+from typing import Any, TypeVar
 
 import torch
 
@@ -16,12 +19,20 @@ from streamengine.beam_search import BeamSearchState
 from streamengine.block_manager import BlockManager
 from streamengine.config import EngineConfig
 from streamengine.detokenizer import IncrementalDetokenizer
+from streamengine.errors import LimitExceededError
 from streamengine.model_runner import ModelRunner, kv_bytes_per_block
 from streamengine.models import LoadedModel, load_model
 from streamengine.outputs import CompletionOutput, RequestOutput
 from streamengine.sampling import SamplerOutput, SamplingParams, SamplingRow
 from streamengine.scheduler import PreemptionPolicy, Scheduler, SchedulerOutput
 from streamengine.sequence import Sequence, SequenceStatus
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
+
+
+class EngineStateError(RuntimeError):
+    """The block manager's or scheduler's bookkeeping is inconsistent: the core must restart."""
 
 
 @dataclass(slots=True, eq=False)
@@ -38,6 +49,8 @@ class Request:
     finish_reasons: list[str | None]
     stop_reasons: list[int | str | None]
     arrival_time: float
+    max_tokens: int  # params.max_tokens, or what max_tokens=None resolves to (cap, context)
+    stop_ids: frozenset[int]  # params.stop_token_ids as a set: one lookup per sampled token
     num_cached_tokens: int = 0
     pending_children: list[Sequence] = field(default_factory=list)  # forked after the prompt
     beam: BeamSearchState | None = None  # beam search: `seqs` are the live beams
@@ -75,20 +88,40 @@ class EngineCore:
         self.loaded = loaded or load_model(config.model, config.dtype, str(self.device), config.cache_dir)
         self.tokenizer = self.loaded.tokenizer
         self.runner = ModelRunner(self.loaded, config, self.device)
-        self.block_manager = BlockManager(
-            self.runner.num_blocks, config.block_size, config.enable_prefix_caching,
-            num_cpu_blocks=self.runner.num_cpu_blocks,
-        )
-        self.scheduler = Scheduler(
-            self.block_manager, config.max_num_seqs, config.max_num_batched_tokens,
-            self._preemption_policy(),
-        )
+        self.block_manager, self.scheduler = self._fresh_bookkeeping()
         self.max_model_len = self._max_model_len()
         self.eos_token_ids = self._eos_token_ids()
         self.vocab_size = self.loaded.model.config.vocab_size
         self.requests: dict[str, Request] = {}
         self._seq_of: dict[int, tuple[Request, int]] = {}  # seq_id -> (request, sample index)
         self._seq_ids = itertools.count()
+        # Requests ended by a fault in their own processing, with why; the engine takes them
+        # (take_failures) and ends their streams with RequestFailedError.
+        self.failures: dict[str, str] = {}
+
+    def _fresh_bookkeeping(self) -> tuple[BlockManager, Scheduler]:
+        """An empty block manager (no cached prefixes) and scheduler over the runner's pool."""
+        config = self.config
+        block_manager = BlockManager(
+            self.runner.num_blocks, config.block_size, config.enable_prefix_caching,
+            num_cpu_blocks=self.runner.num_cpu_blocks,
+        )
+        scheduler = Scheduler(
+            block_manager, config.max_num_seqs, config.max_num_batched_tokens,
+            self._preemption_policy(), max_prefill_chunk=config.max_prefill_chunk,
+        )
+        return block_manager, scheduler
+
+    def reset(self) -> list[str]:
+        """Restarts the bookkeeping in place after a fault that leaves it untrusted: every
+        request is dropped, a fresh block manager and scheduler take over. The model, the
+        runner and its KV tensors stay (their contents are never read again: nothing is
+        cached). Returns the ids of the requests that were dropped."""
+        dropped = list(self.requests)
+        self.block_manager, self.scheduler = self._fresh_bookkeeping()
+        self.requests.clear()
+        self._seq_of.clear()
+        return dropped
 
     # -- intake --------------------------------------------------------------------------
 
@@ -100,6 +133,8 @@ class EngineCore:
             raise ValueError(f"request_id {request_id!r} is already in use")
         prompt_ids = self._tokenize(prompt)
         self._check_length(len(prompt_ids), params)
+        stop_ids = self._stop_ids(params)
+        max_tokens = self._max_tokens(len(prompt_ids), params)
         now = time.monotonic()
         num_seqs = 1 if params.use_beam_search else params.n
         group = params.beam_width if params.use_beam_search else params.n
@@ -121,28 +156,55 @@ class EngineCore:
             finish_reasons=[None] * params.n,
             stop_reasons=[None] * params.n,
             arrival_time=now,
+            max_tokens=max_tokens,
+            stop_ids=stop_ids,
         )
         req.pending_children = seqs[1:]  # forked from sample 0 once its prompt is computed
         if params.use_beam_search:
-            req.beam = self._beam_state(len(prompt_ids), params)
+            req.beam = self._beam_state(req)
         self.requests[request_id] = req
         for i, seq in enumerate(seqs):
             self._seq_of[seq.seq_id] = (req, i)
         self.scheduler.add(seqs[0])
         return req
 
-    def _beam_state(self, prompt_len: int, params: SamplingParams) -> BeamSearchState:
-        max_new = params.max_tokens if params.max_tokens is not None else self.max_model_len
-        stops = [] if params.ignore_eos else sorted(self.eos_token_ids)
-        stops += [t for t in params.stop_token_ids if t not in stops]
+    def _beam_state(self, req: Request) -> BeamSearchState:
+        params, prompt_len = req.params, len(req.prompt_token_ids)
+        stops = req.stop_ids if params.ignore_eos else req.stop_ids | self.eos_token_ids
         return BeamSearchState(
             width=params.beam_width,
             prompt_len=prompt_len,
-            max_length=min(prompt_len + max_new, self.max_model_len),
+            max_length=min(prompt_len + req.max_tokens, self.max_model_len),
             stop_token_ids=stops,
             length_penalty=params.length_penalty,
             early_stopping=params.early_stopping,
         )
+
+    def _stop_ids(self, params: SamplingParams) -> frozenset[int]:
+        """The request's stop token ids as a set (a set, not a list scan: a long list must not
+        stall the event loop), each checked against this model's vocabulary."""
+        stop_ids = frozenset(params.stop_token_ids)
+        if stop_ids and max(stop_ids) >= self.vocab_size:
+            raise ValueError(
+                f"stop_token_ids must be < the model's vocabulary size ({self.vocab_size}), "
+                f"got {max(stop_ids)}"
+            )
+        return stop_ids
+
+    def _max_tokens(self, prompt_len: int, params: SamplingParams) -> int:
+        """The request's output limit: its own max_tokens (refused above the engine's cap), or
+        for max_tokens=None the cap or the room left in the context, whichever is smaller."""
+        cap = self.config.max_tokens_cap
+        if params.max_tokens is None:
+            room = self.max_model_len - prompt_len
+            return room if cap is None else min(cap, room)
+        if cap is not None and params.max_tokens > cap:
+            raise LimitExceededError(
+                "max_tokens_cap",
+                f"max_tokens ({params.max_tokens}) exceeds this engine's limit of {cap} output "
+                f"tokens per request (EngineConfig.max_tokens_cap)",
+            )
+        return params.max_tokens
 
     def _tokenize(self, prompt: str | list[int]) -> list[int]:
         if isinstance(prompt, str):
@@ -200,12 +262,62 @@ class EngineCore:
         req = self.requests.get(request_id)
         if req is None:
             return None
-        for i in range(len(req.seqs)):
+        # One finish reason per returned sample (n); beam search has more live beams than
+        # that, and _release frees every one of them.
+        for i in range(req.params.n):
             if req.finish_reasons[i] is None:
                 req.finish_reasons[i] = reason
                 req.detoks[i].finish()
         self._release(req)
         return self._output(req)
+
+    def fail_request(self, request_id: str, why: str) -> None:
+        """Ends a request after a fault in its own processing (postprocess, abort), even one
+        that left it half released. Gives back whatever blocks it can; audit() then tells
+        whether the bookkeeping survived."""
+        req = self.requests.pop(request_id, None)
+        self.failures[request_id] = why  # its stream ends with the error either way
+        for seq in self._request_seqs(request_id, req):
+            try:
+                self.scheduler.remove(seq)  # idempotent: a freed sequence holds no blocks
+            except Exception:
+                log.exception("releasing sequence %d of failed request %s", seq.seq_id, request_id)
+            self._seq_of.pop(seq.seq_id, None)
+
+    def _request_seqs(self, request_id: str, req: Request | None) -> list[Sequence]:
+        """The request's sequences, including any the scheduler still holds that a
+        half-finished step did not record in `req.seqs` (or after `req` was dropped)."""
+        seqs = {seq.seq_id: seq for seq in (req.seqs if req is not None else ())}
+        for seq in self._queued_seqs():
+            if seq.request_id == request_id:
+                seqs.setdefault(seq.seq_id, seq)
+        return list(seqs.values())
+
+    def _queued_seqs(self) -> Iterator[Sequence]:
+        sched = self.scheduler
+        return itertools.chain(sched.running, sched.swapped, sched.waiting)
+
+    def take_failures(self) -> dict[str, str]:
+        failures, self.failures = self.failures, {}
+        return failures
+
+    def audit(self) -> None:
+        """Raises EngineStateError unless every block's refcount equals the number of queued
+        sequences whose block table holds it, every host block is free or held once, and every
+        queued sequence belongs to a live request. O(blocks + tokens' blocks): run after faults."""
+        bm = self.block_manager
+        counts = [0] * bm.num_blocks
+        num_cpu_held = 0
+        for seq in self._queued_seqs():
+            if seq.seq_id not in self._seq_of:
+                raise EngineStateError(f"sequence {seq.seq_id} of request {seq.request_id!r} is queued but not live")
+            for block_id in seq.block_table:
+                counts[block_id] += 1
+            num_cpu_held += len(seq.cpu_block_table)
+        if [b.ref_cnt for b in bm.blocks] != counts or bm.num_free_blocks != counts.count(0):
+            raise EngineStateError("KV block refcounts do not match the sequences' block tables")
+        if num_cpu_held + bm.num_free_cpu_blocks != bm.num_cpu_blocks:
+            raise EngineStateError("host swap blocks are lost or held twice")
 
     def _release(self, req: Request) -> None:
         for seq in req.seqs:
@@ -259,34 +371,66 @@ class EngineCore:
         return self.process(step, self.execute(step))
 
     def process(self, step: StepPlan, result: tuple[SamplerOutput, torch.Tensor | None]) -> list[RequestOutput]:
+        """Appends the step's tokens and returns the outputs of the requests it advanced.
+
+        A fault in one request's postprocessing fails that request alone (see `failures`);
+        raises EngineStateError when the bookkeeping did not survive such a fault."""
         sampler_out, beam_logprobs = result
         touched: dict[str, Request] = {}
+        faults: dict[str, str] = {}
         sampled = iter(zip(sampler_out.token_ids, sampler_out.logprobs, strict=True))
         beam_rows = iter(beam_logprobs if beam_logprobs is not None else ())
         beam_reqs: dict[str, Request] = {}
         for item in step.plan.scheduled:
             seq = item.seq
             seq.num_computed_tokens += item.num_new_tokens
-            req, i = self._seq_of[seq.seq_id]
             if not item.samples:
                 continue
+            req, i = self._seq_of[seq.seq_id]
             if req.beam is not None:
                 req.beam_pending[seq.seq_id] = next(beam_rows)
                 beam_reqs[req.request_id] = req
                 continue
-            children = self._fork_children(req, i, seq)
-            for s, index in [(seq, i), *((c, self._seq_of[c.seq_id][1]) for c in children)]:
-                token, logprobs = next(sampled)
-                self._append_token(req, index, s, token, logprobs)
+            # Rows are taken before anything can fail, so a fault cannot shift another's rows.
+            draws = [next(sampled) for _ in range(1 + (len(req.pending_children) if i == 0 else 0))]
+            self._guarded(faults, req, self._take_samples, req, i, seq, draws)
             touched[req.request_id] = req
         for req in beam_reqs.values():
-            if len(req.beam_pending) == len(req.seqs) and self._beam_step(req):
+            if len(req.beam_pending) == len(req.seqs) and self._guarded(faults, req, self._beam_step, req):
                 touched[req.request_id] = req  # beam search streams only its final result
-        outputs = [self._output(req) for req in touched.values()]
-        for req in touched.values():
-            if req.finished:
-                self._release(req)
+        outputs = [
+            out for req in touched.values()
+            if req.request_id not in faults and (out := self._guarded(faults, req, self._finish_output, req))
+        ]
+        self._fail_all(faults)
         return outputs
+
+    def _take_samples(self, req: Request, i: int, seq: Sequence, draws: list[tuple[int, Any]]) -> None:
+        children = self._fork_children(req, i, seq)
+        targets = [(seq, i), *((c, self._seq_of[c.seq_id][1]) for c in children)]
+        for (s, index), (token, logprobs) in zip(targets, draws, strict=True):
+            self._append_token(req, index, s, token, logprobs)
+
+    def _finish_output(self, req: Request) -> RequestOutput:
+        output = self._output(req)
+        if req.finished:
+            self._release(req)
+        return output
+
+    def _guarded(self, faults: dict[str, str], req: Request, fn: Callable[..., T], *args) -> T | None:
+        """Runs one request's postprocessing; a fault is logged and recorded for that request."""
+        try:
+            return fn(*args)
+        except Exception as exc:
+            log.exception("postprocessing request %s failed", req.request_id)
+            faults.setdefault(req.request_id, f"{type(exc).__name__}: {exc}")
+            return None
+
+    def _fail_all(self, faults: dict[str, str]) -> None:
+        for request_id, why in faults.items():
+            self.fail_request(request_id, why)
+        if faults:
+            self.audit()
 
     def _beam_step(self, req: Request) -> bool:
         """Advances a beam request once every live beam has its next-token log-probs.
@@ -372,11 +516,11 @@ class EngineCore:
         past_min = num_out >= params.min_tokens
         if past_min and not params.ignore_eos and token in self.eos_token_ids:
             return "stop", None
-        if past_min and token in params.stop_token_ids:
+        if past_min and token in req.stop_ids:
             return "stop", token
         if stop_str is not None:
             return "stop", stop_str
-        if params.max_tokens is not None and num_out >= params.max_tokens:
+        if num_out >= req.max_tokens:
             return "length", None
         if seq.num_tokens >= self.max_model_len:
             return "length", None

@@ -4,6 +4,12 @@ One owned background task runs the step loop: schedule (loop thread), forward pa
 thread, so the loop stays responsive while torch computes), postprocess (loop thread), then
 hand each request's latest output to its stream. Aborts that arrive while a forward pass is in
 flight are applied right after it, so the worker never sees a block table change under it.
+
+The loop is supervised, so no request can stop it: a fault in one request's postprocessing or
+abort fails that request (RequestFailedError); a fault that leaves the bookkeeping untrusted
+(in `schedule()`, or refcounts that no longer add up) restarts the core in place: fresh block
+manager and scheduler, same model and KV tensors, every request in flight failed. Restarts in
+a tight loop stop the engine (EngineDeadError) rather than spin.
 """
 
 from __future__ import annotations
@@ -12,18 +18,28 @@ import asyncio
 import ctypes
 import logging
 import os
+import time
 import uuid
+from collections import deque
 from collections.abc import AsyncIterator
 from concurrent.futures import ThreadPoolExecutor
 
 from streamengine.config import EngineConfig
-from streamengine.errors import EngineDeadError
-from streamengine.core import EngineCore
+from streamengine.core import EngineCore, EngineStateError
+from streamengine.errors import EngineDeadError, EngineOverloadedError, RequestFailedError
 from streamengine.models import LoadedModel
 from streamengine.outputs import RequestOutput
 from streamengine.sampling import SamplingParams
 
 log = logging.getLogger(__name__)
+
+MAX_RESTARTS = 5
+RESTART_WINDOW_S = 60.0
+"""More than MAX_RESTARTS core restarts within RESTART_WINDOW_S stop the engine: the fault
+is not transient, and restarting again would only fail every new request the same way."""
+RESTART_BACKOFF_S = 0.1
+"""Pause after a restart (health() says "restarting"), so a fault on every step cannot spin."""
+OVERLOAD_RETRY_AFTER_S = 1.0
 
 
 class _RequestStream:
@@ -48,11 +64,13 @@ class _RequestStream:
 
     async def get(self) -> RequestOutput:
         await self._ready.wait()
-        self._ready.clear()
         if self._latest is not None:
             output, self._latest = self._latest, None
+            if self._error is None:  # an error that came after this output stays ready
+                self._ready.clear()
             return output
-        assert self._error is not None  # _ready is only set by put or put_error
+        if self._error is None:  # _ready is only set by put or put_error
+            raise RuntimeError("request stream woke up with nothing to deliver")
         raise self._error
 
 
@@ -85,6 +103,11 @@ class AsyncEngine:
         self._executor: ThreadPoolExecutor | None = None
         self._in_flight = False
         self._pending_aborts: list[str] = []
+        self._state, self._reason = "stopped", "not started"
+        self._restart_reason: str | None = None  # set by a fault outside the loop: restart next
+        self._restart_times: deque[float] = deque()
+        self._last_progress = time.monotonic()
+        self.num_restarts = 0
 
     # -- lifecycle -----------------------------------------------------------------------
 
@@ -106,6 +129,7 @@ class AsyncEngine:
         self._wakeup = asyncio.Event()
         self._executor = ThreadPoolExecutor(1, thread_name_prefix="streamengine-step")
         release_openmp_pool()
+        self._state, self._reason = "starting", "the step loop has not started yet"
         self._task = asyncio.get_running_loop().create_task(self._run(), name="streamengine-step-loop")
 
     async def stop(self) -> None:
@@ -121,10 +145,20 @@ class AsyncEngine:
             await asyncio.to_thread(self._executor.shutdown, True)
             self._executor = None
         self._in_flight = False
-        for request_id in list(self.core.requests):
-            self.core.abort_request(request_id)
+        if self._state != "stopped":
+            self._state, self._reason = "stopped", "stopped"
+        self._drop_all(EngineDeadError("engine stopped"))
+
+    def _drop_all(self, error: BaseException) -> None:
+        """Aborts every request (a fresh core if even that fails) and ends every stream."""
+        try:
+            for request_id in list(self.core.requests):
+                self.core.abort_request(request_id)
+        except Exception:
+            log.exception("aborting requests at shutdown failed; resetting the core")
+            self.core.reset()
         for stream in self._streams.values():
-            stream.put_error(EngineDeadError("engine stopped"))
+            stream.put_error(error)
         self._streams.clear()
 
     async def __aenter__(self) -> AsyncEngine:
@@ -133,6 +167,19 @@ class AsyncEngine:
 
     async def __aexit__(self, *exc) -> None:
         await self.stop()
+
+    def health(self) -> dict:
+        """{"state": "stopped" | "starting" | "ready" | "restarting", "reason": why it is not
+        ready (None when ready), "seconds_since_progress": since the last completed step while
+        work is pending (0.0 when idle), "num_restarts", "num_requests"}."""
+        busy = self.core.has_work() and self._state != "stopped"
+        return {
+            "state": self._state,
+            "reason": self._reason,
+            "seconds_since_progress": time.monotonic() - self._last_progress if busy else 0.0,
+            "num_restarts": self.num_restarts,
+            "num_requests": len(self.core.requests),
+        }
 
     # -- requests ------------------------------------------------------------------------
 
@@ -144,13 +191,16 @@ class AsyncEngine:
         cache_salt: str | None = None,
     ) -> AsyncIterator[RequestOutput]:
         """Streams cumulative outputs of one request, one per engine step (coalesced when the
-        consumer is slower). Leaving early (break, cancel, error) aborts it and frees its blocks."""
-        if not self.is_running:
-            raise RuntimeError("engine is not running: use `async with engine:` or `await engine.start()`")
+        consumer is slower). Leaving early (break, cancel, error) aborts it and frees its blocks.
+        Raises ValueError for a bad request, EngineOverloadedError when `max_waiting` requests
+        already wait, RequestFailedError if the engine fails it, EngineDeadError if it stops."""
+        self._check_admission()
         params = params if params is not None else SamplingParams()
         if not isinstance(params, SamplingParams):
             raise TypeError(f"params must be SamplingParams, got {type(params).__name__}")
         request_id = request_id if request_id is not None else uuid.uuid4().hex
+        if not self.core.has_work():  # progress is measured from when work arrives
+            self._last_progress = time.monotonic()
         self.core.add_request(request_id, prompt, params, cache_salt)  # raises ValueError
         stream = self._streams[request_id] = _RequestStream()
         self._wakeup.set()
@@ -165,6 +215,20 @@ class AsyncEngine:
             if not finished:
                 self._abort(request_id)
 
+    def _check_admission(self) -> None:
+        if not self.is_running:
+            if self._state == "stopped" and self._reason not in ("not started", "stopped"):
+                raise EngineDeadError(f"engine stopped: {self._reason}")
+            raise RuntimeError("engine is not running: use `async with engine:` or `await engine.start()`")
+        limit = self.config.max_waiting
+        waiting = len(self.core.scheduler.waiting)
+        if limit is not None and waiting >= limit:
+            raise EngineOverloadedError(
+                f"{waiting} requests are already waiting (EngineConfig.max_waiting={limit}); "
+                f"retry in {OVERLOAD_RETRY_AFTER_S:g} s",
+                retry_after=OVERLOAD_RETRY_AFTER_S,
+            )
+
     async def abort(self, request_id: str) -> None:
         """Ends a request with finish_reason "abort"; its stream yields that final output."""
         self._abort(request_id)
@@ -173,10 +237,27 @@ class AsyncEngine:
         if self._in_flight:
             self._pending_aborts.append(request_id)
             return
-        output = self.core.abort_request(request_id)
+        try:
+            output = self.core.abort_request(request_id)
+        except Exception as exc:  # fail this request alone, unless the bookkeeping broke
+            log.exception("aborting request %s failed", request_id)
+            self.core.fail_request(request_id, f"abort failed: {type(exc).__name__}: {exc}")
+            self._deliver_failures()
+            self._audit_or_restart()
+            return
         stream = self._streams.get(request_id)
         if output is not None and stream is not None:
             stream.put(output)
+
+    def _audit_or_restart(self) -> None:
+        """After a fault outside the step loop: if the bookkeeping broke, restart the core
+        from the loop (the only place that knows no forward pass is in flight)."""
+        try:
+            self.core.audit()
+        except EngineStateError as exc:
+            self._restart_reason = str(exc)
+            if self._wakeup is not None:
+                self._wakeup.set()
 
     def stats(self) -> dict[str, int | float]:
         return self.core.stats()
@@ -196,40 +277,76 @@ class AsyncEngine:
     # -- the step loop -------------------------------------------------------------------
 
     async def _run(self) -> None:
+        self._state, self._reason = "ready", None
         try:
             await self._step_loop()
         except asyncio.CancelledError:
             raise
-        except Exception as exc:  # a bug in scheduling or postprocessing: fail loudly, not hang
-            log.exception("engine step loop died")
-            for stream in self._streams.values():
-                stream.put_error(EngineDeadError(f"engine step loop died: {exc!r}"))
-            raise
+        except Exception as exc:  # the supervisor itself failed, or gave up: stop, loudly
+            log.exception("engine stopped")
+            self._state, self._reason = "stopped", str(exc)
+            self._pending_aborts.clear()
+            self._drop_all(EngineDeadError(f"engine stopped: {exc}"))
 
     async def _step_loop(self) -> None:
-        loop = asyncio.get_running_loop()
         while True:
-            if not self.core.has_work():
+            if self._restart_reason is not None:
+                await self._restart(self._restart_reason)
+            elif not self.core.has_work():
                 self._wakeup.clear()
                 await self._wakeup.wait()
-                continue
-            step = self.core.schedule()
-            if step.plan.is_empty:  # cannot happen while intake checks lengths; never spin
-                raise RuntimeError("scheduler produced an empty step with work pending")
-            self._in_flight = True
-            try:
-                result = await loop.run_in_executor(self._executor, self.core.execute, step)
-            except Exception:
-                log.exception("engine step failed; failing the requests in it")
-                outputs = self.core.fail(step)
+                self._last_progress = time.monotonic()
             else:
-                outputs = self.core.process(step, result)
-            finally:
-                self._in_flight = False
-            self._deliver(outputs)
-            for request_id in self._take_pending_aborts():
-                self._abort(request_id)
-            await asyncio.sleep(0)  # let consumers run between steps even if the thread was instant
+                try:
+                    await self._step()
+                except Exception as exc:  # the bookkeeping cannot be trusted any more
+                    log.exception("engine step failed")
+                    self._restart_reason = f"{type(exc).__name__}: {exc}"
+                await asyncio.sleep(0)  # let consumers run between steps even if the thread was instant
+
+    async def _step(self) -> None:
+        step = self.core.schedule()
+        if step.plan.is_empty:  # cannot happen while intake checks lengths; never spin
+            raise EngineStateError("scheduler produced an empty step with work pending")
+        self._in_flight = True
+        try:
+            loop = asyncio.get_running_loop()
+            result = await loop.run_in_executor(self._executor, self.core.execute, step)
+        except Exception:
+            log.exception("engine step failed; failing the requests in it")
+            outputs = self.core.fail(step)
+        else:
+            outputs = self.core.process(step, result)
+        finally:
+            self._in_flight = False
+        self._last_progress = time.monotonic()
+        self._deliver(outputs)
+        self._deliver_failures()
+        for request_id in self._take_pending_aborts():
+            self._abort(request_id)
+
+    async def _restart(self, why: str) -> None:
+        """Fails every request in flight and starts the core's bookkeeping afresh; raises
+        EngineDeadError when restarts come too fast to be transient."""
+        self._restart_reason = None
+        now = time.monotonic()
+        self._restart_times.append(now)
+        while now - self._restart_times[0] > RESTART_WINDOW_S:
+            self._restart_times.popleft()
+        if len(self._restart_times) > MAX_RESTARTS:
+            raise EngineDeadError(f"{len(self._restart_times)} restarts within {RESTART_WINDOW_S:g} s; last: {why}")
+        self.num_restarts += 1
+        log.error("restarting the engine core (restart %d): %s", self.num_restarts, why)
+        self._deliver_failures()  # requests whose own fault came first keep their own message
+        self._pending_aborts.clear()
+        for request_id in self.core.reset():
+            stream = self._streams.get(request_id)
+            if stream is not None:
+                stream.put_error(RequestFailedError(f"engine restarted: {why}"))
+        self._state, self._reason = "restarting", f"restarting after: {why}"
+        await asyncio.sleep(RESTART_BACKOFF_S)
+        self._state, self._reason = "ready", None
+        self._last_progress = time.monotonic()
 
     def _take_pending_aborts(self) -> list[str]:
         aborts, self._pending_aborts = self._pending_aborts, []
@@ -240,3 +357,9 @@ class AsyncEngine:
             stream = self._streams.get(output.request_id)
             if stream is not None:
                 stream.put(output)
+
+    def _deliver_failures(self) -> None:
+        for request_id, why in self.core.take_failures().items():
+            stream = self._streams.get(request_id)
+            if stream is not None:
+                stream.put_error(RequestFailedError(f"request {request_id!r} failed inside the engine: {why}"))

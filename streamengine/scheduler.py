@@ -5,6 +5,8 @@ Each step the scheduler decides, for every sequence it runs, how many of its tok
 (`num_new_tokens`). One rule covers every phase: `num_computed_tokens` catches up to
 `num_tokens`. A fresh prompt computes up to the budget (chunked prefill), a decoding sequence
 computes its one new token, a prefix-cache hit starts with `num_computed_tokens` > 0.
+`max_prefill_chunk` caps the tokens one sequence computes per step, so a long prompt takes
+several steps and the decode streams batched with it keep getting a token every step.
 """
 
 from __future__ import annotations
@@ -79,10 +81,12 @@ class Scheduler:
         max_num_seqs: int,
         max_num_batched_tokens: int,
         preemption: PreemptionPolicy | None = None,
+        max_prefill_chunk: int | None = None,
     ) -> None:
         self.block_manager = block_manager
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
+        self.max_prefill_chunk = max_prefill_chunk  # None: a sequence may take the whole budget
         self.preemption = preemption or PreemptionPolicy()
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
@@ -142,6 +146,11 @@ class Scheduler:
         out.blocks_to_copy = self.block_manager.take_pending_copies()
         return out
 
+    def _num_new_tokens(self, seq: Sequence, num_computed: int, budget: int) -> int:
+        """How many of `seq`'s tokens past `num_computed` to compute this step."""
+        n = min(seq.num_tokens - num_computed, budget)
+        return n if self.max_prefill_chunk is None else min(n, self.max_prefill_chunk)
+
     def _append(self, out: SchedulerOutput, seq: Sequence, n: int) -> None:
         out.scheduled.append(ScheduledSeq.of(seq, n))
         # Full blocks this step will compute become hits for requests admitted after it.
@@ -151,7 +160,7 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
-            n = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            n = self._num_new_tokens(seq, seq.num_computed_tokens, budget)
             if n == 0:  # a beam waiting for its siblings' logits: nothing to compute
                 i += 1
                 continue
@@ -199,7 +208,7 @@ class Scheduler:
         bm = self.block_manager
         while self.swapped and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.swapped[0]
-            n = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            n = self._num_new_tokens(seq, seq.num_computed_tokens, budget)
             need = bm.blocks_needed(seq.num_tokens) - len(seq.cpu_block_table)
             reserve = max(0, need) + (self.watermark_blocks if self.running else 0)
             if not bm.can_swap_in(seq, reserve=reserve):
@@ -217,25 +226,54 @@ class Scheduler:
 
     def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> None:
         bm = self.block_manager
-        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
-            seq = self.waiting[0]
+        in_flight = self._blocks_in_flight()
+        i = 0
+        while i < len(self.waiting) and budget > 0 and len(self.running) < self.max_num_seqs:
+            seq = self.waiting[i]
             cached = bm.find_cached_blocks(seq)
-            num_computed = len(cached) * bm.block_size
-            n = min(seq.num_tokens - num_computed, budget)
+            if self._waits_for_prefix(seq, len(cached), in_flight):
+                i += 1  # it keeps its place; those behind it that share nothing may start
+                continue
+            n = self._num_new_tokens(seq, len(cached) * bm.block_size, budget)
             reserve = self.watermark_blocks if self.running else 0
             if not bm.allocate_slots(seq, n, cached, reserve=reserve):
-                break  # FCFS: nobody overtakes the head of the line
-            self.waiting.popleft()
-            if seq.num_preemptions == 0:
-                bm.stats.queries += seq.num_tokens
-                bm.stats.hits += num_computed
-                seq.num_cached_tokens = num_computed
-            seq.status = SequenceStatus.RUNNING
-            # Running stays in arrival order: preemption takes the newest (least work lost),
-            # so a re-admitted old request is not the next victim again (no thrash).
-            bisect.insort(self.running, seq, key=_arrival)
-            self._append(out, seq, n)
+                break  # FCFS: nobody overtakes the head of the line for blocks
+            del self.waiting[i]
+            self._admit(out, seq, n, len(cached) * bm.block_size)
+            in_flight.update(self._pending_hashes(seq))
             budget -= n
+
+    def _admit(self, out: SchedulerOutput, seq: Sequence, n: int, num_hit_tokens: int) -> None:
+        bm = self.block_manager
+        if seq.num_preemptions == 0:
+            bm.stats.queries += seq.num_tokens
+            bm.stats.hits += num_hit_tokens
+            seq.num_cached_tokens = num_hit_tokens
+        seq.status = SequenceStatus.RUNNING
+        # Running stays in arrival order: preemption takes the newest (least work lost),
+        # so a re-admitted old request is not the next victim again (no thrash).
+        bisect.insort(self.running, seq, key=_arrival)
+        self._append(out, seq, n)
+
+    # -- prefixes still being computed ----------------------------------------------------
+    # A prompt whose next block a running sequence is about to compute (the same tokens, salt
+    # and prefix: a shared system prompt in a chunked prefill) waits for it instead of
+    # computing it a second time beside it; it starts once those blocks are cache hits.
+
+    def _blocks_in_flight(self) -> set[bytes]:
+        if not self.block_manager.enable_prefix_caching or not self.waiting:
+            return set()
+        return {h for seq in self.running for h in self._pending_hashes(seq)}
+
+    def _pending_hashes(self, seq: Sequence) -> list[bytes]:
+        """Hashes of `seq`'s full blocks that no step has scheduled yet."""
+        if not self.block_manager.enable_prefix_caching:
+            return []
+        return self.block_manager.compute_block_hashes(seq)[seq.num_cached_blocks:]
+
+    def _waits_for_prefix(self, seq: Sequence, num_hits: int, in_flight: set[bytes]) -> bool:
+        limit = (seq.num_tokens - 1) // self.block_manager.block_size  # hits stop there anyway
+        return bool(in_flight) and num_hits < limit and seq.block_hashes[num_hits] in in_flight
 
 
 def _arrival(seq: Sequence) -> tuple[float, int]:

@@ -186,8 +186,21 @@ def test_asyncio_run_twice_and_two_engines(tiny_llama_dir):
     assert asyncio.run(once()) == asyncio.run(once())
 
 
-async def test_event_loop_stays_responsive_during_steps(engine):
-    params = SamplingParams(temperature=0, max_tokens=64, ignore_eos=True)
+async def test_event_loop_stays_responsive_during_steps(engine, monkeypatch):
+    """The forward pass runs in the worker thread. Every step is made slow (a sleep where the
+    forward runs), so a forward on the loop thread would show up as a tick lag of a whole
+    step; off the loop, ticks lag by a few milliseconds. The bound is half a step: generous
+    for a loaded 2-core machine, and still far below what a blocked loop shows."""
+    step_s = 0.3
+    runner = engine.core.runner
+    execute = runner.execute
+
+    def slow_execute(*args, **kwargs):
+        time.sleep(step_s)
+        return execute(*args, **kwargs)
+
+    monkeypatch.setattr(runner, "execute", slow_execute)
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
     lags = []
 
     async def ticker():
@@ -195,12 +208,13 @@ async def test_event_loop_stays_responsive_during_steps(engine):
         while True:
             t = loop.time()
             await asyncio.sleep(0.005)
-            lags.append(loop.time() - t - 0.005)
+            lags.append(max(0.0, loop.time() - t - 0.005))  # a timer may fire early: never < 0
 
     tick = asyncio.create_task(ticker())
     await asyncio.gather(*(collect(engine, f"prompt {i}", params) for i in range(4)))
     tick.cancel()
-    assert len(lags) > 5  # the loop kept ticking while the model ran in the worker thread
+    assert len(lags) > 20  # ~6 steps of 0.3 s: the loop kept ticking while the steps ran
+    assert max(lags) < step_s / 2, f"max tick lag {max(lags) * 1e3:.0f} ms with {step_s * 1e3:.0f} ms steps"
 
 
 def test_chat_template(tiny_llama_dir):

@@ -22,10 +22,10 @@ class Sim:
     def __init__(
         self, num_blocks: int, *, budget: int = 64, max_num_seqs: int = 8, block_size: int = BS,
         prefix_caching: bool = True, policy: PreemptionPolicy | None = None,
-        num_cpu_blocks: int = 0,
+        num_cpu_blocks: int = 0, chunk: int | None = None,
     ) -> None:
         self.bm = BlockManager(num_blocks, block_size, prefix_caching, num_cpu_blocks=num_cpu_blocks)
-        self.sched = Scheduler(self.bm, max_num_seqs, budget, policy)
+        self.sched = Scheduler(self.bm, max_num_seqs, budget, policy, max_prefill_chunk=chunk)
         self.max_tokens: dict[int, int] = {}
         self.finished: list[Sequence] = []
         self.next_id = 0
@@ -122,6 +122,73 @@ def test_chunks_grow_the_block_table_a_block_at_a_time() -> None:
         tables.append(list(seq.block_table))
     assert tables == [[0], [0, 1], [0, 1, 2]]
     assert seq.num_computed_tokens == 10 and seq.num_tokens == 11
+
+
+def plan_of(out: SchedulerOutput) -> list[tuple[int, int, bool]]:
+    return [(i.seq.seq_id, i.num_new_tokens, i.samples) for i in out.scheduled]
+
+
+def test_max_prefill_chunk_keeps_a_decode_stream_stepping() -> None:
+    """A long prompt arriving next to a decoding request takes at most `chunk` tokens a step,
+    though the budget has room for all of it: the decode stream gets a token every step."""
+    sim = Sim(32, budget=64, chunk=4)
+    sim.add(tokens(3), max_tokens=6)
+    assert plan_of(sim.step()) == [(0, 3, True)]
+    sim.add(tokens(10, 50), max_tokens=2)
+    plans = [plan_of(sim.step()) for _ in range(4)]
+    assert plans == [
+        [(0, 1, True), (1, 4, False)],
+        [(0, 1, True), (1, 4, False)],
+        [(0, 1, True), (1, 2, True)],
+        [(0, 1, True), (1, 1, True)],
+    ]
+    sim.run()
+    assert sim.bm.num_free_blocks == 32
+
+
+def test_max_prefill_chunk_applies_to_every_admitted_prompt_and_to_recompute() -> None:
+    sim = Sim(32, budget=64, chunk=4, prefix_caching=False)
+    a = sim.add(tokens(10), max_tokens=3)
+    sim.add(tokens(6, 50), max_tokens=1)
+    assert plan_of(sim.step()) == [(0, 4, False), (1, 4, False)]
+    assert plan_of(sim.step()) == [(0, 4, False), (1, 2, True)]
+    assert plan_of(sim.step()) == [(0, 2, True)]
+    sim.sched.running.remove(a)
+    sim.sched._preempt(a)  # recompute preemption: all 11 tokens again, 4 at a time
+    assert [plan_of(sim.step()) for _ in range(3)] == [[(0, 4, False)], [(0, 4, False)], [(0, 3, True)]]
+
+
+def test_max_prefill_chunk_counts_from_a_prefix_cache_hit() -> None:
+    sim = Sim(32, budget=64, chunk=4)
+    sim.add(tokens(12), max_tokens=1)
+    sim.run()
+    b = sim.add(tokens(20), max_tokens=1)  # its first 3 blocks (12 tokens) are cached
+    assert plan_of(sim.step()) == [(1, 4, False)] and b.num_computed_tokens == 12 + 4
+    assert plan_of(sim.step()) == [(1, 4, True)]
+
+
+def test_a_prompt_waits_for_a_shared_prefix_another_is_computing() -> None:
+    """With chunked prefill a second request with the same system prompt would compute it
+    again beside the first; it waits until the first has scheduled the shared blocks and then
+    starts with all of them as hits. A request sharing nothing goes ahead meanwhile."""
+    sim = Sim(32, budget=64, chunk=4)
+    prefix = tokens(24)  # 6 blocks
+    sim.add(prefix + tokens(3, 100), max_tokens=1)
+    follower = sim.add(prefix + tokens(5, 200), max_tokens=1)
+    sim.add(tokens(6, 300), max_tokens=8)
+    plans = [plan_of(sim.step()) for _ in range(7)]
+    assert plans == [
+        [(0, 4, False), (2, 4, False)],
+        [(0, 4, False), (2, 2, True)],
+        [(0, 4, False), (2, 1, True)],
+        [(0, 4, False), (2, 1, True)],
+        [(0, 4, False), (2, 1, True)],
+        [(0, 4, False), (2, 1, True), (1, 4, False)],  # the first scheduled the last shared block
+        [(0, 3, True), (1, 1, True), (2, 1, True)],  # running in arrival order
+    ]
+    assert follower.num_cached_tokens == 24
+    sim.run()
+    assert sim.bm.num_free_blocks == 32
 
 
 def test_token_budget_is_respected_and_used() -> None:
