@@ -323,9 +323,16 @@ async def test_engine_failure_mid_generation(engine, path, base):
 
 
 @pytest.mark.parametrize(("path", "base"), ROUTES, ids=["completions", "chat"])
-async def test_request_timeout_is_504_or_in_band_and_frees_blocks(engine, path, base):
+async def test_request_timeout_is_504_or_in_band_and_frees_blocks(engine, path, base, monkeypatch):
     body = {**base, "max_tokens": 900, "ignore_eos": True, "temperature": 0}  # the chat prompt is ~30 tokens
-    async with http_client(engine, request_timeout=1.0) as http:
+    execute = engine.core.execute
+
+    def slow_execute(step):  # 20 ms per step: 900 tokens take 18 s, far past the timeout
+        time.sleep(0.02)
+        return execute(step)
+
+    monkeypatch.setattr(engine.core, "execute", slow_execute)
+    async with http_client(engine, request_timeout=0.5) as http:
         resp = await http.post(path, json=body)
         assert resp.status == 504
         assert (await resp.json())["error"]["code"] == "timeout"

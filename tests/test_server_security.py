@@ -241,21 +241,6 @@ async def test_ready_is_503_unless_the_engine_makes_progress(engine, monkeypatch
         monkeypatch.undo()
 
 
-def test_readiness_falls_back_without_engine_health():
-    from streamengine.server.app import engine_health
-
-    class Old:
-        is_running = False
-
-        def stats(self) -> dict:
-            return {"num_requests": 3}
-
-    assert engine_health(Old())["state"] == "stopped"
-    Old.is_running = True
-    health = engine_health(Old())
-    assert health["state"] == "ready" and health["num_requests"] == 3 and health["seconds_since_progress"] == 0.0
-
-
 # ---- the graceful drain ------------------------------------------------------------------------
 
 

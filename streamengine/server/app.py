@@ -362,21 +362,6 @@ def _is_api(path: str) -> bool:
 # ---- small routes ---------------------------------------------------------------------------
 
 
-def engine_health(engine: Any) -> dict[str, Any]:
-    """`engine.health()`, or the same keys derived from `is_running` for an engine without it."""
-    health = getattr(engine, "health", None)
-    if callable(health):
-        return dict(health())
-    running = bool(engine.is_running)
-    return {
-        "state": "ready" if running else "stopped",
-        "reason": None if running else "engine not running",
-        "seconds_since_progress": 0.0,
-        "num_restarts": 0,
-        "num_requests": int(engine.stats().get("num_requests", 0)) if running else 0,
-    }
-
-
 def readiness(state: ServerState, health: dict[str, Any]) -> tuple[str, str | None]:
     """("ready", None), or why this server should get no new work now."""
     if state.shutting_down:
@@ -397,7 +382,7 @@ async def health(request: web.Request) -> web.Response:
     """Liveness: answered by the event loop alone, so a busy engine does not fail it; 503 only
     when the engine stopped for good outside a drain (restarting the process is the cure)."""
     state = get_state(request)
-    h = engine_health(state.engine)
+    h = state.engine.health()
     dead = h.get("state") == "stopped" and not state.shutting_down
     body = {
         "status": "dead" if dead else "ok",
@@ -412,7 +397,7 @@ async def health(request: web.Request) -> web.Response:
 async def ready(request: web.Request) -> web.Response:
     """Readiness: 200 only when new requests would be served now."""
     state = get_state(request)
-    h = engine_health(state.engine)
+    h = state.engine.health()
     status, reason = readiness(state, h)
     body = {"status": status, "reason": reason, "engine": h.get("state")}
     return web.json_response(body, status=200 if status == "ready" else 503)
