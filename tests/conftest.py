@@ -70,6 +70,20 @@ def tiny_qwen2_dir(tmp_path_factory, smollm_dir) -> Path:
     return _save_tiny(Qwen2Config(**cfg), tmp_path_factory.mktemp("tiny_qwen2"), smollm_dir)
 
 
+def slow_down_steps(monkeypatch, engine, delay: float = 0.02) -> None:
+    """Makes every engine step take at least `delay` more seconds (in the worker thread), so
+    a test about timeouts or drains does not depend on how fast the tiny model generates."""
+    import time
+
+    execute = engine.core.execute
+
+    def slow_execute(step):
+        time.sleep(delay)
+        return execute(step)
+
+    monkeypatch.setattr(engine.core, "execute", slow_execute)
+
+
 def run_async(coro):
     """For sync tests that need one coroutine run to completion on a fresh loop."""
     return asyncio.run(coro)

@@ -10,6 +10,7 @@ import time
 import aiohttp
 import pytest
 from aiohttp.test_utils import TestClient, TestServer
+from conftest import slow_down_steps
 from test_server_limits import ScriptedEngine
 
 from streamengine import AsyncEngine, EngineConfig
@@ -325,13 +326,7 @@ async def test_engine_failure_mid_generation(engine, path, base):
 @pytest.mark.parametrize(("path", "base"), ROUTES, ids=["completions", "chat"])
 async def test_request_timeout_is_504_or_in_band_and_frees_blocks(engine, path, base, monkeypatch):
     body = {**base, "max_tokens": 900, "ignore_eos": True, "temperature": 0}  # the chat prompt is ~30 tokens
-    execute = engine.core.execute
-
-    def slow_execute(step):  # 20 ms per step: 900 tokens take 18 s, far past the timeout
-        time.sleep(0.02)
-        return execute(step)
-
-    monkeypatch.setattr(engine.core, "execute", slow_execute)
+    slow_down_steps(monkeypatch, engine)  # 900 tokens take 18 s, far past the timeout
     async with http_client(engine, request_timeout=0.5) as http:
         resp = await http.post(path, json=body)
         assert resp.status == 504

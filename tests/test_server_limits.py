@@ -17,6 +17,7 @@ import time
 import aiohttp
 import pytest
 from aiohttp import WSMsgType
+from conftest import slow_down_steps
 from test_server import collect, connect, recv, serve, wait_idle
 
 from streamengine import AsyncEngine, EngineConfig
@@ -429,7 +430,8 @@ async def test_generate_while_shutting_down_is_refused(engine):
         assert (await collect(ws, {"ok"}))["ok"]["done"]["finish_reason"] == "length"
 
 
-async def test_request_timeout_ends_the_request_and_frees_its_blocks(engine):
+async def test_request_timeout_ends_the_request_and_frees_its_blocks(engine, monkeypatch):
+    slow_down_steps(monkeypatch, engine)  # 1,000 tokens take 20 s, far past the timeout
     async with serve(engine, request_timeout=2.0) as client:
         ws = await connect(client)
         await ws.send_json({"type": "generate", "id": "quick", "prompt": "Hi", "params": SHORT})
@@ -453,3 +455,9 @@ async def test_sampling_limits_are_limit_exceeded(engine):
         await ws.send_json({"type": "generate", "id": "s", "prompt": "Hi", "params": {"stop": ["x"] * 33}})
         error = await recv(ws)
         assert (error["id"], error["code"], error["limit"]) == ("s", "limit_exceeded", "max_stop_strings")
+
+
+def test_done_has_one_finish_reason_per_sample_even_without_output():
+    from streamengine.server.websocket import _done
+
+    assert _done("r", None, 3).finish_reasons == ["abort", "abort", "abort"]

@@ -12,6 +12,7 @@ import aiohttp
 import pytest
 from aiohttp import WSMsgType
 from aiohttp.test_utils import TestClient, TestServer
+from conftest import slow_down_steps
 
 from streamengine import AsyncEngine, EngineConfig
 from streamengine.server import create_app
@@ -264,8 +265,10 @@ async def test_drain_lets_requests_finish_and_refuses_new_ones(engine):
         await wait_idle(engine)
 
 
-async def test_drain_cuts_long_requests_at_the_timeout(engine):
+async def test_drain_cuts_long_requests_at_the_timeout(engine, monkeypatch):
     from streamengine.server.app import drain
+
+    slow_down_steps(monkeypatch, engine)  # 400 tokens take 8 s: both requests outlast the drain
 
     async with serve(engine) as client:
         resp = await client.post("/v1/completions", json=completion(max_tokens=400, stream=True))

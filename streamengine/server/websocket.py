@@ -239,14 +239,19 @@ class Connection:
             log.debug("closing a WebSocket failed", exc_info=True)
 
     async def _teardown(self) -> None:
-        await self._cancel_requests()
-        if self._writer is not None:
-            self._writer.cancel()
-            with contextlib.suppress(asyncio.CancelledError, Exception):
-                await self._writer
-        if self._closing is not None:
-            with contextlib.suppress(Exception):
-                await self._closing
+        # try/finally: when aiohttp cancels this handler (client gone, shutdown timeout) the
+        # cancellation can land in the gather below; the writer must still be ended, not left
+        # pending for the garbage collector.
+        try:
+            await self._cancel_requests()
+        finally:
+            if self._writer is not None:
+                self._writer.cancel()
+                with contextlib.suppress(asyncio.CancelledError, Exception):
+                    await self._writer
+            if self._closing is not None:
+                with contextlib.suppress(Exception):
+                    await self._closing
 
     async def _cancel_requests(self) -> None:
         # Cancelling a request task closes its engine stream, which aborts the request and
@@ -400,7 +405,7 @@ class Connection:
             prompt_ids = await self._prompt_ids(msg)
             if not live.aborted:  # an abort may arrive before generation starts
                 last = await self._pump(client_id, live, prompt_ids, params)
-            self.outbox.push(_done(client_id, last))
+            self.outbox.push(_done(client_id, last, params.n))
         except asyncio.CancelledError:
             raise
         except Exception as exc:  # one request failing must not take the socket down
@@ -473,11 +478,13 @@ def _failure(client_id: str, engine_id: str, exc: Exception) -> p.Error:
     return p.Error(client_id, p.ENGINE_ERROR, f"generation failed: {type(exc).__name__}")
 
 
-def _done(client_id: str, last: StepUpdate | None) -> p.Done:
+def _done(client_id: str, last: StepUpdate | None, num_samples: int) -> p.Done:
+    """`done` with one finish reason per sample, also for a request aborted before output."""
     if last is None:
-        return p.Done(client_id, "abort", p.Usage(0, 0, 0), ["abort"])
+        return p.Done(client_id, "abort", p.Usage(0, 0, 0), ["abort"] * num_samples)
     # A stream that ended without a finish reason was cut short by an abort.
-    reasons = [r or "abort" for r in last.finish_reasons] or ["abort"]
+    reasons = [r or "abort" for r in last.finish_reasons]
+    reasons += ["abort"] * (num_samples - len(reasons))
     usage = p.Usage(last.prompt_tokens, last.completion_tokens, last.cached_tokens)
     return p.Done(client_id, reasons[0], usage, reasons)
 
