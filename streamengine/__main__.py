@@ -14,8 +14,14 @@ import sys
 from collections.abc import Mapping
 from typing import Any
 
-from streamengine import config as _config
-from streamengine.config import DTYPES, KV_CACHE_DTYPES, EngineConfig
+from streamengine.config import (
+    ATTENTION_BACKENDS,
+    DTYPES,
+    KV_CACHE_DTYPES,
+    MODEL_IMPLS,
+    PREEMPTION_MODES,
+    EngineConfig,
+)
 from streamengine.server import _run  # the one event-loop runner (uvloop when installed)
 from streamengine.server.state import (
     DEFAULT_MAX_CONNECTIONS,
@@ -23,13 +29,8 @@ from streamengine.server.state import (
     DEFAULT_STALL_TIMEOUT_S,
 )
 
-# The config's own lists, so a backend added there is accepted here (it lacked "cpu" once).
-ATTENTION_BACKENDS = getattr(_config, "ATTENTION_BACKENDS", None) or _config._BACKENDS
-PREEMPTION_MODES = getattr(_config, "PREEMPTION_MODES", None) or _config._PREEMPTION_MODES
-
-# EngineConfig fields that are newer than some checkouts: offered only when the config has
-# them. "none" means None (no limit); leaving the option out keeps the config's default.
-_OPTIONAL_ENGINE_FIELDS = {
+# "none" means None (no limit); leaving the option out keeps the config's default.
+_LIMIT_FIELDS = {
     "max_waiting": "requests allowed to wait for a slot; more are refused as overloaded",
     "max_prefill_chunk": "most prompt tokens one request prefills in one step",
     "max_tokens_cap": "largest max_tokens a request may ask for",
@@ -51,20 +52,16 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--max-model-len", type=int, default=None)
     g.add_argument("--no-prefix-caching", action="store_true")
     g.add_argument("--attention-backend", default="auto", choices=ATTENTION_BACKENDS)
+    g.add_argument("--model-impl", default="auto", choices=MODEL_IMPLS)
     g.add_argument("--preemption-mode", default="recompute", choices=PREEMPTION_MODES)
     g.add_argument("--swap-space-bytes", type=int, default=0)
     g.add_argument("--seed", type=int, default=0)
     g.add_argument("--num-threads", type=int, default=None)
     defaults = {f.name: f.default for f in dataclasses.fields(EngineConfig)}
-    for name in _present_optional_fields():
+    for name in _LIMIT_FIELDS:
         shown = "none" if defaults[name] is None else defaults[name]
         g.add_argument(f"--{name.replace('_', '-')}", type=_int_or_none, default=argparse.SUPPRESS,
-                       metavar="N", help=f"{_OPTIONAL_ENGINE_FIELDS[name]} (none: no limit; default {shown})")
-
-
-def _present_optional_fields() -> list[str]:
-    names = {f.name for f in dataclasses.fields(EngineConfig)}
-    return [name for name in _OPTIONAL_ENGINE_FIELDS if name in names]
+                       metavar="N", help=f"{_LIMIT_FIELDS[name]} (none: no limit; default {shown})")
 
 
 def _int_or_none(text: str) -> int | None:
@@ -78,15 +75,15 @@ def _int_or_none(text: str) -> int | None:
 
 def config_from_args(a: argparse.Namespace) -> EngineConfig:
     # Options left out are absent from the namespace (SUPPRESS): the config's default applies.
-    optional = {name: getattr(a, name) for name in _present_optional_fields() if hasattr(a, name)}
+    limits = {name: getattr(a, name) for name in _LIMIT_FIELDS if hasattr(a, name)}
     return EngineConfig(
         model=a.model, dtype=a.dtype, device=a.device, block_size=a.block_size,
         kv_cache_bytes=a.kv_cache_bytes, kv_cache_dtype=a.kv_cache_dtype, num_gpu_blocks=a.num_blocks,
         max_num_seqs=a.max_num_seqs,
         max_num_batched_tokens=a.max_num_batched_tokens, max_model_len=a.max_model_len,
-        enable_prefix_caching=not a.no_prefix_caching, attention_backend=a.attention_backend,
+        enable_prefix_caching=not a.no_prefix_caching, attention_backend=a.attention_backend, model_impl=a.model_impl,
         preemption_mode=a.preemption_mode, swap_space_bytes=a.swap_space_bytes, seed=a.seed,
-        num_threads=a.num_threads, **optional,
+        num_threads=a.num_threads, **limits,
     )
 
 

@@ -18,11 +18,11 @@ with chunk x context (one chunk at ~6.5k context, 1 thread: 0.33 s at 32, 1.0 s 
 160-token prompt's TTFT grew 5% (1,000 tokens: 2%). A shared prefix is still computed once (the
 scheduler waits for it), so bench/prefix.py's hit rate stays 99%."""
 
-_BACKENDS = ("auto", "triton", "torch", "cpu")
-_PREEMPTION_MODES = ("auto", "recompute", "swap")
+ATTENTION_BACKENDS = ("auto", "triton", "torch", "cpu")
+PREEMPTION_MODES = ("auto", "recompute", "swap")
 DTYPES = ("float32", "float16", "bfloat16")
 KV_CACHE_DTYPES = ("auto", *DTYPES)
-_MODEL_IMPLS = ("auto", "native", "transformers")
+MODEL_IMPLS = ("auto", "native", "transformers")
 
 
 @dataclass(slots=True)
@@ -86,9 +86,9 @@ class EngineConfig:
         _check(self.kv_cache_bytes is None or self.kv_cache_bytes > 0, "kv_cache_bytes", "must be > 0")
         _check(self.num_gpu_blocks is None or self.num_gpu_blocks >= 1, "num_gpu_blocks", "must be >= 1")
         _check(self.max_model_len is None or self.max_model_len >= 1, "max_model_len", "must be >= 1")
-        _check(self.attention_backend in _BACKENDS, "attention_backend", f"must be one of {_BACKENDS}")
-        _check(self.model_impl in _MODEL_IMPLS, "model_impl", f"must be one of {_MODEL_IMPLS}, got {self.model_impl!r}")
-        _check(self.preemption_mode in _PREEMPTION_MODES, "preemption_mode", f"must be one of {_PREEMPTION_MODES}")
+        _check(self.attention_backend in ATTENTION_BACKENDS, "attention_backend", f"must be one of {ATTENTION_BACKENDS}")
+        _check(self.model_impl in MODEL_IMPLS, "model_impl", f"must be one of {MODEL_IMPLS}, got {self.model_impl!r}")
+        _check(self.preemption_mode in PREEMPTION_MODES, "preemption_mode", f"must be one of {PREEMPTION_MODES}")
         _check(self.swap_space_bytes >= 0, "swap_space_bytes", "must be >= 0")
 
 
