@@ -4,18 +4,16 @@ liveness and readiness, and the graceful drain, against the real engine (tiny mo
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
 import time
 
 import aiohttp
 import pytest
 from aiohttp import WSMsgType
-from aiohttp.test_utils import TestClient, TestServer
 from conftest import slow_down_steps
+from test_server import serve, wait_idle
 
 from streamengine import AsyncEngine, EngineConfig
-from streamengine.server import create_app
 from streamengine.server.state import STATE_KEY
 
 SHORT = {"max_tokens": 4, "ignore_eos": True, "temperature": 0}
@@ -28,14 +26,6 @@ def engine(tiny_llama_dir):
     return AsyncEngine(EngineConfig(model=str(tiny_llama_dir), num_gpu_blocks=96, max_num_seqs=16))
 
 
-@contextlib.asynccontextmanager
-async def serve(engine, **options):
-    options.setdefault("model_name", "tiny")
-    app = create_app(engine, **options)
-    async with TestClient(TestServer(app)) as client:
-        yield client
-
-
 def completion(max_tokens: int = 4, stream: bool = False) -> dict:
     return {"model": "tiny", "prompt": "Once upon a time", "max_tokens": max_tokens,
             "ignore_eos": True, "temperature": 0, "stream": stream}
@@ -43,17 +33,6 @@ def completion(max_tokens: int = 4, stream: bool = False) -> dict:
 
 def bearer(key: str) -> dict[str, str]:
     return {"Authorization": f"Bearer {key}"}
-
-
-async def wait_idle(engine, timeout: float = 10.0) -> dict:
-    deadline = time.monotonic() + timeout
-    while True:
-        stats = engine.stats()
-        if stats["num_requests"] == 0 and stats["num_free_blocks"] == stats["num_total_blocks"]:
-            return stats
-        if time.monotonic() > deadline:
-            raise AssertionError(f"engine not idle: {stats}")
-        await asyncio.sleep(0.02)
 
 
 # ---- Host: DNS rebinding ---------------------------------------------------------------------
