@@ -22,14 +22,20 @@ import pytest
 BENCH = Path(__file__).resolve().parents[1] / "bench"
 
 
-def run_bench(script: str, args: list[str], out: Path, timeout: float = 120) -> dict:
-    cmd = [sys.executable, str(BENCH / script), "--quick", "--json", str(out), "--no-png", *args]
+def run_script(script: str, args: list[str], timeout: float = 120) -> subprocess.CompletedProcess:
+    """Runs bench/`script` with `args` offline; fails the test unless it exits 0."""
+    cmd = [sys.executable, str(BENCH / script), *args]
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
     proc = subprocess.run(
         cmd, capture_output=True, text=True, timeout=timeout, env=env, cwd=BENCH.parent,
         stdin=subprocess.DEVNULL,
     )
     assert proc.returncode == 0, f"{script} failed ({proc.returncode}):\n{proc.stderr[-4000:]}"
+    return proc
+
+
+def run_bench(script: str, args: list[str], out: Path, timeout: float = 120) -> dict:
+    run_script(script, ["--quick", "--json", str(out), "--no-png", *args], timeout)
     return json.loads(out.read_text())
 
 

@@ -4,26 +4,19 @@ it (every stream complete, nothing left in the server) is itself a check."""
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
-from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+from test_bench_perf_smoke import run_script
+
 KEYS = ("errors", "leaked_blocks", "health_p99_ms", "rss_growth_mb", "phases", "server")
 
 
 def test_stress_quick_on_tiny_model(tiny_llama_dir, tmp_path):
     out_json = tmp_path / "stress.json"
-    cmd = [
-        sys.executable, str(ROOT / "bench" / "stress.py"), "--quick",
-        "--model", str(tiny_llama_dir), "--threads", "1",
+    proc = run_script("stress.py", [
+        "--quick", "--model", str(tiny_llama_dir), "--threads", "1",
         "--streams", "50,100", "--soak-seconds", "10", "--warmup-seconds", "3", "--slow-stall", "0.5,2",
         "--json", str(out_json),
-    ]
-    env = dict(os.environ, HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false")
-    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=240)
-    assert proc.returncode == 0, proc.stderr[-4000:]
+    ], timeout=240)
     assert "phase" in proc.stdout and "leaked blocks" in proc.stdout  # the table
 
     data = json.loads(out_json.read_text())

@@ -31,6 +31,15 @@ def completion(max_tokens: int = 4, stream: bool = False) -> dict:
             "ignore_eos": True, "temperature": 0, "stream": stream}
 
 
+async def streaming_socket(client):
+    """A WebSocket with one long request ("a") that has already streamed its first delta."""
+    ws = await client.ws_connect("/v1/stream")
+    assert json.loads((await ws.receive(timeout=30)).data)["type"] == "ready"
+    await ws.send_json({"type": "generate", "id": "a", "prompt": "Once upon a time", "params": LONG})
+    assert json.loads((await ws.receive(timeout=30)).data)["type"] == "delta"
+    return ws
+
+
 def bearer(key: str) -> dict[str, str]:
     return {"Authorization": f"Bearer {key}"}
 
@@ -190,10 +199,7 @@ async def test_health_and_ready_are_public_and_say_why(engine):
 
 async def test_health_answers_while_the_engine_is_busy(engine):
     async with serve(engine) as client:
-        ws = await client.ws_connect("/v1/stream")
-        assert json.loads((await ws.receive(timeout=30)).data)["type"] == "ready"
-        await ws.send_json({"type": "generate", "id": "a", "prompt": "Once upon a time", "params": LONG})
-        assert json.loads((await ws.receive(timeout=30)).data)["type"] == "delta"
+        ws = await streaming_socket(client)
         started = time.monotonic()
         resp = await client.get("/health")
         assert resp.status == 200 and time.monotonic() - started < 2.0
@@ -252,9 +258,7 @@ async def test_drain_cuts_long_requests_at_the_timeout(engine, monkeypatch):
     async with serve(engine) as client:
         resp = await client.post("/v1/completions", json=completion(max_tokens=400, stream=True))
         assert (await resp.content.readline()).startswith(b"data: {")
-        ws = await client.ws_connect("/v1/stream")
-        assert json.loads((await ws.receive(timeout=30)).data)["type"] == "ready"
-        await ws.send_json({"type": "generate", "id": "a", "prompt": "Once upon a time", "params": LONG})
+        ws = await streaming_socket(client)  # live in the engine before the drain starts
         started = time.monotonic()
         await drain(client.app, timeout=0.5)
         elapsed = time.monotonic() - started
@@ -275,10 +279,7 @@ async def test_a_second_signal_hurries_the_drain(engine):
     from streamengine.server.app import drain
 
     async with serve(engine) as client:
-        ws = await client.ws_connect("/v1/stream")
-        assert json.loads((await ws.receive(timeout=30)).data)["type"] == "ready"
-        await ws.send_json({"type": "generate", "id": "a", "prompt": "Once upon a time", "params": LONG})
-        assert json.loads((await ws.receive(timeout=30)).data)["type"] == "delta"
+        await streaming_socket(client)  # the session keeps the socket open
         hurry = asyncio.Event()
         hurry.set()
         started = time.monotonic()
