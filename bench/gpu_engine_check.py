@@ -25,7 +25,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from streamengine import AsyncEngine, EngineConfig, SamplingParams  # noqa: E402
-from streamengine.model_runner import kv_bytes_per_block  # noqa: E402
+from streamengine.kv_cache import kv_bytes_per_block  # noqa: E402
 
 
 def model_folder(tmp: Path) -> Path:

@@ -20,7 +20,8 @@ from streamengine.block_manager import BlockManager
 from streamengine.config import EngineConfig
 from streamengine.detokenizer import IncrementalDetokenizer
 from streamengine.errors import LimitExceededError
-from streamengine.model_runner import ModelRunner, kv_bytes_per_block
+from streamengine.kv_cache import plan_kv_cache
+from streamengine.model_runner import ModelRunner
 from streamengine.models import LoadedModel, load_model
 from streamengine.outputs import CompletionOutput, RequestOutput
 from streamengine.sampling import SamplerOutput, SamplingParams, SamplingRow
@@ -87,7 +88,8 @@ class EngineCore:
             torch.set_num_threads(config.num_threads)
         self.loaded = loaded or load_model(config.model, config.dtype, str(self.device), config.cache_dir)
         self.tokenizer = self.loaded.tokenizer
-        self.runner = ModelRunner(self.loaded, config, self.device)
+        self.kv_spec = plan_kv_cache(config, self.loaded.model.config)
+        self.runner = ModelRunner(self.loaded, config, self.device, self.kv_spec)
         self.block_manager, self.scheduler = self._fresh_bookkeeping()
         self.max_model_len = self._max_model_len()
         self.eos_token_ids = self._eos_token_ids()
@@ -103,8 +105,8 @@ class EngineCore:
         """An empty block manager (no cached prefixes) and scheduler over the runner's pool."""
         config = self.config
         block_manager = BlockManager(
-            self.runner.num_blocks, config.block_size, config.enable_prefix_caching,
-            num_cpu_blocks=self.runner.num_cpu_blocks,
+            self.kv_spec.num_blocks, config.block_size, config.enable_prefix_caching,
+            num_cpu_blocks=self.kv_spec.num_cpu_blocks,
         )
         scheduler = Scheduler(
             block_manager, config.max_num_seqs, config.max_num_batched_tokens,
@@ -233,7 +235,7 @@ class EngineCore:
         swap = a block's bytes over the host link. Only their ratio matters."""
         params = sum(p.numel() for p in self.loaded.model.parameters())
         flops, link_bytes_s = (50e12, 20e9) if self.device.type == "cuda" else (80e9, 10e9)
-        block_bytes = kv_bytes_per_block(self.loaded.model.config, self.config.block_size, self.runner.kv_dtype)
+        block_bytes = self.kv_spec.bytes_per_block
         return PreemptionPolicy(
             mode=self.config.preemption_mode,
             recompute_cost_per_token=2 * params / flops,

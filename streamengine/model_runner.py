@@ -8,18 +8,13 @@ from __future__ import annotations
 
 import torch
 
-from streamengine.config import DEFAULT_KV_CACHE_BYTES, EngineConfig
+from streamengine.config import EngineConfig
+from streamengine.kv_cache import KVCacheSpec
 from streamengine.models.attention import AttentionBackend, AttentionMetadata, TorchPagedAttention
 from streamengine.models.loader import LoadedModel
 from streamengine.models.native import NativeDecoder, unsupported_reason
 from streamengine.sampling import Sampler, SamplerOutput, SamplingRow
 from streamengine.scheduler import SchedulerOutput
-
-
-def kv_bytes_per_block(model_config, block_size: int, dtype: torch.dtype) -> int:
-    num_layers, num_kv_heads, head_dim = model_shape(model_config)
-    elem = torch.empty((), dtype=dtype).element_size()
-    return 2 * num_layers * block_size * num_kv_heads * head_dim * elem  # K and V
 
 
 def model_shape(model_config) -> tuple[int, int, int]:
@@ -28,16 +23,6 @@ def model_shape(model_config) -> tuple[int, int, int]:
     kv_heads = getattr(model_config, "num_key_value_heads", None) or heads
     head_dim = getattr(model_config, "head_dim", None) or model_config.hidden_size // heads
     return model_config.num_hidden_layers, kv_heads, head_dim
-
-
-def num_blocks_for(config: EngineConfig, model_config, dtype: torch.dtype) -> int:
-    if config.num_gpu_blocks is not None:
-        return config.num_gpu_blocks
-    budget = config.kv_cache_bytes or DEFAULT_KV_CACHE_BYTES
-    num_blocks = budget // kv_bytes_per_block(model_config, config.block_size, dtype)
-    if num_blocks < 1:
-        raise ValueError(f"kv_cache_bytes={budget} cannot hold a single block of this model")
-    return num_blocks
 
 
 def select_backend(
@@ -82,13 +67,13 @@ def select_native(model_impl: str, model, device: torch.device) -> NativeDecoder
 
 
 class ModelRunner:
-    def __init__(self, loaded: LoadedModel, config: EngineConfig, device: torch.device) -> None:
+    def __init__(self, loaded: LoadedModel, config: EngineConfig, device: torch.device, kv: KVCacheSpec) -> None:
         self.model = loaded.model
         self.device = device
         self.dtype = getattr(torch, config.dtype)
-        self.kv_dtype = self.dtype if config.kv_cache_dtype == "auto" else getattr(torch, config.kv_cache_dtype)
+        self.kv_dtype = kv.dtype
         self.block_size = config.block_size
-        self.num_blocks = num_blocks_for(config, self.model.config, self.kv_dtype)
+        self.num_blocks = kv.num_blocks
         num_layers, num_kv_heads, head_dim = model_shape(self.model.config)
         shape = (self.num_blocks, self.block_size, num_kv_heads, head_dim)
         self.kv_caches = [
@@ -96,9 +81,7 @@ class ModelRunner:
              torch.zeros(shape, dtype=self.kv_dtype, device=device))
             for _ in range(num_layers)
         ]
-        self.num_cpu_blocks = config.swap_space_bytes // kv_bytes_per_block(
-            self.model.config, self.block_size, self.kv_dtype
-        )
+        self.num_cpu_blocks = kv.num_cpu_blocks
         pin = device.type == "cuda"
         self.cpu_caches = [
             (torch.zeros((self.num_cpu_blocks, *shape[1:]), dtype=self.kv_dtype, pin_memory=pin),

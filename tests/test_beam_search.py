@@ -102,7 +102,7 @@ def test_parallel_samples_share_prompt_blocks(tiny_core):
 @pytest.mark.parametrize("mode", ["recompute", "swap"])
 def test_beam_search_under_memory_pressure(tiny_llama_dir, tiny_core, mode):
     """Beams are preempted (and idle beams make room for siblings) without changing the result."""
-    from streamengine.model_runner import kv_bytes_per_block
+    from streamengine.kv_cache import kv_bytes_per_block
 
     prompt = list(range(3000, 3000 + 20))
     params = SamplingParams(beam_width=4, max_tokens=30, ignore_eos=True)

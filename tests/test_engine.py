@@ -248,7 +248,8 @@ def test_release_openmp_pool_ends_this_threads_workers():
 
 def test_kv_cache_dtype_sizes_the_pool_and_is_validated(tiny_llama_dir):
     from streamengine.core import EngineCore
-    from streamengine.model_runner import kv_bytes_per_block, select_backend
+    from streamengine.kv_cache import kv_bytes_per_block
+    from streamengine.model_runner import select_backend
 
     model_config = AutoConfig.from_pretrained(tiny_llama_dir)
     budget = 64 * kv_bytes_per_block(model_config, 16, torch.float32)

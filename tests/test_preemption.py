@@ -8,7 +8,7 @@ import asyncio
 import pytest
 
 from streamengine import AsyncEngine, EngineConfig, SamplingParams
-from streamengine.model_runner import kv_bytes_per_block
+from streamengine.kv_cache import kv_bytes_per_block
 
 PROMPTS = [f"Request number {i} asks about {'many things ' * (i % 3 + 1)}" for i in range(6)]
 

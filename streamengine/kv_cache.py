@@ -1,0 +1,88 @@
+"""KV-cache sizing: how many blocks the device and host pools hold, and what one block costs.
+
+Worked out once from the engine config and the model's config, before anything is allocated:
+the core builds its block manager from the counts, the model runner allocates tensors of the
+shape, and the preemption policy prices a swap by `bytes_per_block`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from streamengine.config import DEFAULT_KV_CACHE_BYTES, EngineConfig
+
+
+@dataclass(frozen=True, slots=True)
+class AttentionShape:
+    """The attention geometry of a Hugging Face decoder config."""
+
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+
+    @classmethod
+    def of(cls, model_config) -> AttentionShape:
+        heads = model_config.num_attention_heads
+        kv_heads = getattr(model_config, "num_key_value_heads", None) or heads
+        head_dim = getattr(model_config, "head_dim", None) or model_config.hidden_size // heads
+        return cls(model_config.num_hidden_layers, heads, kv_heads, head_dim)
+
+
+@dataclass(frozen=True, slots=True)
+class KVCacheSpec:
+    """The paged KV cache of one engine: per layer, a K and a V tensor of
+    [num_blocks, block_size, num_kv_heads, head_dim] on the device, and as many host blocks
+    (`num_cpu_blocks`) for swapping."""
+
+    shape: AttentionShape
+    block_size: int
+    dtype: torch.dtype
+    num_blocks: int
+    num_cpu_blocks: int
+
+    @property
+    def bytes_per_block(self) -> int:
+        return _block_bytes(self.shape, self.block_size, self.dtype)
+
+    @property
+    def block_shape(self) -> tuple[int, int, int]:
+        """[block_size, num_kv_heads, head_dim] of one block of one layer's K (or V)."""
+        return (self.block_size, self.shape.num_kv_heads, self.shape.head_dim)
+
+
+def kv_bytes_per_block(model_config, block_size: int, dtype: torch.dtype) -> int:
+    """Bytes of one block's K and V across all layers of a Hugging Face decoder config."""
+    return _block_bytes(AttentionShape.of(model_config), block_size, dtype)
+
+
+def _block_bytes(shape: AttentionShape, block_size: int, dtype: torch.dtype) -> int:
+    elem = torch.empty((), dtype=dtype).element_size()
+    return 2 * shape.num_layers * block_size * shape.num_kv_heads * shape.head_dim * elem  # K and V
+
+
+def kv_cache_dtype(config: EngineConfig) -> torch.dtype:
+    """The cache's element type: the model's dtype unless `kv_cache_dtype` names another."""
+    name = config.dtype if config.kv_cache_dtype == "auto" else config.kv_cache_dtype
+    return getattr(torch, name)
+
+
+def plan_kv_cache(config: EngineConfig, model_config) -> KVCacheSpec:
+    """Device blocks from `num_gpu_blocks`, else from `kv_cache_bytes` (default
+    DEFAULT_KV_CACHE_BYTES); host blocks from `swap_space_bytes`."""
+    shape = AttentionShape.of(model_config)
+    dtype = kv_cache_dtype(config)
+    per_block = _block_bytes(shape, config.block_size, dtype)
+    if config.num_gpu_blocks is not None:
+        num_blocks = config.num_gpu_blocks
+    else:
+        budget = config.kv_cache_bytes or DEFAULT_KV_CACHE_BYTES
+        num_blocks = budget // per_block
+        if num_blocks < 1:
+            raise ValueError(
+                f"EngineConfig.kv_cache_bytes={budget} cannot hold a single block of this model "
+                f"({per_block} bytes)"
+            )
+    return KVCacheSpec(shape, config.block_size, dtype, num_blocks, config.swap_space_bytes // per_block)
