@@ -33,7 +33,7 @@ _WHERE = {
     "EngineConfig": "streamengine.config",
     "CompletionOutput": "streamengine.outputs",
     "RequestOutput": "streamengine.outputs",
-    "SamplingParams": "streamengine.sampling",
+    "SamplingParams": "streamengine.sampling_params",
 }
 
 if TYPE_CHECKING:
@@ -47,7 +47,7 @@ if TYPE_CHECKING:
         RequestFailedError,
     )
     from streamengine.outputs import CompletionOutput, RequestOutput
-    from streamengine.sampling import SamplingParams
+    from streamengine.sampling_params import SamplingParams
 
 
 def __getattr__(name: str):

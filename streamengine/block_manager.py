@@ -183,11 +183,6 @@ class BlockManager:
 
     # -- allocation ----------------------------------------------------------------------
 
-    def can_allocate(self, seq: Sequence, num_new_tokens: int, cached: list[KVBlock] = ()) -> bool:
-        need = self._num_new_blocks(seq, num_new_tokens, cached)
-        need += self._needs_copy_on_write(seq, num_new_tokens)
-        return need <= self._num_available(cached)
-
     def allocate_slots(
         self, seq: Sequence, num_new_tokens: int, cached: list[KVBlock] = (), reserve: int = 0
     ) -> bool:

@@ -7,6 +7,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+from collections import Counter
 from pathlib import Path
 
 import pytest
@@ -103,14 +104,12 @@ def test_allocate_returns_false_and_changes_nothing_when_short() -> None:
     assert bm.allocate_slots(a, 12)
     b = make_seq(1, list(range(8)))
     before = (refs(bm), free_ids(bm), list(a.block_table))
-    assert not bm.can_allocate(b, 8)
     assert not bm.allocate_slots(b, 8)
     assert (refs(bm), free_ids(bm), list(a.block_table)) == before
     assert b.block_table == [] and b.num_computed_tokens == 0
     # exactly enough fits, but not when a reserve must stay free
     assert not bm.allocate_slots(b, 4, reserve=1)
     assert bm.num_free_blocks == 1 and b.block_table == []
-    assert bm.can_allocate(b, 4)
     assert bm.allocate_slots(b, 4)
     assert b.block_table == [3] and bm.num_free_blocks == 0
 
@@ -357,7 +356,6 @@ def test_hit_on_free_cached_blocks_counts_against_capacity() -> None:
     assert [blk.block_id for blk in hits] == [0, 1]
     # 16 tokens = 4 blocks: 2 hits + 2 new, but only block 3 is free besides the hits
     before = (refs(bm), free_ids(bm), dict(bm.cached))
-    assert not bm.can_allocate(b, 8, hits)
     assert not bm.allocate_slots(b, 8, hits)
     assert (refs(bm), free_ids(bm), dict(bm.cached)) == before
     assert b.block_table == [] and b.num_computed_tokens == 0
@@ -550,20 +548,43 @@ def test_free_queue_operations() -> None:
         q.popleft()
 
 
-def test_free_queue_removal_does_not_scan(monkeypatch: pytest.MonkeyPatch) -> None:
-    blocks = [KVBlock(i) for i in range(10_000)]
+def _counted_link(name: str) -> property:
+    """KVBlock's `name` slot, counting each read in the block's `reads`."""
+    slot = getattr(KVBlock, name)
+
+    def read(block: CountingBlock) -> KVBlock | None:
+        block.reads[name] += 1
+        return slot.__get__(block)
+
+    return property(read, slot.__set__)
+
+
+class CountingBlock(KVBlock):
+    """A block that counts reads of its queue links in `reads`: a removal that walks the
+    queue has to read them once per block it passes."""
+
+    __slots__ = ("reads",)
+    next = _counted_link("next")
+    prev = _counted_link("prev")
+
+    def __init__(self, block_id: int, reads: Counter[str]) -> None:
+        self.reads = reads
+        super().__init__(block_id)
+
+
+def test_free_queue_removal_does_not_scan() -> None:
+    reads: Counter[str] = Counter()
+    blocks = [CountingBlock(i, reads) for i in range(10_000)]
     q = FreeBlockQueue(blocks)
-
-    def no_scan(self):  # a removal that walks the list would have to iterate
-        raise AssertionError("scanned the free queue")
-
-    monkeypatch.setattr(FreeBlockQueue, "__iter__", no_scan)
-    for i in range(1, 9_999, 2):
+    reads.clear()
+    removed = range(1, 9_999, 2)
+    for i in removed:
         q.remove(blocks[i])
     q.appendleft(blocks[1])
     q.append(blocks[3])
     assert q.num_free == 5_003
-    monkeypatch.undo()
+    # each operation reads a constant number of links, whatever the queue's length
+    assert reads.total() <= 4 * (len(removed) + 2), reads
     ids = [b.block_id for b in q]
     assert ids[:3] == [1, 0, 2] and ids[-2:] == [9_999, 3] and len(ids) == 5_003
 

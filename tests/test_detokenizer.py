@@ -10,7 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from streamengine.detokenizer import IncrementalDetokenizer, decode_function
-from streamengine.sampling import SamplingParams
+from streamengine.sampling_params import SamplingParams
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 

@@ -3,27 +3,32 @@
 from __future__ import annotations
 
 import math
+import subprocess
+import sys
 
 import msgspec
+import msgspec.inspect
 import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from streamengine.errors import LimitExceededError
-from streamengine.sampling import (
+from streamengine.sampler import (
+    Sampler,
+    SamplerOutput,
+    SamplingRow,
+    _filter_threshold,
+    apply_penalties,
+    sample_generator,
+)
+from streamengine.sampling_params import (
     MAX_BEAM_WIDTH,
     MAX_N,
     MAX_STOP_STRING_CHARS,
     MAX_STOP_STRINGS,
     MAX_STOP_TOKEN_IDS,
-    Sampler,
-    SamplerOutput,
     SamplingParams,
-    SamplingRow,
-    _filter_threshold,
-    apply_penalties,
-    decode_params,
 )
 
 # ---------------------------------------------------------------- SamplingParams validation
@@ -53,6 +58,7 @@ BAD_VALUES = [
     ("stop_token_ids", [-1]),
     ("logprobs", -1),
     ("logprobs", 21),
+    ("output_kind", "full"),
 ]
 
 
@@ -69,10 +75,12 @@ def test_bad_value_direct_names_field(field: str, value: object) -> None:
 def test_bad_value_decoded_names_field(field: str, value: object) -> None:
     with pytest.raises(ValueError, match=rf"SamplingParams\.{field}\b"):
         SamplingParams.from_dict({field: value})
-    with pytest.raises(ValueError, match=rf"SamplingParams\.{field}\b"):
-        decode_params(msgspec.json.encode({field: value}))
-    # msgspec's own entry points validate too (ValidationError is a ValueError)
-    with pytest.raises(ValueError, match=rf"SamplingParams\.{field}\b"):
+    # msgspec's own entry points validate too (ValidationError is a ValueError); a broken
+    # `Meta` range is worded by msgspec, which names the field as a path
+    names_field = rf"SamplingParams\.{field}\b|`\$\.{field}\b"
+    with pytest.raises(ValueError, match=names_field):
+        msgspec.json.decode(msgspec.json.encode({field: value}), type=SamplingParams)
+    with pytest.raises(ValueError, match=names_field):
         msgspec.convert({field: value}, SamplingParams)
 
 
@@ -89,13 +97,20 @@ def test_bad_value_decoded_names_field(field: str, value: object) -> None:
 )
 def test_wrong_type_in_json_names_field(payload: bytes, field: str) -> None:
     with pytest.raises(ValueError, match=rf"SamplingParams\.{field}\b") as info:
-        decode_params(payload)
+        SamplingParams.from_dict(msgspec.json.decode(payload))  # as the servers do
     assert type(info.value) is ValueError  # plain ValueError, not msgspec's subclass
 
 
 @pytest.mark.parametrize(
     ("field", "value"),
-    [("n", "3"), ("n", True), ("temperature", "1"), ("seed", 1.5), ("ignore_eos", 1)],
+    [
+        ("n", "3"),
+        ("n", True),
+        ("temperature", "1"),
+        ("seed", 1.5),
+        ("ignore_eos", 1),
+        ("output_kind", 1),
+    ],
 )
 def test_wrong_type_direct_names_field(field: str, value: object) -> None:
     with pytest.raises(ValueError, match=rf"SamplingParams\.{field}\b"):
@@ -104,9 +119,11 @@ def test_wrong_type_direct_names_field(field: str, value: object) -> None:
 
 def test_unknown_field_and_bad_json() -> None:
     with pytest.raises(ValueError, match="unknown field `best_of`"):
-        decode_params(b'{"best_of": 2}')
-    with pytest.raises(ValueError, match="invalid JSON"):
-        decode_params(b'{"n": ')
+        SamplingParams.from_dict({"best_of": 2})
+    with pytest.raises(ValueError, match="unknown field `best_of`"):
+        msgspec.json.decode(b'{"best_of": 2}', type=SamplingParams)
+    with pytest.raises(msgspec.DecodeError):  # a ValueError
+        msgspec.json.decode(b'{"n": ', type=SamplingParams)
     with pytest.raises(TypeError):
         SamplingParams(best_of=2)  # type: ignore[call-arg]
 
@@ -159,7 +176,7 @@ LIMITS = [
 MAKERS = {
     "direct": lambda fields: SamplingParams(**fields),
     "from_dict": SamplingParams.from_dict,  # what the servers call
-    "decode_params": lambda fields: decode_params(msgspec.json.encode(fields)),
+    "json": lambda fields: SamplingParams.from_dict(msgspec.json.decode(msgspec.json.encode(fields))),
 }
 
 
@@ -214,19 +231,76 @@ def test_defaults_and_normalisation() -> None:
     assert SamplingParams(temperature=0).greedy
     assert isinstance(SamplingParams(temperature=1).temperature, float)
     assert SamplingParams(stop="###").stop == ["###"]
-    assert decode_params('{"stop": "###", "temperature": 0, "top_k": -1}').stop == ["###"]
+    decoded = msgspec.json.decode('{"stop": "###", "temperature": 0, "top_k": -1}', type=SamplingParams)
+    assert decoded.stop == ["###"]
     assert SamplingParams(seed=-5).seed == -5
     assert SamplingParams(presence_penalty=0.5).has_penalties
+    assert p.output_kind == "cumulative"
+    assert SamplingParams.from_dict({"output_kind": "delta"}).output_kind == "delta"
 
 
-def test_make_generator_reproducible() -> None:
-    assert SamplingParams().make_generator() is None
+def _meta_bounds() -> list[tuple[str, object]]:
+    """(field, a value just past one of its bounds) for every bound stated as a msgspec Meta."""
+    cases = []
+    for f in msgspec.inspect.type_info(SamplingParams).fields:
+        info = f.type
+        if isinstance(info, msgspec.inspect.UnionType):
+            info = next(t for t in info.types if not isinstance(t, msgspec.inspect.NoneType))
+        info = getattr(info, "type", info)  # through Metadata
+        if not isinstance(info, msgspec.inspect.IntType | msgspec.inspect.FloatType):
+            continue
+        step = 1 if isinstance(info, msgspec.inspect.IntType) else 1e-6
+        for past in (
+            None if info.ge is None else info.ge - step,
+            info.gt,
+            None if info.le is None else info.le + step,
+            info.lt,
+        ):
+            if past is not None:
+                cases.append((f.name, past))
+    return cases
+
+
+def test_every_meta_bound_holds_on_direct_construction_too() -> None:
+    cases = _meta_bounds()
+    assert {"n", "top_p", "beam_width", "logprobs", "max_tokens"} <= {name for name, _ in cases}
+    for name, value in cases:
+        with pytest.raises(ValueError, match=rf"SamplingParams\.{name}\b") as direct:
+            SamplingParams(**{name: value})
+        with pytest.raises(ValueError) as converted:
+            SamplingParams.from_dict({name: value})
+        # one rule, read from the annotation, words both
+        assert (type(direct.value), str(direct.value)) == (type(converted.value), str(converted.value))
+
+
+def test_importing_sampling_params_loads_no_torch() -> None:
+    # The server validates client messages with this module: it must stay light to import.
+    code = (
+        "import sys, streamengine.sampling_params; "
+        "print(sorted({'torch', 'numpy'} & set(sys.modules)))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]"
+
+
+def test_sample_generator_reproducible() -> None:
+    assert sample_generator(SamplingParams(), 0) is None
     for seed in (0, 7, -1, 2**64 - 1):
         a, b = (
-            SamplingParams(seed=seed).make_generator(),
-            SamplingParams(seed=seed).make_generator(),
+            sample_generator(SamplingParams(seed=seed), 0),
+            sample_generator(SamplingParams(seed=seed), 0),
         )
         assert torch.equal(torch.rand(5, generator=a), torch.rand(5, generator=b))
+
+
+def test_sample_generator_streams_are_seed_plus_index_wrapped() -> None:
+    def draw(seed: int, index: int) -> torch.Tensor:
+        return torch.rand(5, generator=sample_generator(SamplingParams(seed=seed), index))
+
+    assert torch.equal(draw(7, 3), draw(10, 0))
+    assert torch.equal(draw(2**64 - 1, 1), draw(0, 0))  # wrapped to 64 bits
+    assert torch.equal(draw(-1, 0), draw(2**64 - 1, 0))  # as torch maps negative seeds
+    assert not torch.equal(draw(7, 0), draw(7, 1))  # each sample its own stream
 
 
 @given(
@@ -242,7 +316,7 @@ def test_make_generator_reproducible() -> None:
     )
 )
 def test_json_round_trip(params: SamplingParams) -> None:
-    assert decode_params(msgspec.json.encode(params)) == params
+    assert msgspec.json.decode(msgspec.json.encode(params), type=SamplingParams) == params
 
 
 # ---------------------------------------------------------------- the sampler
@@ -253,7 +327,7 @@ VOCAB = 64
 def row(
     params: SamplingParams, prompt: list[int] | None = None, output: list[int] | None = None
 ) -> SamplingRow:
-    return SamplingRow(params, params.make_generator(), prompt or [], output or [])
+    return SamplingRow(params, sample_generator(params, 0), prompt or [], output or [])
 
 
 def random_logits(batch: int, vocab: int = VOCAB, seed: int = 0) -> torch.Tensor:
@@ -552,7 +626,7 @@ def test_sampled_token_within_reference_support(
     )
     logits = random_logits(1, vocab=12, seed=seed % 1000)
     allowed = allowed_tokens(logits[0], params)
-    generator = params.make_generator()
+    generator = sample_generator(params, 0)
     for _ in range(20):
         token = Sampler()(logits, [SamplingRow(params, generator, [], [])]).token_ids[0]
         assert token in allowed

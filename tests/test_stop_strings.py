@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 from streamengine import detokenizer as detokenizer_module
 from streamengine import stop_strings
 from streamengine.detokenizer import IncrementalDetokenizer
-from streamengine.sampling import MAX_STOP_STRING_CHARS, MAX_STOP_STRINGS, SamplingParams
+from streamengine.sampling_params import MAX_STOP_STRING_CHARS, MAX_STOP_STRINGS, SamplingParams
 from streamengine.stop_strings import ROOT, StopMatch, build_automaton, held_length, scan, step
 
 # ---------------------------------------------------------------- naive references
