@@ -1,40 +1,40 @@
 """Turns a scheduler plan into tensors, runs one packed forward over the paged cache, samples.
 
 All scheduled tokens of all sequences form one flat batch (`input_ids` [T]); only the last
-token of each sequence that samples goes through the output projection.
+token of each sequence that samples goes through the output projection. The attention backend
+and the model implementation are chosen once, when the runner is built.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
+
 import torch
 
 from streamengine.config import EngineConfig
-from streamengine.kv_cache import KVCacheSpec
-from streamengine.models.attention import AttentionBackend, AttentionMetadata, TorchPagedAttention
+from streamengine.kv_cache import AttentionShape, KVCacheSpec
+from streamengine.models.attention import (
+    AttentionBackend,
+    AttentionMetadata,
+    AttentionPlan,
+    KVCaches,
+)
+from streamengine.models.cpu_backend import CpuPagedAttention
 from streamengine.models.loader import LoadedModel
 from streamengine.models.native import NativeDecoder, unsupported_reason
-from streamengine.sampling import Sampler, SamplerOutput, SamplingRow
+from streamengine.models.torch_backend import TorchPagedAttention
+from streamengine.models.triton_backend import TritonPagedAttention
+from streamengine.sampler import Sampler, SamplerOutput, SamplingRow
 from streamengine.scheduler import SchedulerOutput
-
-
-def model_shape(model_config) -> tuple[int, int, int]:
-    """(num_layers, num_kv_heads, head_dim) of a HF decoder config."""
-    heads = model_config.num_attention_heads
-    kv_heads = getattr(model_config, "num_key_value_heads", None) or heads
-    head_dim = getattr(model_config, "head_dim", None) or model_config.hidden_size // heads
-    return model_config.num_hidden_layers, kv_heads, head_dim
 
 
 def select_backend(
     name: str, device: torch.device, model_config, block_size: int, dtype: torch.dtype, kv_dtype: torch.dtype,
 ) -> AttentionBackend:
+    """The backend `EngineConfig.attention_backend` names; "auto" takes the C++ kernel where it
+    runs, else PyTorch on CPU and Triton on CUDA."""
     if name in ("cpu", "auto") and device.type == "cpu":
-        from streamengine.models.cpu_backend import CpuPagedAttention
-
-        _, num_kv_heads, head_dim = model_shape(model_config)
-        if CpuPagedAttention.available(
-            model_config.num_attention_heads, num_kv_heads, head_dim, block_size, dtype, kv_dtype
-        ):
+        if CpuPagedAttention.available(AttentionShape.of(model_config), block_size, dtype, kv_dtype):
             return CpuPagedAttention()
         if name == "cpu":
             raise ValueError(
@@ -43,17 +43,10 @@ def select_backend(
             )
     if name == "torch" or (name == "auto" and device.type != "cuda"):
         return TorchPagedAttention()
-    if kv_dtype != dtype:
-        raise ValueError(
-            f"attention_backend='triton' keeps the KV cache in the model's dtype ({dtype}); "
-            f"kv_cache_dtype={kv_dtype} runs on CPU only"
-        )
-    from streamengine.models.triton_backend import TritonPagedAttention  # needs triton
-
-    return TritonPagedAttention.create(device)
+    return TritonPagedAttention.create(device, dtype, kv_dtype)
 
 
-def select_native(model_impl: str, model, device: torch.device) -> NativeDecoder | None:
+def select_native(model_impl: str, model, device: torch.device, backend: AttentionBackend) -> NativeDecoder | None:
     """The native decoder for "native", and for "auto" on CPU when the model qualifies;
     None means transformers' own modules run (with the paged attention hook)."""
     if model_impl == "transformers":
@@ -62,41 +55,85 @@ def select_native(model_impl: str, model, device: torch.device) -> NativeDecoder
     if model_impl == "native" and reason is not None:
         raise ValueError(f"EngineConfig.model_impl='native' cannot run this model: {reason}")
     if reason is None and (model_impl == "native" or device.type == "cpu"):
-        return NativeDecoder(model)
+        return NativeDecoder(model, backend)
     return None
+
+
+def allocate_kv_caches(kv: KVCacheSpec, num_blocks: int, device: torch.device | str, pin_memory: bool = False) -> KVCaches:
+    """Per layer, a zeroed K and V tensor of [num_blocks, block_size, num_kv_heads, head_dim]."""
+    shape = (num_blocks, *kv.block_shape)
+    return [
+        (torch.zeros(shape, dtype=kv.dtype, device=device, pin_memory=pin_memory),
+         torch.zeros(shape, dtype=kv.dtype, device=device, pin_memory=pin_memory))
+        for _ in range(kv.shape.num_layers)
+    ]
+
+
+@dataclass(slots=True)
+class PackedBatch:
+    """One step's scheduled tokens as flat host lists, in plan order."""
+
+    token_ids: list[int] = field(default_factory=list)
+    positions: list[int] = field(default_factory=list)
+    slot_mapping: list[int] = field(default_factory=list)
+    query_lens: list[int] = field(default_factory=list)
+    seq_lens: list[int] = field(default_factory=list)
+    block_tables: list[list[int]] = field(default_factory=list)
+    logits_indices: list[int] = field(default_factory=list)  # the last token of each sampling sequence
+
+
+def pack_batch(plan: SchedulerOutput, block_size: int) -> PackedBatch:
+    batch = PackedBatch()
+    for item in plan.scheduled:
+        seq, start, n = item.seq, item.seq.num_computed_tokens, item.num_new_tokens
+        table = seq.block_table
+        batch.token_ids.extend(seq.token_ids[start:start + n])
+        batch.positions.extend(range(start, start + n))
+        batch.slot_mapping.extend(table[p // block_size] * block_size + p % block_size for p in range(start, start + n))
+        batch.query_lens.append(n)
+        batch.seq_lens.append(start + n)
+        batch.block_tables.append(table)
+        if item.samples:
+            batch.logits_indices.append(len(batch.token_ids) - 1)
+    return batch
+
+
+def attention_metadata(batch: PackedBatch, kv_caches: KVCaches, device: torch.device) -> AttentionMetadata:
+    max_blocks = max(len(t) for t in batch.block_tables)
+    padded = [t + [0] * (max_blocks - len(t)) for t in batch.block_tables]
+    starts = [0]
+    for n in batch.query_lens:
+        starts.append(starts[-1] + n)
+    return AttentionMetadata(
+        slot_mapping=torch.tensor(batch.slot_mapping, dtype=torch.int64, device=device),
+        query_start_loc=torch.tensor(starts, dtype=torch.int32, device=device),
+        seq_lens=torch.tensor(batch.seq_lens, dtype=torch.int32, device=device),
+        block_tables=torch.tensor(padded, dtype=torch.int32, device=device),
+        query_lens_host=batch.query_lens,
+        seq_lens_host=batch.seq_lens,
+        max_query_len=max(batch.query_lens),
+        kv_caches=kv_caches,
+    )
 
 
 class ModelRunner:
     def __init__(self, loaded: LoadedModel, config: EngineConfig, device: torch.device, kv: KVCacheSpec) -> None:
         self.model = loaded.model
         self.device = device
-        self.dtype = getattr(torch, config.dtype)
         self.kv_dtype = kv.dtype
-        self.block_size = config.block_size
-        self.num_blocks = kv.num_blocks
-        num_layers, num_kv_heads, head_dim = model_shape(self.model.config)
-        shape = (self.num_blocks, self.block_size, num_kv_heads, head_dim)
-        self.kv_caches = [
-            (torch.zeros(shape, dtype=self.kv_dtype, device=device),
-             torch.zeros(shape, dtype=self.kv_dtype, device=device))
-            for _ in range(num_layers)
-        ]
-        self.num_cpu_blocks = kv.num_cpu_blocks
+        self.block_size = kv.block_size
         pin = device.type == "cuda"
-        self.cpu_caches = [
-            (torch.zeros((self.num_cpu_blocks, *shape[1:]), dtype=self.kv_dtype, pin_memory=pin),
-             torch.zeros((self.num_cpu_blocks, *shape[1:]), dtype=self.kv_dtype, pin_memory=pin))
-            for _ in range(num_layers if self.num_cpu_blocks else 0)
-        ]
+        self.kv_caches = allocate_kv_caches(kv, kv.num_blocks, device)
+        self.cpu_caches = allocate_kv_caches(kv, kv.num_cpu_blocks, "cpu", pin) if kv.num_cpu_blocks else []
         # Swaps run on their own stream on CUDA; the forward waits on an event, so blocks
         # swapped out are not overwritten before their copy has landed.
         self.swap_stream = torch.cuda.Stream(device) if pin else None
         self.backend = select_backend(
-            config.attention_backend, device, self.model.config, self.block_size, self.dtype, self.kv_dtype
+            config.attention_backend, device, self.model.config, kv.block_size, getattr(torch, config.dtype), kv.dtype
         )
         self.decoder = self.model.get_decoder()
         self.lm_head = self.model.get_output_embeddings()
-        self.native = select_native(config.model_impl, self.model, device)
+        self.native = select_native(config.model_impl, self.model, device, self.backend)
         self.sampler = Sampler()
         self.generator = torch.Generator().manual_seed(config.seed)
 
@@ -108,75 +145,46 @@ class ModelRunner:
         """Runs one step. The scheduled sequences that sample give one logits row each, in
         plan order; sampling row j draws from logits row `row_sources[j]`; beam-search rows
         get their full log-softmax back instead of a sampled token."""
-        if plan.blocks_to_swap_out or plan.blocks_to_swap_in:
-            self._swap(plan.blocks_to_swap_out, plan.blocks_to_swap_in)
-        if plan.blocks_to_copy:
-            self._copy_blocks(plan.blocks_to_copy)
-        input_ids, positions, meta, logits_indices = self._prepare(plan)
-        hidden = self._forward(input_ids, positions, meta)  # [T, hidden]
-        if len(logits_indices) == 0:
+        self._move_blocks(plan)
+        batch = pack_batch(plan, self.block_size)
+        hidden = self._forward(batch)  # [T, hidden]
+        if not batch.logits_indices:
             return SamplerOutput([], []), None
+        logits_indices = torch.tensor(batch.logits_indices, dtype=torch.int64, device=self.device)
         logits = self._logits(hidden[logits_indices]).float()  # [num_samplers, vocab]
         beam = None
         if beam_sources:
             beam = torch.log_softmax(logits[list(beam_sources)], dim=-1).cpu()  # [beams, vocab]
         if not rows:
             return SamplerOutput([], []), beam
-        if row_sources != list(range(len(logits_indices))):
+        if row_sources != list(range(len(batch.logits_indices))):
             logits = logits[torch.tensor(row_sources, device=logits.device)]  # [num_rows, vocab]
         return self.sampler(logits, rows, self.generator), beam
 
-    def _forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+    def _forward(self, batch: PackedBatch) -> torch.Tensor:
+        attn_plan = self.backend.plan(attention_metadata(batch, self.kv_caches, self.device))
+        input_ids = torch.tensor(batch.token_ids, dtype=torch.int64, device=self.device)  # [T]
+        positions = torch.tensor(batch.positions, dtype=torch.int64, device=self.device)  # [T]
         if self.native is not None:
-            return self.native.forward(input_ids, positions, meta)
+            return self.native.forward(input_ids, positions, attn_plan)
+        return self._transformers_forward(input_ids, positions, attn_plan)
+
+    def _transformers_forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attn_plan: AttentionPlan) -> torch.Tensor:
+        # transformers runs the packed batch as one sequence; every layer's attention call
+        # gets `attn_plan` (models/attention.py).
         return self.decoder(
-            input_ids=input_ids[None], position_ids=positions[None], use_cache=False, attn_metadata=meta
-        ).last_hidden_state[0]  # transformers runs the packed batch as one sequence: [1, T, hidden]
+            input_ids=input_ids[None], position_ids=positions[None], use_cache=False, attn_plan=attn_plan
+        ).last_hidden_state[0]  # [1, T, hidden] -> [T, hidden]
 
     def _logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.native.logits(hidden) if self.native is not None else self.lm_head(hidden)
 
-    def _prepare(self, plan: SchedulerOutput):
-        bs = self.block_size
-        tokens: list[int] = []
-        positions: list[int] = []
-        slots: list[int] = []
-        query_lens: list[int] = []
-        seq_lens: list[int] = []
-        logits_indices: list[int] = []
-        tables: list[list[int]] = []
-        for item in plan.scheduled:
-            seq, start, n = item.seq, item.seq.num_computed_tokens, item.num_new_tokens
-            table = seq.block_table
-            tokens.extend(seq.token_ids[start:start + n])
-            positions.extend(range(start, start + n))
-            slots.extend(table[p // bs] * bs + p % bs for p in range(start, start + n))
-            query_lens.append(n)
-            seq_lens.append(start + n)
-            tables.append(table)
-            if item.samples:
-                logits_indices.append(len(tokens) - 1)
-        max_blocks = max(len(t) for t in tables)
-        padded = [t + [0] * (max_blocks - len(t)) for t in tables]
-        dev = self.device
-        starts = [0]
-        for n in query_lens:
-            starts.append(starts[-1] + n)
-        meta = AttentionMetadata(
-            slot_mapping=torch.tensor(slots, dtype=torch.int64, device=dev),
-            query_start_loc=torch.tensor(starts, dtype=torch.int32, device=dev),
-            seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=dev),
-            block_tables=torch.tensor(padded, dtype=torch.int32, device=dev),
-            query_lens_host=query_lens,
-            seq_lens_host=seq_lens,
-            max_query_len=max(query_lens),
-            kv_caches=self.kv_caches,
-            backend=self.backend,
-        )
-        self.backend.prepare(meta)
-        input_ids = torch.tensor(tokens, dtype=torch.int64, device=dev)  # [T]
-        pos = torch.tensor(positions, dtype=torch.int64, device=dev)  # [T]
-        return input_ids, pos, meta, torch.tensor(logits_indices, dtype=torch.int64, device=dev)
+    def _move_blocks(self, plan: SchedulerOutput) -> None:
+        """The plan's swaps and copy-on-write copies, before its forward reads the cache."""
+        if plan.blocks_to_swap_out or plan.blocks_to_swap_in:
+            self._swap(plan.blocks_to_swap_out, plan.blocks_to_swap_in)
+        if plan.blocks_to_copy:
+            self._copy_blocks(plan.blocks_to_copy)
 
     def _swap(self, out_pairs: list[tuple[int, int]], in_pairs: list[tuple[int, int]]) -> None:
         """Swap-outs then swap-ins, layer by layer. On CUDA they run on the swap stream after

@@ -18,10 +18,10 @@ from streamengine.model_runner import select_native
 from streamengine.models.attention import (
     ATTN_IMPLEMENTATION,
     AttentionMetadata,
-    TorchPagedAttention,
     register_paged_attention,
 )
 from streamengine.models.native import NativeDecoder, unsupported_reason
+from streamengine.models.torch_backend import TorchPagedAttention
 
 needs_kernel = pytest.mark.skipif(cpu_linear.load_library() is None, reason="no AVX-512 / C++ compiler here")
 
@@ -82,7 +82,7 @@ def test_fallbacks_to_torch_linear(monkeypatch):
 
 @needs_kernel
 def test_library_is_built_once_per_key(tmp_path):
-    source = cpu_build.HERE / "cpu_gemm.cpp"
+    source = cpu_build.SOURCES
     first = cpu_build.build(source, tmp_path)
     mtime = first.stat().st_mtime_ns
     assert cpu_build.build(source, tmp_path) == first
@@ -146,9 +146,9 @@ def test_store_kv_writes_slots(monkeypatch, kernels, head_dim, cache_dtype):
 def test_unsupported_models_keep_the_transformers_path():
     gpt2 = GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=64))
     assert "gpt2" in unsupported_reason(gpt2)
-    assert select_native("auto", gpt2, torch.device("cpu")) is None
+    assert select_native("auto", gpt2, torch.device("cpu"), TorchPagedAttention()) is None
     with pytest.raises(ValueError, match="model_impl='native'"):
-        select_native("native", gpt2, torch.device("cpu"))
+        select_native("native", gpt2, torch.device("cpu"), TorchPagedAttention())
 
 
 def test_model_impl_is_validated():
@@ -164,7 +164,7 @@ def test_native_hidden_states_match_transformers(request, folder_fixture):
     register_paged_attention()
     model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32, attn_implementation=ATTN_IMPLEMENTATION).eval()
     reference = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
-    native = NativeDecoder(model)
+    native = NativeDecoder(model, TorchPagedAttention())
     lens = [11, 20]
     ids = torch.randint(3, 1000, (sum(lens),), generator=torch.Generator().manual_seed(1))
     cfg = model.config
@@ -175,12 +175,12 @@ def test_native_hidden_states_match_transformers(request, folder_fixture):
     meta = AttentionMetadata(
         slot_mapping=torch.tensor(slots), query_start_loc=torch.tensor([0, 11, 31], dtype=torch.int32),
         seq_lens=torch.tensor(lens, dtype=torch.int32), block_tables=torch.tensor([[0, 0], [2, 3]], dtype=torch.int32),
-        query_lens_host=lens, seq_lens_host=lens, max_query_len=20, kv_caches=caches, backend=TorchPagedAttention(),
+        query_lens_host=lens, seq_lens_host=lens, max_query_len=20, kv_caches=caches,
     )
-    meta.backend.prepare(meta)
+    plan = TorchPagedAttention().plan(meta)
     positions = torch.tensor(list(range(11)) + list(range(20)))
     with torch.inference_mode():
-        got = native.forward(ids, positions, meta)
+        got = native.forward(ids, positions, plan)
         for start, n in ((0, 11), (11, 20)):
             out = reference.model(input_ids=ids[None, start:start + n]).last_hidden_state[0]
             torch.testing.assert_close(got[start:start + n], out, rtol=1e-4, atol=1e-4)
@@ -188,8 +188,8 @@ def test_native_hidden_states_match_transformers(request, folder_fixture):
         torch.testing.assert_close(logits, reference.lm_head(got[[10, 30]]), rtol=1e-4, atol=1e-4)
 
 
-def _packed_meta(model, lens, cached, backend, cache_dtype=torch.float32):
-    """Metadata for one step: sequence i has `cached[i]` tokens already in the cache and
+def _packed_plan(model, lens, cached, backend, cache_dtype=torch.float32):
+    """The backend's plan for one step: sequence i has `cached[i]` tokens already in the cache and
     `lens[i]` new ones (1 = a decode row), blocks laid out back to back from block 1."""
     cfg = model.config
     kv_heads, head_dim = cfg.num_key_value_heads, cfg.hidden_size // cfg.num_attention_heads
@@ -211,10 +211,8 @@ def _packed_meta(model, lens, cached, backend, cache_dtype=torch.float32):
         slot_mapping=torch.tensor(slots), query_start_loc=torch.tensor(qsl, dtype=torch.int32),
         seq_lens=torch.tensor(seq_lens, dtype=torch.int32), block_tables=torch.tensor(tables, dtype=torch.int32),
         query_lens_host=list(lens), seq_lens_host=seq_lens, max_query_len=max(lens), kv_caches=caches,
-        backend=backend,
     )
-    backend.prepare(meta)
-    return meta, torch.tensor(positions)
+    return backend.plan(meta), torch.tensor(positions)
 
 
 @needs_kernel
@@ -226,21 +224,21 @@ def test_fused_layers_match_the_op_by_op_path(tiny_qwen2_dir):
 
     register_paged_attention()
     model = AutoModelForCausalLM.from_pretrained(tiny_qwen2_dir, dtype=torch.float32, attn_implementation=ATTN_IMPLEMENTATION).eval()
-    native = NativeDecoder(model)
+    native = NativeDecoder(model, CpuPagedAttention())
     assert native.fused is not None
     fused = native.fused
     gen = torch.Generator().manual_seed(2)
     results = []
     for layers in (fused, None):
         native.fused = layers
-        first, pos1 = _packed_meta(model, [20, 5, 33], [0, 0, 0], CpuPagedAttention())
+        first, pos1 = _packed_plan(model, [20, 5, 33], [0, 0, 0], CpuPagedAttention())
         ids1 = torch.randint(3, 1000, (58,), generator=torch.Generator().manual_seed(5))
         with torch.inference_mode():
             h1 = native.forward(ids1, pos1, first)
-            second, pos2 = _packed_meta(model, [1, 1, 7], [20, 5, 33], CpuPagedAttention())
-            second.kv_caches = first.kv_caches  # the same pool: the second step reads the first's K/V
+            second, pos2 = _packed_plan(model, [1, 1, 7], [20, 5, 33], CpuPagedAttention())
+            second.meta.kv_caches = first.meta.kv_caches  # the same pool: the second step reads the first's K/V
             h2 = native.forward(torch.randint(3, 1000, (9,), generator=gen.manual_seed(6)), pos2, second)
-        results.append((h1, h2, [k.clone() for k, _ in first.kv_caches]))
+        results.append((h1, h2, [k.clone() for k, _ in first.meta.kv_caches]))
     (a1, a2, ka), (b1, b2, kb) = results
     torch.testing.assert_close(a1, b1, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(a2, b2, rtol=1e-5, atol=1e-5)
@@ -260,22 +258,24 @@ def test_decode_stack_matches_the_per_layer_path(request, folder_fixture, cache_
     register_paged_attention()
     folder = request.getfixturevalue(folder_fixture)
     model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32, attn_implementation=ATTN_IMPLEMENTATION).eval()
-    native = NativeDecoder(model)
-    assert native.stack is not None
-    stack = native.stack
+    cpu_native = NativeDecoder(model, CpuPagedAttention())
+    assert cpu_native.stack is not None
+    stack = cpu_native.stack
     results = []
     for decode_stack, backend in ((stack, CpuPagedAttention), (None, CpuPagedAttention), (None, TorchPagedAttention)):
+        # Built for the PyTorch backend, the native model runs op-by-op layers around its store.
+        native = cpu_native if backend is CpuPagedAttention else NativeDecoder(model, backend())
         native.stack = decode_stack
-        first, pos1 = _packed_meta(model, [20, 5, 33], [0, 0, 0], backend(), cache_dtype)
+        first, pos1 = _packed_plan(model, [20, 5, 33], [0, 0, 0], backend(), cache_dtype)
         ids1 = torch.randint(3, 1000, (58,), generator=torch.Generator().manual_seed(5))
-        second, pos2 = _packed_meta(model, [1, 1, 1], [20, 5, 33], backend(), cache_dtype)
-        second.kv_caches = first.kv_caches
+        second, pos2 = _packed_plan(model, [1, 1, 1], [20, 5, 33], backend(), cache_dtype)
+        second.meta.kv_caches = first.meta.kv_caches
         if decode_stack is not None:
-            assert second.backend.decode_only_plan(second) is not None
+            assert second.decode_kernel is not None
         with torch.inference_mode():
             native.forward(ids1, pos1, first)
             h = native.forward(torch.tensor([7, 70, 700]), pos2, second)
-        results.append((h, [c.clone() for pair in first.kv_caches for c in pair]))
+        results.append((h, [c.clone() for pair in first.meta.kv_caches for c in pair]))
     (a, ca), *others = results
     for b, cb in others:
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
@@ -290,9 +290,9 @@ def test_decode_stack_rejects_mismatched_inputs(tiny_llama_dir):
 
     register_paged_attention()
     model = AutoModelForCausalLM.from_pretrained(tiny_llama_dir, dtype=torch.float32, attn_implementation=ATTN_IMPLEMENTATION).eval()
-    native = NativeDecoder(model)
-    meta, positions = _packed_meta(model, [1, 1], [3, 9], CpuPagedAttention())
-    plan = meta.backend.decode_only_plan(meta)
+    native = NativeDecoder(model, CpuPagedAttention())
+    step, positions = _packed_plan(model, [1, 1], [3, 9], CpuPagedAttention())
+    meta, plan = step.meta, step.decode_kernel
     hidden = model.config.hidden_size
     h, x = torch.zeros(2, hidden), torch.zeros(2, hidden)
     cos, sin = native._rope_tables(h, positions)
@@ -310,8 +310,8 @@ def test_decode_stack_rejects_mismatched_inputs(tiny_llama_dir):
     with pytest.raises(ValueError, match="contiguous"):
         strided = [(k.transpose(1, 2).contiguous().transpose(1, 2), v) for k, v in meta.kv_caches]
         native.stack.run(h, x, cos, sin, meta.slot_mapping, strided, plan, native.scale)
-    mixed, _ = _packed_meta(model, [1, 4], [3, 0], CpuPagedAttention())
-    assert mixed.backend.decode_only_plan(mixed) is None  # a prefill row: the per-layer path runs
+    mixed, _ = _packed_plan(model, [1, 4], [3, 0], CpuPagedAttention())
+    assert mixed.decode_kernel is None  # a prefill row: the per-layer path runs
 
 
 async def test_engine_without_cpu_kernels_matches_transformers(tiny_llama_dir, monkeypatch):

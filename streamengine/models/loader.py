@@ -1,8 +1,7 @@
 """Loads a Hugging Face decoder (folder or GGUF file) wired to the paged attention hook.
 
-GGUF files are dequantized by transformers, which takes ~25 s for SmolLM2; the result is kept
-as a safetensors copy under the cache dir (keyed by file name, size and mtime) that reloads in
-well under a second.
+GGUF files are dequantized by transformers, which is slow; the result is kept as a
+safetensors copy under the cache dir (keyed by file name, size and mtime), which reloads fast.
 """
 
 from __future__ import annotations

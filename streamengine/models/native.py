@@ -1,9 +1,9 @@
 """A compact forward for Llama-family decoders (Llama, Qwen2) over the paged cache.
 
 Why not only transformers' modules: on a 2-core CPU a decode step of SmolLM2-135M is bound by
-reading the weights, and transformers' layers add ~15 ms of per-module Python and seven
-separate matmuls per layer to it. Here the same weights run as four GEMMs per layer (q/k/v
-and gate/up fused), packed once for the CPU GEMM in kernels/cpu_gemm.cpp, with the packed
+reading the weights, and transformers' layers add per-module Python and seven separate
+matmuls per layer to it. Here the same weights run as four GEMMs per layer (q/k/v and
+gate/up fused), packed once for the CPU GEMM (kernels/cpu_linear.py), with the packed
 batch kept 2-D ([num_tokens, hidden]) end to end; with the C++ libraries each layer is two
 calls (kernels/cpu_layer.py), without them the same steps run as PyTorch ops
 (kernels/cpu_ops.py). `bench/roofline.py --compare-transformers` measures both paths side by
@@ -24,7 +24,8 @@ import torch.nn.functional as F
 from streamengine.kernels import cpu_layer
 from streamengine.kernels.cpu_linear import PackedLinear, TorchLinear, make_linear
 from streamengine.kernels.cpu_ops import add_rms_norm, rope_, silu_mul
-from streamengine.models.attention import AttentionMetadata
+from streamengine.kv_cache import AttentionShape
+from streamengine.models.attention import AttentionBackend, AttentionPlan, store_and_attend
 
 SUPPORTED_MODEL_TYPES = ("llama", "qwen2")
 
@@ -59,17 +60,21 @@ class NativeLayer:
 
 
 class NativeDecoder:
-    """forward(input_ids [T], positions [T], meta) -> hidden [T, hidden]; logits(hidden rows)."""
+    """forward(input_ids [T], positions [T], plan) -> hidden [T, hidden]; logits(hidden rows).
 
-    def __init__(self, model) -> None:
+    Built for one attention backend: with one that declares `fused_cpu_layers` (and the C++
+    libraries here) each layer is two calls and a decode-only step one call for the whole
+    stack; with any other, each layer runs op by op around the backend's store and attend.
+    """
+
+    def __init__(self, model, backend: AttentionBackend) -> None:
         reason = unsupported_reason(model)
         if reason is not None:
             raise ValueError(f"native decoder cannot run this model: {reason}")
         config = model.config
         decoder = model.get_decoder()
-        self.num_heads = config.num_attention_heads
-        self.num_kv_heads = getattr(config, "num_key_value_heads", None) or self.num_heads
-        self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // self.num_heads
+        shape = AttentionShape.of(config)
+        self.num_heads, self.num_kv_heads, self.head_dim = shape.num_heads, shape.num_kv_heads, shape.head_dim
         self.eps = config.rms_norm_eps
         self.scale = self.head_dim**-0.5
         self.embed = decoder.embed_tokens.weight  # [vocab, hidden]
@@ -78,7 +83,7 @@ class NativeDecoder:
         self.layers = [self._layer(layer) for layer in decoder.layers]
         head = model.get_output_embeddings()
         self.lm_head = make_linear(head.weight, head.bias)
-        self.fused = self._fused_layers()
+        self.fused = self._fused_layers() if backend.fused_cpu_layers else None
         self.stack = None if self.fused is None else cpu_layer.DecodeStack(
             self.fused, [layer.input_norm for layer in self.layers[1:]] + [self.final_norm]
         )
@@ -115,30 +120,27 @@ class NativeDecoder:
             for layer in self.layers
         ]
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, plan: AttentionPlan) -> torch.Tensor:
         h = F.embedding(input_ids, self.embed)  # [T, hidden], the residual stream
         cos, sin = self._rope_tables(h, positions)
         x = add_rms_norm(h, None, self.layers[0].input_norm, self.eps)
-        # Decode-only steps on the C++ backend: every layer in one call.
-        plan = meta.backend.decode_only_plan(meta) if hasattr(meta.backend, "decode_only_plan") else None
-        if self.stack is not None and plan is not None:
-            self.stack.run(h, x, cos, sin, meta.slot_mapping, meta.kv_caches, plan, self.scale)
+        if self.stack is not None and plan.decode_kernel is not None:  # every layer in one call
+            self.stack.run(h, x, cos, sin, plan.meta.slot_mapping, plan.meta.kv_caches, plan.decode_kernel, self.scale)
             return x
-        # The fused layer stores K/V itself, so the backend must be able to attend without storing.
-        fused = self.fused if hasattr(meta.backend, "attend") else None
         for i, layer in enumerate(self.layers):
             next_norm = self.layers[i + 1].input_norm if i + 1 < len(self.layers) else self.final_norm
-            if fused is not None:
-                x = self._fused_forward(i, fused[i], h, x, cos, sin, meta, next_norm)
+            if self.fused is not None:
+                x = self._fused_forward(i, self.fused[i], h, x, cos, sin, plan, next_norm)
             else:
-                x = self._layer_forward(i, layer, h, x, cos, sin, meta, next_norm)
+                x = self._layer_forward(i, layer, h, x, cos, sin, plan, next_norm)
         return x
 
-    def _fused_forward(self, i: int, layer: cpu_layer.FusedLayer, h, x, cos, sin, meta, next_norm) -> torch.Tensor:
+    def _fused_forward(self, i: int, layer: cpu_layer.FusedLayer, h, x, cos, sin, plan: AttentionPlan,
+                       next_norm) -> torch.Tensor:
         t = h.shape[0]
-        key_cache, value_cache = meta.kv_caches[i]
-        qkv = layer.layer_in(x, cos, sin, meta.slot_mapping, key_cache, value_cache)  # [T, padded]
-        attn = meta.backend.attend(i, *self._split_qkv(qkv), meta, self.scale)  # [T, heads, D]
+        key_cache, value_cache = plan.meta.kv_caches[i]
+        qkv = layer.layer_in(x, cos, sin, plan.meta.slot_mapping, key_cache, value_cache)  # [T, padded]; K/V stored
+        attn = plan.attend(i, *self._split_qkv(qkv), self.scale)  # [T, heads, D]
         return layer.layer_out(attn.view(t, self.num_heads * self.head_dim), h, next_norm)
 
     def _split_qkv(self, qkv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -159,14 +161,15 @@ class NativeDecoder:
         half = self.head_dim // 2
         return cos[0, :, :half].contiguous(), sin[0, :, :half].contiguous()  # [T, head_dim / 2]
 
-    def _layer_forward(self, i: int, layer: NativeLayer, h, x, cos, sin, meta, next_norm) -> torch.Tensor:
+    def _layer_forward(self, i: int, layer: NativeLayer, h, x, cos, sin, plan: AttentionPlan,
+                       next_norm) -> torch.Tensor:
         """One decoder layer on the normed input x; adds both branches into the residual h in
         place and returns h normed for the next layer (the fused add + RMSNorm)."""
         t = h.shape[0]
         nh, nkv, d = self.num_heads, self.num_kv_heads, self.head_dim
         qkv = layer.qkv(x)  # [T, (heads + 2 kv_heads) * D]
         rope_(qkv, nh + nkv, d, cos, sin)  # q and k heads are adjacent: one pass
-        attn = meta.backend.forward(i, *self._split_qkv(qkv), meta, self.scale)  # [T, heads, D]
+        attn = store_and_attend(plan, i, *self._split_qkv(qkv), self.scale)  # [T, heads, D]
         x = add_rms_norm(h, layer.o(attn.reshape(t, nh * d)), layer.post_norm, self.eps)
         down = layer.down(silu_mul(layer.gate_up(x)))
         return add_rms_norm(h, down, next_norm, self.eps)

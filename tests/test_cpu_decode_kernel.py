@@ -1,4 +1,5 @@
-"""The CPU paged decode kernel (kernels/cpu_paged_attention.cpp) against the PyTorch reference."""
+"""The C++ paged decode kernel (kernels/cpu_attention.py) on its own, against the PyTorch
+reference. The backends built on it are tested in test_attention_backends.py."""
 
 from __future__ import annotations
 
