@@ -5,10 +5,12 @@ Triton wrappers launch compiled kernels on CUDA tensors, or interpreted ones on 
 when TRITON_INTERPRET=1 was set before triton was first imported (slow: tests only). The
 `ref_*` functions are plain PyTorch.
 
-CPU: C++ kernels (cpu_*.cpp) built on first use by `cpu_build` and called through ctypes:
-`cpu_linear` (packed small-batch GEMM), `cpu_attention` (paged decode attention), `cpu_ops`
-(fused element-wise steps), `cpu_layer` (a decoder layer in two calls). Import those
-submodules directly; each falls back to PyTorch where its library cannot run.
+CPU: C++ kernels (csrc/), built on first use into one library by `cpu_build` and called
+through ctypes: `cpu_linear` (packed small-batch GEMM), `cpu_attention` (paged decode
+attention), `cpu_ops` (fused element-wise steps), `cpu_layer` (a decoder layer in two calls).
+Import those submodules directly; each falls back to PyTorch where the library cannot run.
+
+This package imports nothing from the engine: the engine calls into it.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Paged decode attention on CPU: the C++ kernel in cpu_paged_attention.cpp.
+"""Paged decode attention on CPU: the C++ kernel in csrc/cpu_paged_attention.cpp.
 
 `paged_decode` attends one query token per listed sequence through the block tables, straight
 from the cache (no gather copy, no padding to the longest context). Prefill rows are not its
@@ -19,7 +19,7 @@ from .cpu_ops import cache_type
 
 @functools.lru_cache(maxsize=1)
 def load_library() -> ctypes.CDLL | None:
-    return cpu_build.bind("cpu_paged_attention", {
+    return cpu_build.bind({
         "streamengine_paged_decode_supported": [I64, I64, I64, I64],
         "streamengine_paged_decode": [
             PTR, I64, PTR, PTR, I64, I64, I64, I64, I64, PTR, I64, PTR, PTR, PTR, I64, F32, PTR,

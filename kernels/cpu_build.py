@@ -1,11 +1,12 @@
-"""Builds and loads the C++ CPU kernels of this folder (cpu_*.cpp) on first use.
+"""Builds and loads the C++ CPU kernels (kernels/csrc) as one shared library on first use.
 
-Each source is compiled with g++ (-O3 -march=native -fopenmp) into the streamengine cache dir,
-keyed by the source, the flags and this CPU's feature flags; later processes load it in
-milliseconds. The libraries are plain C ABI called through ctypes (which releases the GIL),
-and their OpenMP resolves to the libgomp that torch has already loaded, so they share torch's
-threads. Where a kernel cannot run (not x86-64 with AVX-512, no compiler, a failed build, or
-STREAMENGINE_CPU_KERNELS=0) `load` returns None and callers keep their PyTorch path.
+Every csrc/*.cpp is compiled once with g++ (-O3 -march=native -fopenmp) and linked into one
+library in the kernel cache (`cache_dir()`), keyed by the sources, the flags and this CPU's
+feature flags; later processes load it in milliseconds. The library is plain C ABI called
+through ctypes (which releases the GIL), and its OpenMP resolves to the libgomp that torch has
+already loaded, so it shares torch's threads. Where it cannot run (not x86-64 with AVX-512, no
+compiler, a failed build, or STREAMENGINE_CPU_KERNELS=0) `load` returns None and callers keep
+their PyTorch path.
 """
 
 from __future__ import annotations
@@ -21,26 +22,26 @@ import subprocess
 import tempfile
 from pathlib import Path
 
-from streamengine.config import default_cache_dir
-
 log = logging.getLogger(__name__)
 
-HERE = Path(__file__).parent
+SOURCES = Path(__file__).parent / "csrc"
+LIBRARY = "streamengine_cpu"
 COMPILE_FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c++17"]
+BUILD_TIMEOUT_S = 600  # every source in one compiler run, on a possibly busy machine
 
 
 @functools.cache
-def load(name: str) -> ctypes.CDLL | None:
-    """The compiled `name`.cpp of this folder, or None where it cannot run (logged once)."""
+def load() -> ctypes.CDLL | None:
+    """The compiled library, or None where it cannot run (logged once)."""
     if os.environ.get("STREAMENGINE_CPU_KERNELS", "1") == "0":
         return None
     if platform.machine() not in ("x86_64", "AMD64") or "avx512f" not in cpu_flags():
-        log.info("cpu kernel %s: no AVX-512 here, using the PyTorch path", name)
+        log.info("cpu kernels: no AVX-512 here, using the PyTorch path")
         return None
     try:
-        path = build(HERE / f"{name}.cpp")
+        path = build()
     except (OSError, subprocess.SubprocessError) as exc:
-        log.warning("cpu kernel %s: build failed, using the PyTorch path: %s", name, exc)
+        log.warning("cpu kernels: build failed, using the PyTorch path: %s", exc)
         return None
     return ctypes.CDLL(str(path))
 
@@ -49,10 +50,10 @@ def load(name: str) -> ctypes.CDLL | None:
 PTR, I64, F32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
 
 
-def bind(name: str, signatures: dict[str, list], probe: str | None = None) -> ctypes.CDLL | None:
-    """`load(name)` with each entry point's argument types declared; None also when the
+def bind(signatures: dict[str, list], probe: str | None = None) -> ctypes.CDLL | None:
+    """`load()` with each entry point's argument types declared; None also when the
     parameterless `probe` entry point returns 0 (a build without AVX-512)."""
-    lib = load(name)
+    lib = load()
     if lib is None or (probe is not None and getattr(lib, probe)() <= 0):
         return None
     for function, argtypes in signatures.items():
@@ -60,19 +61,25 @@ def bind(name: str, signatures: dict[str, list], probe: str | None = None) -> ct
     return lib
 
 
-def build(source: Path, cache_dir: Path | None = None) -> Path:
-    """Compiles `source` once per (source, flags, CPU flags); returns the shared library."""
+def cache_dir() -> Path:
+    """Where built libraries are kept: the engine's cache folder, found from the same variables
+    ($STREAMENGINE_CACHE, else $XDG_CACHE_HOME/streamengine, else ~/.cache/streamengine), plus
+    /kernels. Read here so that this package needs nothing from the engine."""
+    base = os.environ.get("STREAMENGINE_CACHE") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME", os.path.expanduser("~/.cache")), "streamengine"
+    )
+    return Path(base) / "kernels"
+
+
+def build(sources: Path = SOURCES, out_dir: Path | None = None) -> Path:
+    """Compiles the .cpp files of `sources` into one library, once per (sources, flags, CPU
+    flags); returns its path in `out_dir` (default `cache_dir()`)."""
     compiler = os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++")
     if compiler is None:
         raise OSError("no C++ compiler (g++) on PATH")
-    # Sources may #include their siblings: the key covers every C++ file and header of the folder.
-    files = sorted([*source.parent.glob("*.cpp"), *source.parent.glob("*.h")])
-    text = b"".join(p.read_bytes() for p in files)
-    key = hashlib.sha256(
-        text + " ".join(COMPILE_FLAGS).encode() + " ".join(sorted(cpu_flags())).encode()
-    ).hexdigest()[:16]
-    out_dir = cache_dir or default_cache_dir() / "kernels"
-    target = out_dir / f"{source.stem}-{key}.so"
+    units = sorted(sources.glob("*.cpp"))
+    out_dir = out_dir or cache_dir()
+    target = out_dir / f"{LIBRARY}-{_build_key(sources)}.so"
     if target.exists():
         return target
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -81,15 +88,26 @@ def build(source: Path, cache_dir: Path | None = None) -> Path:
     os.close(fd)
     try:
         done = subprocess.run(
-            [compiler, *COMPILE_FLAGS, str(source), "-o", tmp], capture_output=True, text=True, timeout=180
+            [compiler, *COMPILE_FLAGS, *map(str, units), "-o", tmp],
+            capture_output=True, text=True, timeout=BUILD_TIMEOUT_S,
         )
         if done.returncode != 0:
-            raise OSError(f"{compiler} failed on {source.name}: {done.stderr.strip()[-2000:]}")
+            raise OSError(f"{compiler} failed on {sources}: {done.stderr.strip()[-2000:]}")
         os.replace(tmp, target)
     finally:
         if os.path.exists(tmp):
             os.unlink(tmp)
     return target
+
+
+def _build_key(sources: Path) -> str:
+    """A digest of every source and header, the flags and this CPU's feature flags."""
+    files = sorted([*sources.glob("*.cpp"), *sources.glob("*.h")])
+    digest = hashlib.sha256()
+    for path in files:
+        digest.update(path.name.encode() + b"\0" + path.read_bytes() + b"\0")
+    digest.update(" ".join(COMPILE_FLAGS).encode() + b"\0" + " ".join(sorted(cpu_flags())).encode())
+    return digest.hexdigest()[:16]
 
 
 def cpu_flags() -> set[str]:

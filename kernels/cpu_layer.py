@@ -1,4 +1,4 @@
-"""The fused CPU decoder layer (kernels/cpu_layer.cpp): two calls per layer around attention.
+"""The fused CPU decoder layer (kernels/csrc/cpu_layer.cpp): two calls per layer around attention.
 
 `FusedLayer` holds one layer's packed weights (the `PackedLinear`s of the native model) and
 runs `layer_in` (q/k/v GEMM, RoPE, K/V store) and `layer_out` (output projection, residual,
@@ -20,12 +20,12 @@ from .cpu_build import F32, I64, PTR
 from .cpu_linear import PackedLinear
 from .cpu_ops import cache_type
 
-KEY_CACHE, VALUE_CACHE, NUM_FIELDS = 8, 9, 10  # LayerField in cpu_layer.cpp
+KEY_CACHE, VALUE_CACHE, NUM_FIELDS = 8, 9, 10  # LayerField in csrc/cpu_layer.cpp
 
 
 @functools.lru_cache(maxsize=1)
 def load_library() -> ctypes.CDLL | None:
-    return cpu_build.bind("cpu_layer", {
+    return cpu_build.bind({
         "streamengine_layer_in": [PTR, I64, I64, PTR, I64, PTR, I64, I64, I64, PTR, PTR, PTR, PTR, PTR, I64, PTR],
         "streamengine_layer_out": [
             PTR, I64, I64, PTR, I64, PTR, PTR, I64, PTR, PTR, I64, I64, PTR, I64, PTR, F32, PTR, PTR, PTR, PTR, PTR, PTR,

@@ -1,4 +1,4 @@
-"""Linear layers with weights packed once for the CPU GEMM in cpu_gemm.cpp.
+"""Linear layers with weights packed once for the CPU GEMM in csrc/cpu_gemm.cpp.
 
 `make_linear(weight, bias)` returns a `PackedLinear` when the kernel can run here (x86-64 with
 AVX-512, a C++ compiler, float32 on CPU) and a `TorchLinear` (plain `F.linear`) otherwise, so
@@ -90,7 +90,7 @@ def make_linear(weight: torch.Tensor, bias: torch.Tensor | None = None) -> Packe
 
 @functools.lru_cache(maxsize=1)
 def load_library() -> ctypes.CDLL | None:
-    """The compiled cpu_gemm.cpp, or None (see cpu_build)."""
+    """The CPU library with the GEMM bound, or None (see cpu_build)."""
     return cpu_build.bind(
-        "cpu_gemm", {"streamengine_sgemm_packed": [PTR, I64, I64, PTR, I64, PTR]}, probe="streamengine_panel_width"
+        {"streamengine_sgemm_packed": [PTR, I64, I64, PTR, I64, PTR]}, probe="streamengine_panel_width"
     )

@@ -1,4 +1,4 @@
-"""Fused element-wise layer steps (kernels/cpu_ops.cpp) with PyTorch fallbacks.
+"""Fused element-wise layer steps (kernels/csrc/cpu_ops.cpp) with PyTorch fallbacks.
 
 Every function takes and returns float32 CPU tensors whose last dimension is dense (the KV
 cache may also be float16). With the C++ library they run as one call each; without it (no
@@ -20,7 +20,7 @@ from .cpu_build import F32, I64, PTR
 
 @functools.lru_cache(maxsize=1)
 def load_library() -> ctypes.CDLL | None:
-    return cpu_build.bind("cpu_ops", {
+    return cpu_build.bind({
         "streamengine_add_rms_norm": [PTR, PTR, I64, PTR, F32, I64, I64, PTR],
         "streamengine_rope": [PTR, I64, I64, I64, I64, PTR, PTR],
         "streamengine_silu_mul": [PTR, I64, I64, I64, PTR],
@@ -29,7 +29,7 @@ def load_library() -> ctypes.CDLL | None:
 
 
 CACHE_TYPES = {torch.float32: 0, torch.float16: 1}
-"""KV-cache element types the C++ kernels read and write, by their CacheType code (cpu_vec_math.h)."""
+"""KV-cache element types the C++ kernels read and write, by their CacheType code (csrc/cpu_vec_math.h)."""
 
 
 def _cache_code(key_cache: torch.Tensor, value_cache: torch.Tensor) -> int | None:

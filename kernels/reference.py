@@ -1,9 +1,13 @@
-"""PyTorch references of the kernels; also the engine's CPU path.
+"""Plain PyTorch references of the Triton kernels, which the kernel tests check them against.
 
-They take the same tensors as the Triton wrappers and compute attention in fp32 with torch
-SDPA. Decode requests (one query token) are batched into padded SDPA calls, since on CPU a
-Python loop per request would dominate a decode step; longer queries run one request at a
-time over only the blocks they use.
+They take the same tensors as the Triton wrappers (`ref_paged_attention` is also the
+reference of the C++ CPU decode kernel's tests). The engine does not run them for attention:
+its CPU paths are the C++ kernels and the torch backend in streamengine/models/; only
+`ref_copy_blocks` serves it, as the copy-on-write block copy on CPU.
+
+Attention is computed in fp32 with torch SDPA. Decode requests (one query token) are batched
+into padded SDPA calls so that tests over many requests stay quick; longer queries run one
+request at a time over only the blocks they use.
 """
 
 from __future__ import annotations

@@ -1,9 +1,11 @@
 // Fused element-wise steps of a Llama-family layer on CPU, float32, row-major [rows, width].
 //
 // Why: at decode batch sizes each of these is microseconds of arithmetic, and done as separate
-// PyTorch ops (RMSNorm alone is six) the per-op dispatch cost adds up to ~10 ms per step of
-// SmolLM2 on 2 cores, a third of the weight-read bound. One call per fused step instead.
+// PyTorch ops (RMSNorm alone is six) the per-op dispatch cost adds up to a sizeable share of
+// the weight-read bound of a step. One call per fused step instead.
 // Built at run time by kernels/cpu_build.py; called by kernels/cpu_ops.py.
+
+#include "cpu_ops.h"
 
 #include <cmath>
 #include <cstdint>

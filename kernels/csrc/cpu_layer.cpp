@@ -3,16 +3,17 @@
 //
 // Why: between the layer's four GEMMs a decode step has six small steps; run from Python each
 // costs a dispatch, and each first touch after a GEMM (which streamed megabytes of weights
-// through the caches) pays cache misses on the interpreter's own state. Measured on SmolLM2,
-// 2 cores: ~9 ms of a ~37 ms batch-2 step. Here Python calls once before the attention and
-// once after it.
+// through the caches) pays cache misses on the interpreter's own state: together a large
+// share of a small-batch step. Here Python calls once before the attention and once after it.
 //
 // Row strides: GEMM outputs are [T, N padded to 48] (see cpu_gemm.cpp); everything else is
 // dense. Built at run time by kernels/cpu_build.py; called by kernels/cpu_layer.py.
 
-#include "cpu_gemm.cpp"
-#include "cpu_ops.cpp"
-#include "cpu_paged_attention.cpp"
+#include <cstdint>
+
+#include "cpu_gemm.h"
+#include "cpu_ops.h"
+#include "cpu_paged_attention.h"
 
 #if defined(__AVX512F__)
 
@@ -59,8 +60,8 @@ enum LayerField { QKV_PANELS, QKV_BIAS, O_PANELS, O_BIAS, POST_NORM, GU_PANELS, 
 
 // A whole decode step through every layer, for steps whose rows all have one query token:
 // per layer, layer_in, paged attention straight from the cache, layer_out. Why one call: from
-// Python each layer cost ~0.2 ms of dispatch and wrapper work on a cache the weight stream had
-// just flushed (~7 ms of a ~38 ms batch-2 step on SmolLM2, 2 cores).
+// Python each layer pays dispatch and wrapper work on a cache the weight stream has just
+// flushed, which at small batches is a large share of the step.
 // x [T, hidden]: the first layer's normed input, overwritten with the final normed output;
 // h [T, hidden]: the residual stream, updated in place. Decode plan as in paged_decode (one
 // row per sequence, `rows` lists them); caches of cache_type. work: scratch of

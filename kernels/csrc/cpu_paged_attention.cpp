@@ -4,8 +4,11 @@
 // context: each (sequence, KV head) pair reads exactly its own blocks.
 //
 // Cache layout: [num_blocks, block_size, num_kv_heads, head_dim] (the engine's, see
-// model_runner.py), float32 or float16 (widened to float32 as it is loaded). The query heads of a GQA group share one pass over their KV head's blocks.
+// model_runner.py), float32 or float16 (widened to float32 as it is loaded). The query heads of
+// a GQA group share one pass over their KV head's blocks.
 // Built at run time by kernels/cpu_build.py; called by kernels/cpu_attention.py.
+
+#include "cpu_paged_attention.h"
 
 #include <algorithm>
 #include <cmath>

@@ -2,16 +2,16 @@
 //
 // Why: a decode step multiplies a few rows (one per running sequence) by every weight matrix,
 // so it is bound by reading the weights once. MKL's sgemm repacks W on every call, which at
-// 4-64 rows costs 1.3-1.8x the time of the weight read itself. Here W is packed once, at load
-// time, into panels of NR = 48 output columns stored k-major ([N / 48][K][48]): a panel is one
+// a few rows costs more than the weight read itself. Here W is packed once, at load time,
+// into panels of NR = 48 output columns stored k-major ([N / 48][K][48]): a panel is one
 // sequential stream, and each 48-float row of it is used by every input row while it sits in
 // registers (8 rows x 3 AVX-512 vectors = 24 accumulators). From 9 rows on, a panel's
-// compute outlasts its stream, so its row chunks prefetch the next panel meanwhile (9-16
-// rows: 7-10% faster, 24-32 rows: 13-16%, 64-128 rows: ~8%, measured A/B over SmolLM2's 120
-// weight matrices).
+// compute outlasts its stream, so its row chunks prefetch the next panel meanwhile.
 //
 // Built at run time by kernels/cpu_build.py (g++ -O3 -march=native -fopenmp). OpenMP resolves
 // to the libgomp that torch has already loaded, so the threads are torch's own.
+
+#include "cpu_gemm.h"
 
 #include <algorithm>
 #include <cstdint>
@@ -81,7 +81,7 @@ inline void rows_kernel(int64_t rows, const float* x, int64_t K, const float* pa
 // All M rows against one panel; the panel stays in L1/L2 across the row chunks. Above MR rows
 // a panel's compute outlasts its stream, so the chunks also prefetch equal shares of the next
 // panel (`next`, nullptr for the last): memory and compute overlap. Up to MR rows the hardware
-// prefetcher alone streams faster (measured).
+// prefetcher alone streams faster.
 inline void panel_rows(const float* x, int64_t M, int64_t K, const float* panel, float* y,
                        int64_t ldy, const float* next) {
   if (M <= 0) return;
