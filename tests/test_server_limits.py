@@ -28,7 +28,8 @@ from streamengine.errors import (
     RequestFailedError,
 )
 from streamengine.outputs import CompletionOutput, RequestOutput
-from streamengine.server.state import STATE_KEY
+from streamengine.server.state import STATE_KEY, PromptTooLong
+from streamengine.server.streaming import RequestTimeoutError
 
 SHORT = {"max_tokens": 4, "ignore_eos": True, "temperature": 0}
 
@@ -87,11 +88,12 @@ class ScriptedEngine:
             raise self.error
         prompt_ids = list(prompt) if not isinstance(prompt, str) else self.tokenizer.encode(prompt)
         want_logprobs = params.logprobs is not None
-        samples = [CompletionOutput(i, "", [], logprobs=[] if want_logprobs else None) for i in range(params.n)]
         self.live.add(request_id)
         try:
             produced = steps = 0
             while True:
+                # Delta outputs, as the server asks for: each step's samples carry only news.
+                samples = [CompletionOutput(i, "", [], logprobs=[] if want_logprobs else None) for i in range(params.n)]
                 await asyncio.sleep(self.step_s)
                 if request_id in self.aborted:
                     for sample in samples:
@@ -461,3 +463,35 @@ def test_done_has_one_finish_reason_per_sample_even_without_output():
     from streamengine.server.websocket import _done
 
     assert _done("r", None, 3).finish_reasons == ["abort", "abort", "abort"]
+
+
+FAILURES = [  # exception, WebSocket code, HTTP status, OpenAI code
+    (PromptTooLong("prompt has 300 tokens"), "prompt_too_long", 400, "context_length_exceeded"),
+    (LimitExceededError("max_num_seqs", "n=40"), "limit_exceeded", 400, "limit_exceeded"),
+    (ValueError("bad"), "invalid_params", 400, None),
+    (ValueError("exceeds the maximum context length"), "invalid_params", 400, "context_length_exceeded"),
+    (EngineOverloadedError("full", retry_after=0.2), "overloaded", 429, "overloaded"),
+    (RequestTimeoutError(2.0), "timeout", 504, "timeout"),
+    (RequestFailedError("oom"), "engine_error", 500, "engine_error"),
+    (EngineDeadError("stopped"), "engine_error", 500, "engine_error"),
+]
+
+
+@pytest.mark.parametrize(("exc", "code", "status", "openai_code"), FAILURES)
+def test_one_classifier_maps_failures_for_both_protocols(exc, code, status, openai_code):
+    from streamengine.server.failures import classify
+    from streamengine.server.websocket import _failure
+
+    failure = classify(exc)
+    assert (failure.code, failure.status, failure.openai_code) == (code, status, openai_code)
+    assert failure.message == str(exc)
+    assert _failure("r", "ws-1", exc).code == code
+
+
+def test_unexpected_exceptions_are_not_classified():
+    from streamengine.server.failures import classify
+    from streamengine.server.websocket import _failure
+
+    assert classify(KeyError("bug")) is None
+    error = _failure("r", "ws-1", KeyError("bug"))
+    assert (error.code, error.message) == ("engine_error", "generation failed: KeyError")

@@ -8,6 +8,8 @@ import signal
 from collections.abc import Coroutine, Sequence
 from typing import Any
 
+from aiohttp import web
+
 from streamengine.config import EngineConfig
 from streamengine.server.app import create_app, drain
 from streamengine.server.security import check_exposure, hosts_for_bind
@@ -64,9 +66,7 @@ def run_server(
     _run(_serve(app, host, port, engine.model_name, shutdown_timeout))
 
 
-async def _serve(app, host: str, port: int, model_name: str, shutdown_timeout: float) -> None:
-    from aiohttp import web
-
+async def _serve(app: web.Application, host: str, port: int, model_name: str, shutdown_timeout: float) -> None:
     runner = web.AppRunner(app, handle_signals=False, shutdown_timeout=_CLEANUP_TIMEOUT_S)
     await runner.setup()
     try:

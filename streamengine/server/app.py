@@ -12,8 +12,9 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from importlib import resources
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import msgspec
 from aiohttp import WSCloseCode, web
@@ -37,10 +38,14 @@ from streamengine.server.state import (
 )
 from streamengine.server.websocket import stream_handler
 
+if TYPE_CHECKING:
+    from streamengine.engine import AsyncEngine
+
 log = logging.getLogger(__name__)
 
-WEB_DIR = Path(__file__).resolve().parents[2] / "web"
-"""The chat page (plain files, no build step), at the repository root next to the package."""
+WEB_DIR = Path(str(resources.files("streamengine.web").joinpath("index.html"))).parent
+"""The chat page (plain files, no build step): web/ of the repository, installed as the package
+data `streamengine.web` (see pyproject.toml), so an installed package serves it too."""
 
 _PUBLIC_PATHS = frozenset({"/", "/health", "/ready", "/favicon.ico", "/v1/stream"})
 _PUBLIC_PREFIXES = ("/static/",)
@@ -61,7 +66,7 @@ Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
 
 def create_app(
-    engine: Any,
+    engine: AsyncEngine,
     *,
     api_key: str | Sequence[str] | None = None,
     allowed_origins: Sequence[str] = (),
@@ -78,7 +83,7 @@ def create_app(
     stall_timeout: float = DEFAULT_STALL_TIMEOUT_S,
     web_dir: Path | str | None = None,
 ) -> web.Application:
-    """The server for `engine` (an `AsyncEngine`), started and stopped with the app.
+    """The server for `engine`, started and stopped with the app (unless already running).
 
     `api_key`: one key or several (each its own tenant with its own prefix-cache salt);
     None = no auth. `admin_keys`: keys that also read /metrics and /v1/kv_state (with keys
@@ -90,12 +95,7 @@ def create_app(
     error. `model_name`: the id reported by /v1/models and required (when given) in OpenAI
     requests; default `engine.model_name`.
     """
-    if max_prompt_tokens is not None and max_prompt_tokens < 1:
-        raise ValueError(f"max_prompt_tokens must be >= 1 or None, got {max_prompt_tokens}")
-    if max_message_bytes < 1 or max_body_bytes < 1:
-        raise ValueError("max_message_bytes and max_body_bytes must be >= 1")
-    if not stall_timeout > 0:
-        raise ValueError(f"stall_timeout must be > 0 seconds, got {stall_timeout}")
+    _check_options(max_prompt_tokens, max_message_bytes, max_body_bytes, stall_timeout)
     state = ServerState(
         engine=engine,
         model_name=model_name or engine.model_name,
@@ -111,6 +111,20 @@ def create_app(
         hosts=HostPolicy(allowed_hosts or ()),
         stall_timeout=stall_timeout,
     )
+    return _build_app(state, max_body_bytes, Path(web_dir) if web_dir is not None else WEB_DIR)
+
+
+def _check_options(max_prompt_tokens: int | None, max_message_bytes: int, max_body_bytes: int,
+                   stall_timeout: float) -> None:
+    if max_prompt_tokens is not None and max_prompt_tokens < 1:
+        raise ValueError(f"max_prompt_tokens must be >= 1 or None, got {max_prompt_tokens}")
+    if max_message_bytes < 1 or max_body_bytes < 1:
+        raise ValueError("max_message_bytes and max_body_bytes must be >= 1")
+    if not stall_timeout > 0:
+        raise ValueError(f"stall_timeout must be > 0 seconds, got {stall_timeout}")
+
+
+def _build_app(state: ServerState, max_body_bytes: int, web_dir: Path) -> web.Application:
     app = web.Application(
         middlewares=[_hosts, _origins, _errors, _admission, _auth], client_max_size=max_body_bytes
     )
@@ -118,7 +132,7 @@ def create_app(
     app.cleanup_ctx.append(_engine_lifespan)
     app.on_shutdown.append(_on_shutdown)
     app.on_response_prepare.append(_cors_headers)
-    _add_routes(app, Path(web_dir) if web_dir is not None else WEB_DIR)
+    _add_routes(app, web_dir)
     return app
 
 

@@ -15,7 +15,8 @@ from aiohttp import web
 from streamengine.server.metrics import ServerMetrics
 from streamengine.server.security import HostPolicy, KeyRing, OriginPolicy, Tenant
 
-if TYPE_CHECKING:
+if TYPE_CHECKING:  # the engine loads torch and the model code: the server's modules do not need it
+    from streamengine.engine import AsyncEngine
     from streamengine.server.websocket import Connection
 
 DEFAULT_MAX_MESSAGE_BYTES = 1 << 20
@@ -46,7 +47,7 @@ class PromptTooLong(ValueError):
 
 @dataclass(slots=True, eq=False)
 class ServerState:
-    engine: Any  # streamengine.AsyncEngine (typed loosely: tests may pass the real one only)
+    engine: AsyncEngine  # tests may pass a stand-in with the same methods
     model_name: str
     keys: KeyRing
     origins: OriginPolicy

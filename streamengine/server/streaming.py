@@ -1,8 +1,8 @@
 """One request's stream as deltas: the shared core of the WebSocket and OpenAI routes.
 
-The engine yields cumulative text and token ids (one update per step, several tokens at once
-when it coalesced for a slow consumer); clients want what is new. `stream_request` turns the
-one into the other, records the request's metrics, enforces the server's request timeout
+The engine is asked for delta outputs (what is new since the previous one; several tokens at
+once when it coalesced for a slow consumer), which is what clients are sent. `stream_request`
+adds the running totals the routes report (usage, finish reasons), records the request's metrics, enforces the server's request timeout
 (`RequestTimeoutError`), and aborts the request in the engine whenever the stream ends early
 (disconnect, cancellation, error, timeout).
 """
@@ -12,10 +12,17 @@ from __future__ import annotations
 import asyncio
 import contextlib
 from collections.abc import AsyncIterator
-from dataclasses import dataclass, field
-from typing import Any
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
+import msgspec
+
+from streamengine.outputs import RequestOutput
+from streamengine.sampling_params import SamplingParams
 from streamengine.server.metrics import RequestRecorder
+
+if TYPE_CHECKING:
+    from streamengine.engine import AsyncEngine
 
 
 class RequestTimeoutError(Exception):
@@ -46,57 +53,33 @@ class StepUpdate:
 
 
 @dataclass(slots=True)
-class _SampleCursor:
-    text_len: int = 0
-    num_tokens: int = 0
-    finish_reason: str | None = None
+class _Progress:
+    """Totals over a request's delta outputs: tokens so far, finish reason per sample."""
 
+    finish_reasons: list[str | None]
+    completion_tokens: int = 0
 
-@dataclass(slots=True)
-class DeltaTracker:
-    """Remembers how much of each sample has been sent, so each update carries only news."""
-
-    cursors: dict[int, _SampleCursor] = field(default_factory=dict)
-
-    def update(self, out: Any) -> StepUpdate:
-        deltas: list[SampleDelta] = []
-        for sample in out.outputs:
-            cursor = self.cursors.setdefault(sample.index, _SampleCursor())
-            delta = self._advance(cursor, sample)
-            if delta is not None:
-                deltas.append(delta)
-        completion = sum(c.num_tokens for c in self.cursors.values())
-        reasons = [self.cursors[i].finish_reason for i in sorted(self.cursors)]
+    def update(self, out: RequestOutput) -> StepUpdate:
+        deltas = [
+            SampleDelta(c.index, c.text, c.token_ids, c.logprobs, c.finish_reason) for c in out.outputs
+        ]
+        for delta in deltas:
+            self.completion_tokens += len(delta.token_ids)
+            self.finish_reasons[delta.index] = delta.finish_reason
         return StepUpdate(
             deltas=deltas,
-            finished=bool(out.finished),
+            finished=out.finished,
             prompt_tokens=len(out.prompt_token_ids),
-            cached_tokens=int(out.num_cached_tokens or 0),
-            completion_tokens=completion,
-            finish_reasons=reasons,
+            cached_tokens=out.num_cached_tokens,
+            completion_tokens=self.completion_tokens,
+            finish_reasons=list(self.finish_reasons),
         )
-
-    @staticmethod
-    def _advance(cursor: _SampleCursor, sample: Any) -> SampleDelta | None:
-        if cursor.finish_reason is not None:
-            return None  # already reported finished: later updates repeat the same sample
-        new_ids = list(sample.token_ids[cursor.num_tokens :])
-        new_text = sample.text[cursor.text_len :]
-        logprobs = None
-        if sample.logprobs is not None:
-            logprobs = list(sample.logprobs[cursor.num_tokens : cursor.num_tokens + len(new_ids)])
-        if not new_ids and not new_text and sample.finish_reason is None:
-            return None
-        cursor.num_tokens = len(sample.token_ids)
-        cursor.text_len = len(sample.text)
-        cursor.finish_reason = sample.finish_reason
-        return SampleDelta(sample.index, new_text, new_ids, logprobs, sample.finish_reason)
 
 
 async def stream_request(
-    engine: Any,
+    engine: AsyncEngine,
     prompt: str | list[int],
-    params: Any,
+    params: SamplingParams,
     *,
     request_id: str,
     cache_salt: str | None,
@@ -110,7 +93,8 @@ async def stream_request(
     `timeout`, an update not produced within that many seconds of the start ends the stream
     with RequestTimeoutError (and the request is aborted).
     """
-    tracker = DeltaTracker()
+    progress = _Progress([None] * params.n)
+    params = msgspec.structs.replace(params, output_kind="delta")
     stream = engine.generate(prompt, params, request_id=request_id, cache_salt=cache_salt)
     deadline = None if timeout is None else asyncio.get_running_loop().time() + timeout
     finished = False
@@ -119,7 +103,7 @@ async def stream_request(
             out = await _next_output(stream, deadline, timeout)
             if out is None:
                 return
-            update = tracker.update(out)
+            update = progress.update(out)
             longest = max((len(d.token_ids) for d in update.deltas), default=0)
             new_tokens = sum(len(d.token_ids) for d in update.deltas)
             recorder.on_step(update.prompt_tokens, new_tokens, longest, update.finished)
@@ -154,7 +138,7 @@ async def _next_before(stream: AsyncIterator[Any], deadline: float, timeout: flo
         raise
 
 
-async def _close_quietly(engine: Any, stream: Any, request_id: str) -> None:
+async def _close_quietly(engine: AsyncEngine, stream: Any, request_id: str) -> None:
     # Closing the engine's iterator aborts the request; the explicit abort is a belt-and-braces
     # guarantee that its blocks are freed even if the iterator was never started.
     aclose = getattr(stream, "aclose", None)

@@ -38,29 +38,22 @@ import socket
 from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
 
 import msgspec
 from aiohttp import WSCloseCode, WSMsgType, web
 
-from streamengine.errors import EngineError, EngineOverloadedError, LimitExceededError
-from streamengine.sampling import SamplingParams
+from streamengine.sampling_params import SamplingParams
 from streamengine.server import protocol as p
+from streamengine.server.failures import classify
 from streamengine.server.security import Tenant, bearer_token
 from streamengine.server.state import (
     DEFAULT_MAX_PENDING_BYTES,
     HARD_LIMIT_FACTOR,
-    PromptTooLong,
     ServerState,
     get_state,
     new_request_id,
 )
-from streamengine.server.streaming import (
-    RequestTimeoutError,
-    SampleDelta,
-    StepUpdate,
-    stream_request,
-)
+from streamengine.server.streaming import SampleDelta, StepUpdate, stream_request
 
 log = logging.getLogger(__name__)
 
@@ -449,11 +442,7 @@ class Connection:
         if self.tenant is None or not self.tenant.is_admin:
             self._error(None, p.FORBIDDEN, "kv_state shows every tenant's blocks: it needs an admin API key")
             return
-        kv_state = getattr(self.state.engine, "kv_state", None)
-        if kv_state is None:
-            self._error(None, p.BAD_MESSAGE, "this engine does not expose its KV-cache state")
-            return
-        self.outbox.push(p.kv_state_message(kv_state()), replace_key="kv_state")
+        self.outbox.push(p.kv_state_message(self.state.engine.kv_state()), replace_key="kv_state")
 
     def _error(self, request_id: str | None, code: str, message: str) -> None:
         self.outbox.push(p.Error(request_id, code, _clip(message)))
@@ -461,21 +450,12 @@ class Connection:
 
 def _failure(client_id: str, engine_id: str, exc: Exception) -> p.Error:
     """The structured error for a request that ended with `exc` (see protocol's codes)."""
-    text = _clip(str(exc) or type(exc).__name__)
-    if isinstance(exc, PromptTooLong):
-        return p.Error(client_id, p.PROMPT_TOO_LONG, text)
-    if isinstance(exc, LimitExceededError):
-        return p.Error(client_id, p.LIMIT_EXCEEDED, text, limit=exc.limit)
-    if isinstance(exc, ValueError):  # tokenization or the engine's own checks (context length)
-        return p.Error(client_id, p.BAD_PARAMS, text)
-    if isinstance(exc, EngineOverloadedError):
-        return p.Error(client_id, p.OVERLOADED, text, retry_after=float(exc.retry_after))
-    if isinstance(exc, RequestTimeoutError):
-        return p.Error(client_id, p.TIMEOUT, text)
-    if isinstance(exc, EngineError):
-        return p.Error(client_id, p.ENGINE_ERROR, text)
-    log.error("request %s failed", engine_id, exc_info=exc)
-    return p.Error(client_id, p.ENGINE_ERROR, f"generation failed: {type(exc).__name__}")
+    failure = classify(exc)
+    if failure is None:  # not the request's fault nor the engine's: a bug, logged in full
+        log.error("request %s failed", engine_id, exc_info=exc)
+        return p.Error(client_id, p.ENGINE_ERROR, f"generation failed: {type(exc).__name__}")
+    return p.Error(client_id, failure.code, _clip(failure.message), limit=failure.limit,
+                   retry_after=failure.retry_after)
 
 
 def _done(client_id: str, last: StepUpdate | None, num_samples: int) -> p.Done:
@@ -535,7 +515,7 @@ async def stream_handler(request: web.Request) -> web.StreamResponse:
     return ws
 
 
-def _limit_kernel_unsent(transport: Any) -> None:
+def _limit_kernel_unsent(transport: asyncio.BaseTransport | None) -> None:
     """Caps what the kernel keeps unsent for this socket (TCP_NOTSENT_LOWAT). Without it the
     kernel takes megabytes from a peer with a small window (about 3 MB on loopback), and every
     heartbeat ping queues behind them; data in flight is not limited, so throughput is kept."""

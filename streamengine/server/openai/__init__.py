@@ -1,0 +1,28 @@
+"""OpenAI-compatible HTTP: `/v1/models`, `/v1/completions`, `/v1/chat/completions`.
+
+Request bodies are decoded with msgspec (unknown fields ignored, as OpenAI clients send many),
+mapped onto the engine's SamplingParams, and streamed as server-sent events ending with
+`data: [DONE]` when `stream` is true. Streaming responses start once the first output exists,
+so a request the engine refuses still gets a plain status: 400 for bad params, a context too
+long or an engine limit (`param` names the limit, code `limit_exceeded`), 429 with Retry-After
+when the engine's queue is full, 500 with the engine's message when it fails the request, 504
+past the server's request timeout. After the first chunk, a failure is reported in-band (an
+`{"error": ...}` event, then `data: [DONE]`). A client that goes away mid-request has its
+request aborted at the next engine step.
+
+schemas.py holds the bodies, endpoints.py what differs between the two endpoints (one object
+each), format.py builds response bodies from stream updates, routes.py the handlers.
+"""
+
+from streamengine.server.openai.errors import OpenAIError, error_response, http_exception_response
+from streamengine.server.openai.routes import add_routes
+from streamengine.server.openai.schemas import ChatCompletionRequest, CompletionRequest
+
+__all__ = [
+    "ChatCompletionRequest",
+    "CompletionRequest",
+    "OpenAIError",
+    "add_routes",
+    "error_response",
+    "http_exception_response",
+]
