@@ -11,9 +11,12 @@ results match `generate(num_beams=k, do_sample=False)` token for token.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
+
+from streamengine.sequence import Sequence
 
 _NEG = -1.0e9  # transformers' "impossible" score
 _FLOOR = _NEG / 2  # a finite score for what an extreme length penalty would make -inf or nan
@@ -111,14 +114,74 @@ class BeamSearchState:
         self.finished_tokens = [merged_tokens[i] for i in best.tolist()]
 
     def _can_improve(self, cur_len: int) -> bool:
-        if self.early_stopping == "never" and self.length_penalty > 0.0:
-            best_len = self.max_length - self.prompt_len
-        else:
-            best_len = cur_len - self.prompt_len
-        best_running = normalized_score(self.running_scores[0], best_len, self.length_penalty)
+        # transformers' early-stop heuristic: the best running beam, scored at
+        # its current length, against the worst finished hypothesis.
+        best_running = normalized_score(self.running_scores[0], cur_len - self.prompt_len, self.length_penalty)
         worst = torch.where(self.finished_flags, self.finished_scores.min(), torch.tensor(_NEG))
         return bool((best_running > worst).any())
 
-    def best(self) -> tuple[list[int], float]:
-        """The best finished hypothesis (output tokens, score)."""
-        return self.finished_tokens[0], float(self.finished_scores[0])
+
+class BeamSearch:
+    """The live beams of one request and the search over them, as the core drives it.
+
+    Each step every live beam's next-token log-probs arrive (`add_logprobs`); once all have,
+    `advance` extends the survivors, forking a beam that more than one survivor extends (the
+    fork shares the parent's blocks) and dropping beams no survivor extends. The core supplies
+    `fork` and `drop`, since only it owns sequences and blocks.
+    """
+
+    def __init__(self, state: BeamSearchState, first: Sequence, num_results: int) -> None:
+        self.state = state
+        self.seqs: list[Sequence] = [first]  # live beams
+        self.num_results = num_results
+        self._pending: dict[int, torch.Tensor] = {}  # seq_id -> [vocab] log-probs
+
+    def add_logprobs(self, seq: Sequence, logprobs: torch.Tensor) -> None:
+        """Records one beam's log-probs (a beam recomputed after preemption may report twice:
+        the latest counts)."""
+        self._pending[seq.seq_id] = logprobs
+
+    @property
+    def stop_token_ids(self) -> frozenset[int]:
+        return self.state.stop_token_ids
+
+    @property
+    def ready(self) -> bool:
+        """Every live beam has its next-token log-probs: the search can advance."""
+        return len(self._pending) == len(self.seqs)
+
+    def advance(self, fork: Callable[[Sequence], Sequence], drop: Callable[[Sequence], None]) -> list[BeamResult] | None:
+        """One search step. None while the search goes on; at its end the `num_results` best
+        hypotheses, best first (fewer "length" results if fewer finished)."""
+        live = self.seqs
+        logprobs = torch.stack([self._pending.pop(s.seq_id) for s in live])  # [beams, vocab]
+        step = self.state.step([s.output_token_ids for s in live], logprobs)
+        if step.done:
+            return self._results()
+        first_use: set[int] = set()
+        new_beams: list[Sequence] = []
+        for parent_index in step.parents:  # forks first: they copy the parent as it is
+            parent = live[parent_index]
+            new_beams.append(fork(parent) if parent_index in first_use else parent)
+            first_use.add(parent_index)  # the first child continues in place
+        for seq, token in zip(new_beams, step.tokens, strict=True):
+            seq.token_ids.append(token)
+        for index, seq in enumerate(live):
+            if index not in first_use:  # a dropped beam frees its blocks
+                drop(seq)
+        self.seqs = new_beams
+        return None
+
+    def _results(self) -> list[BeamResult]:
+        stops = self.state.stop_token_ids
+        results = [
+            BeamResult(list(tokens), "stop" if tokens and tokens[-1] in stops else "length")
+            for tokens in self.state.finished_tokens[: self.num_results]
+        ]
+        return results + [BeamResult([], "length")] * (self.num_results - len(results))
+
+
+@dataclass(slots=True)
+class BeamResult:
+    token_ids: list[int]  # output tokens of a finished hypothesis
+    finish_reason: str

@@ -17,7 +17,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Protocol
 
-from .sampling import SamplingParams
+from .sampling_params import SamplingParams
 from .stop_strings import ROOT, StopAutomaton, held_length, scan
 
 _PROMPT_CONTEXT_TOKENS = 5
@@ -104,6 +104,12 @@ class IncrementalDetokenizer:
         if self._finished or not self._held:
             return self._text
         return self._text[: len(self._text) - self._held]
+
+    def text_since(self, offset: int) -> str:
+        """`text[offset:]`: what became visible after the first `offset` characters, at a
+        cost in the new characters only."""
+        end = len(self._text) if self._finished else len(self._text) - self._held
+        return self._text[offset:end] if end > offset else ""
 
     @property
     def finished(self) -> bool:

@@ -28,8 +28,9 @@ from streamengine.config import EngineConfig
 from streamengine.core import EngineCore, EngineStateError
 from streamengine.errors import EngineDeadError, EngineOverloadedError, RequestFailedError
 from streamengine.models import LoadedModel
+from streamengine.output_stream import RequestStream
 from streamengine.outputs import RequestOutput
-from streamengine.sampling import SamplingParams
+from streamengine.sampling_params import SamplingParams
 
 log = logging.getLogger(__name__)
 
@@ -40,38 +41,6 @@ is not transient, and restarting again would only fail every new request the sam
 RESTART_BACKOFF_S = 0.1
 """Pause after a restart (health() says "restarting"), so a fault on every step cannot spin."""
 OVERLOAD_RETRY_AFTER_S = 1.0
-
-
-class _RequestStream:
-    """Latest output of one request. Outputs are cumulative, so a slow consumer loses nothing
-    when a newer output replaces one it has not read yet."""
-
-    __slots__ = ("_latest", "_error", "_ready")
-
-    def __init__(self) -> None:
-        self._latest: RequestOutput | None = None
-        self._error: BaseException | None = None
-        self._ready = asyncio.Event()
-
-    def put(self, output: RequestOutput) -> None:
-        if self._latest is None or not self._latest.finished:
-            self._latest = output
-        self._ready.set()
-
-    def put_error(self, error: BaseException) -> None:
-        self._error = error
-        self._ready.set()
-
-    async def get(self) -> RequestOutput:
-        await self._ready.wait()
-        if self._latest is not None:
-            output, self._latest = self._latest, None
-            if self._error is None:  # an error that came after this output stays ready
-                self._ready.clear()
-            return output
-        if self._error is None:  # _ready is only set by put or put_error
-            raise RuntimeError("request stream woke up with nothing to deliver")
-        raise self._error
 
 
 def release_openmp_pool() -> None:
@@ -97,7 +66,7 @@ class AsyncEngine:
     def __init__(self, config: EngineConfig | None = None, *, loaded: LoadedModel | None = None) -> None:
         self.config = config or EngineConfig()
         self.core = EngineCore(self.config, loaded)
-        self._streams: dict[str, _RequestStream] = {}
+        self._streams: dict[str, RequestStream] = {}
         self._task: asyncio.Task | None = None
         self._wakeup: asyncio.Event | None = None
         self._executor: ThreadPoolExecutor | None = None
@@ -190,8 +159,9 @@ class AsyncEngine:
         request_id: str | None = None,
         cache_salt: str | None = None,
     ) -> AsyncIterator[RequestOutput]:
-        """Streams cumulative outputs of one request, one per engine step (coalesced when the
-        consumer is slower). Leaving early (break, cancel, error) aborts it and frees its blocks.
+        """Streams the outputs of one request, one per engine step: cumulative by default,
+        only what is new with `params.output_kind="delta"`; a consumer slower than the engine
+        gets the steps it missed folded into one output. Leaving early (break, cancel, error) aborts it and frees its blocks.
         Raises ValueError for a bad request, EngineOverloadedError when `max_waiting` requests
         already wait, RequestFailedError if the engine fails it, EngineDeadError if it stops."""
         self._check_admission()
@@ -202,7 +172,7 @@ class AsyncEngine:
         if not self.core.has_work():  # progress is measured from when work arrives
             self._last_progress = time.monotonic()
         self.core.add_request(request_id, prompt, params, cache_salt)  # raises ValueError
-        stream = self._streams[request_id] = _RequestStream()
+        stream = self._streams[request_id] = RequestStream(delta=params.output_kind == "delta")
         self._wakeup.set()
         finished = False
         try:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import threading
 import time
 
 import pytest
@@ -186,20 +187,32 @@ def test_asyncio_run_twice_and_two_engines(tiny_llama_dir):
     assert asyncio.run(once()) == asyncio.run(once())
 
 
-async def test_event_loop_stays_responsive_during_steps(engine, monkeypatch):
-    """The forward pass runs in the worker thread. Every step is made slow (a sleep where the
-    forward runs), so a forward on the loop thread would show up as a tick lag of a whole
-    step; off the loop, ticks lag by a few milliseconds. The bound is half a step: generous
-    for a loaded 2-core machine, and still far below what a blocked loop shows."""
+async def test_event_loop_stays_responsive_during_steps(tiny_llama_dir):
+    """The forward pass runs in the worker thread. The model's first decoder layer is made
+    slow (a sleep inside the forward itself, wherever the engine runs it), so a forward on the
+    loop thread would show up as a tick lag of a whole step; off the loop, ticks lag by a few
+    milliseconds. The bound is half a step: generous for a loaded 2-core machine, and still
+    far below what a blocked loop shows. transformers' modules run here (model_impl), so the
+    hook sits in the forward pass proper."""
     step_s = 0.3
-    runner = engine.core.runner
-    execute = runner.execute
+    config = EngineConfig(model=str(tiny_llama_dir), num_gpu_blocks=64, model_impl="transformers")
+    forward_threads: set[int] = set()
 
-    def slow_execute(*args, **kwargs):
+    def slow_layer(module, args):
+        forward_threads.add(threading.get_ident())
         time.sleep(step_s)
-        return execute(*args, **kwargs)
 
-    monkeypatch.setattr(runner, "execute", slow_execute)
+    async with AsyncEngine(config) as engine:
+        layer = engine.core.loaded.model.get_decoder().layers[0]
+        hook = layer.register_forward_pre_hook(slow_layer)
+        try:
+            await _tick_while_generating(engine, step_s)
+        finally:
+            hook.remove()
+    assert forward_threads and threading.get_ident() not in forward_threads
+
+
+async def _tick_while_generating(engine: AsyncEngine, step_s: float) -> None:
     params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
     lags = []
 

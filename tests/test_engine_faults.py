@@ -335,10 +335,10 @@ def test_max_tokens_cap(tiny_llama_dir, core):
 
 
 async def test_an_error_after_an_unread_output_still_reaches_the_consumer():
-    from streamengine.engine import _RequestStream
+    from streamengine.output_stream import RequestStream
     from streamengine.outputs import RequestOutput
 
-    stream = _RequestStream()
+    stream = RequestStream()
     stream.put(RequestOutput("r", [1], [], finished=False))
     stream.put_error(RequestFailedError("engine restarted: test"))  # before the consumer read
     assert (await asyncio.wait_for(stream.get(), 5)).request_id == "r"
