@@ -536,7 +536,7 @@ def lag_server_main(argv: list[str]) -> int:
 
     from streamengine.__main__ import build_parser, config_from_args
     from streamengine.engine import AsyncEngine
-    from streamengine.server import create_app
+    from streamengine.server import _run, create_app
 
     a = build_parser().parse_args(["serve", *argv])
     if a.host != HOST:
@@ -560,7 +560,7 @@ def lag_server_main(argv: list[str]) -> int:
 
     app.router.add_get("/bench/lag", lag)
     app.cleanup_ctx.append(probe_ctx)
-    _run_loop(_serve_until_signal(app, a.host, a.port))
+    _run(_serve_until_signal(app, a.host, a.port))
     return 0
 
 
@@ -580,15 +580,6 @@ async def _serve_until_signal(app, host: str, port: int) -> None:
         await stop.wait()
     finally:
         await runner.cleanup()
-
-
-def _run_loop(coro) -> None:
-    try:
-        import uvloop
-    except ImportError:
-        asyncio.run(coro)
-    else:
-        uvloop.run(coro)
 
 
 # -- report ---------------------------------------------------------------------------------

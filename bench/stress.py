@@ -763,59 +763,71 @@ class MixedTraffic:
 # ---- concurrent streams -------------------------------------------------------------------
 
 
+STREAM_PROMPT = "You are a helpful assistant. Answer in one short sentence. Question number"
+
+
+@dataclass(slots=True)
+class StreamTimes:
+    """What one phase's streams measured, in seconds, and how the failed ones failed."""
+
+    ttft: list[float] = field(default_factory=list)
+    e2e: list[float] = field(default_factory=list)
+    failures: list[str] = field(default_factory=list)
+
+
 async def concurrent_streams(base: str, total: int, sockets: int, max_tokens: int, timeout: float) -> dict:
     """`total` greedy streams at once over `sockets` WebSockets; each must finish complete."""
     sockets = max(1, min(sockets, total))
     per = [total // sockets + (i < total % sockets) for i in range(sockets)]
-    ttft: list[float] = []
-    e2e: list[float] = []
-    failures: list[str] = []
+    times = StreamTimes()
     params = {"max_tokens": max_tokens, "ignore_eos": True, "temperature": 0.0}
-    prefix = "You are a helpful assistant. Answer in one short sentence. Question number"
-
-    async def one_socket(session, s: int, count: int) -> None:
-        expects = {f"s{s}-{j}": Expect(dict(params)) for j in range(count)}
-        sent: dict[str, float] = {}
-        first: dict[str, float] = {}
-        try:
-            async with session.ws_connect(f"{base}/v1/stream", max_msg_size=0) as ws:
-                recv = aiohttp_recv(ws)
-                if (await recv()).get("type") != "ready":
-                    raise Problem("no ready message")
-                for rid in expects:
-                    await ws.send_str(json.dumps({"type": "generate", "id": rid, "prompt": f"{prefix} {rid}?", "params": params}))
-                    sent[rid] = time.perf_counter()
-
-                async def timed() -> dict:
-                    m = await recv()
-                    if m.get("type") == "delta":
-                        first.setdefault(m["id"], time.perf_counter())
-                    elif m.get("type") == "done" and m.get("id") in sent:
-                        e2e.append(time.perf_counter() - sent[m["id"]])
-                    return m
-
-                await read_streams(timed, expects)
-        except Exception as exc:
-            failures.append(f"socket {s}: {type(exc).__name__}: {str(exc)[:300]}")
-        ttft.extend(first[r] - sent[r] for r in first if r in sent)
-
     t0 = time.perf_counter()
     async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as session:
-        tasks = [asyncio.create_task(one_socket(session, s, c)) for s, c in enumerate(per)]
+        tasks = [asyncio.create_task(socket_streams(session, base, s, c, params, times)) for s, c in enumerate(per)]
         done, pending = await asyncio.wait(tasks, timeout=timeout)
         for task in pending:
             task.cancel()
         await asyncio.gather(*pending, return_exceptions=True)
         if pending:
-            failures.append(f"{len(pending)} sockets timed out after {timeout:.0f} s")
+            times.failures.append(f"{len(pending)} sockets timed out after {timeout:.0f} s")
     wall = time.perf_counter() - t0
-    completed = len(e2e)
+    completed = len(times.e2e)
     return {
         "streams": total, "sockets": sockets, "max_tokens": max_tokens, "completed": completed,
-        "failed": total - completed, "failure_examples": failures[:5], "wall_s": wall,
+        "failed": total - completed, "failure_examples": times.failures[:5], "wall_s": wall,
         "tokens_per_s": completed * max_tokens / wall if wall else None,
-        "ttft_ms": percentiles(ttft), "e2e_ms": percentiles(e2e),
+        "ttft_ms": percentiles(times.ttft), "e2e_ms": percentiles(times.e2e),
     }
+
+
+async def socket_streams(session: aiohttp.ClientSession, base: str, s: int, count: int, params: dict,
+                         times: StreamTimes) -> None:
+    """Socket number `s`: sends `count` generates at once, then reads every stream to its end."""
+    expects = {f"s{s}-{j}": Expect(dict(params)) for j in range(count)}
+    sent: dict[str, float] = {}
+    first: dict[str, float] = {}
+    try:
+        async with session.ws_connect(f"{base}/v1/stream", max_msg_size=0) as ws:
+            recv = aiohttp_recv(ws)
+            if (await recv()).get("type") != "ready":
+                raise Problem("no ready message")
+            for rid in expects:
+                await ws.send_str(json.dumps({"type": "generate", "id": rid, "prompt": f"{STREAM_PROMPT} {rid}?",
+                                              "params": params}))
+                sent[rid] = time.perf_counter()
+
+            async def timed() -> dict:
+                m = await recv()
+                if m.get("type") == "delta":
+                    first.setdefault(m["id"], time.perf_counter())
+                elif m.get("type") == "done" and m.get("id") in sent:
+                    times.e2e.append(time.perf_counter() - sent[m["id"]])
+                return m
+
+            await read_streams(timed, expects)
+    except Exception as exc:
+        times.failures.append(f"socket {s}: {type(exc).__name__}: {str(exc)[:300]}")
+    times.ttft.extend(first[r] - sent[r] for r in first if r in sent)
 
 
 # ---- /health latency and server facts -----------------------------------------------------
@@ -947,11 +959,24 @@ async def settle(session: aiohttp.ClientSession, base: str, timeout: float = 30.
 # ---- the run ------------------------------------------------------------------------------
 
 
-async def run(args) -> dict:
+@dataclass(slots=True)
+class RunTotals:
+    """What the phases add up to: unexpected errors (a few of them shown) and /health latencies."""
+
+    errors: int = 0
+    examples: list[str] = field(default_factory=list)
+    health_ms: list[float] = field(default_factory=list)
+
+    def add(self, errors: int, examples: list[str], health: HealthPoller) -> None:
+        self.errors += errors + len(health.failures)
+        self.examples += examples + health.failures[:3]
+        self.health_ms += health.latencies
+
+
+def server_process(args):
+    """`python -m streamengine serve` on a free port, with the run's model and torch threads."""
     sys.path.insert(0, str(Path(__file__).resolve().parent))  # bench/ is not a package
     from serving import ServerProcess, free_port, server_env
-
-    from streamengine.server.state import DEFAULT_MAX_MESSAGE_BYTES  # the CLI's limit
 
     port = free_port()
     cmd = [sys.executable, "-m", "streamengine", "serve", "--host", HOST, "--port", str(port)]
@@ -962,79 +987,104 @@ async def run(args) -> dict:
     env = server_env(args.threads or os.cpu_count() or 1)
     if not args.threads:
         env.pop("OMP_NUM_THREADS", None)
-    server = ServerProcess("streamengine", cmd, port, env)
-    base = server.base_url
-    report: dict = {"phases": {}, "config": {
+    return ServerProcess("streamengine", cmd, port, env)
+
+
+def run_config(args) -> dict:
+    return {
         "model": args.model or "SmolLM2-135M-Instruct (default)", "streams": list(args.streams),
         "sockets": args.sockets, "stream_max_tokens": args.max_tokens, "soak_seconds": args.soak_seconds,
         "warmup_seconds": args.warmup_seconds, "clients": args.clients, "seed": args.seed, "quick": args.quick,
         "threads": args.threads or "torch default", "token_scale": args.token_scale,
         "slow_stall_s": list(args.slow_stall),
-    }}
-    errors, examples = 0, []
-    health_all: list[float] = []
+    }
+
+
+async def streams_phase(session: aiohttp.ClientSession, base: str, n: int, args, totals: RunTotals) -> dict:
+    print(f"{n} concurrent streams over {args.sockets} sockets ...", file=sys.stderr)
+    async with HealthPoller(base) as health:
+        phase = await concurrent_streams(base, n, args.sockets, args.max_tokens, args.stream_timeout)
+    phase["health_ms"] = health.report()
+    phase["after"] = await settle(session, base)
+    totals.add(phase["failed"], phase["failure_examples"], health)
+    return phase
+
+
+async def traffic_phase(session: aiohttp.ClientSession, server, name: str, seconds: float, seed: int,
+                        args, totals: RunTotals) -> dict:
+    """`seconds` of MixedTraffic, with the server's RSS sampled alongside /health."""
+    from streamengine.server.state import DEFAULT_MAX_MESSAGE_BYTES  # the CLI's limit
+
+    print(f"{name}: {seconds:g} s of mixed traffic from {args.clients} clients ...", file=sys.stderr)
+    traffic = MixedTraffic(HOST, server.port, seed=seed, clients=args.clients, max_message_bytes=DEFAULT_MAX_MESSAGE_BYTES,
+                           episode_timeout=args.episode_timeout, token_scale=args.token_scale,
+                           slow_stall_s=args.slow_stall)
+    t0 = time.perf_counter()
+    async with HealthPoller(server.base_url, server.proc.pid) as health:
+        tally = await traffic.run(seconds)
+    phase = {"wall_s": time.perf_counter() - t0, "episodes": dict(tally.episodes),
+             "events": dict(tally.events), "errors": tally.errors,
+             "error_examples": tally.error_examples, "health_ms": health.report(),
+             "rss_mb_series": health.rss, "rss_slope_mb_per_min": slope_per_min(health.rss)}
+    phase["after"] = await settle(session, server.base_url)
+    phase["missing_categories"] = [c for c in CATEGORIES if not tally.episodes[c]]
+    totals.add(tally.errors, tally.error_examples, health)
+    return phase
+
+
+async def run_phases(session: aiohttp.ClientSession, server, args, report: dict, totals: RunTotals,
+                     rss: dict[str, float]) -> None:
+    """Starts the server, runs every phase, then records what the server is left holding."""
+    base = server.base_url
+    print(f"starting the server on {base} ...", file=sys.stderr)
+    await server.start(session)
+    pid = server.proc.pid
+    rss["started"] = rss_mb(pid)
+    for n in args.streams:
+        report["phases"][f"streams_{n}"] = await streams_phase(session, base, n, args, totals)
+    rss["after_streams"] = rss_mb(pid)
+    for name, seconds, seed in (("warmup", args.warmup_seconds, args.seed),
+                                ("soak", args.soak_seconds, args.seed + 1)):
+        report["phases"][name] = await traffic_phase(session, server, name, seconds, seed, args, totals)
+        await asyncio.sleep(1.0)  # let the server finish closing what the clients left
+        rss[f"after_{name}"] = rss_mb(pid)
+    final = await settle(session, base)
+    await session.close()
+    await asyncio.sleep(1.0)
+    report["server"] = {"rss_mb": rss, "final": final, "open_connections": open_connections(pid, server.port),
+                        "alive": server.proc.poll() is None}
+
+
+def summarize(report: dict, totals: RunTotals, rss: dict[str, float]) -> None:
+    final = report["server"].get("final", {})
+    report.update(
+        errors=totals.errors,
+        error_examples=totals.examples[:20],
+        leaked_blocks=final.get("used_blocks"),
+        health_p99_ms=percentiles(totals.health_ms)["p99"],
+        rss_growth_mb=(rss["after_soak"] - rss["after_warmup"]) if {"after_soak", "after_warmup"} <= rss.keys() else None,
+        rss_slope_mb_per_min=report["phases"].get("soak", {}).get("rss_slope_mb_per_min"),
+    )
+
+
+async def run(args) -> dict:
+    server = server_process(args)
+    report: dict = {"phases": {}, "config": run_config(args)}
+    totals = RunTotals()
     rss: dict[str, float] = {}
     async with aiohttp.ClientSession() as session:
-        print(f"starting the server on {base} ...", file=sys.stderr)
         try:
-            await server.start(session)
-            pid = server.proc.pid
-            rss["started"] = rss_mb(pid)
-            for n in args.streams:
-                print(f"{n} concurrent streams over {args.sockets} sockets ...", file=sys.stderr)
-                async with HealthPoller(base) as health:
-                    phase = await concurrent_streams(base, n, args.sockets, args.max_tokens, args.stream_timeout)
-                phase["health_ms"] = health.report()
-                phase["after"] = await settle(session, base)
-                report["phases"][f"streams_{n}"] = phase
-                errors += phase["failed"] + len(health.failures)
-                examples += phase["failure_examples"] + health.failures[:3]
-                health_all += health.latencies
-            rss["after_streams"] = rss_mb(pid)
-            for name, seconds, seed in (("warmup", args.warmup_seconds, args.seed),
-                                        ("soak", args.soak_seconds, args.seed + 1)):
-                print(f"{name}: {seconds:g} s of mixed traffic from {args.clients} clients ...", file=sys.stderr)
-                traffic = MixedTraffic(HOST, port, seed=seed, clients=args.clients, max_message_bytes=DEFAULT_MAX_MESSAGE_BYTES,
-                                       episode_timeout=args.episode_timeout, token_scale=args.token_scale,
-                                       slow_stall_s=args.slow_stall)
-                t0 = time.perf_counter()
-                async with HealthPoller(base, pid) as health:
-                    tally = await traffic.run(seconds)
-                phase = {"wall_s": time.perf_counter() - t0, "episodes": dict(tally.episodes),
-                         "events": dict(tally.events), "errors": tally.errors,
-                         "error_examples": tally.error_examples, "health_ms": health.report(),
-                         "rss_mb_series": health.rss, "rss_slope_mb_per_min": slope_per_min(health.rss)}
-                phase["after"] = await settle(session, base)
-                phase["missing_categories"] = [c for c in CATEGORIES if not tally.episodes[c]]
-                report["phases"][name] = phase
-                errors += tally.errors + len(health.failures)
-                examples += tally.error_examples + health.failures[:3]
-                health_all += health.latencies
-                await asyncio.sleep(1.0)  # let the server finish closing what the clients left
-                rss[f"after_{name}"] = rss_mb(pid)
-            final = await settle(session, base)
-            await session.close()
-            await asyncio.sleep(1.0)
-            report["server"] = {"rss_mb": rss, "final": final, "open_connections": open_connections(pid, port),
-                                "alive": server.proc.poll() is None}
+            await run_phases(session, server, args, report, totals, rss)
         except Exception as exc:
-            errors += 1
-            examples.append(f"run aborted: {type(exc).__name__}: {exc}")
+            totals.errors += 1
+            totals.examples.append(f"run aborted: {type(exc).__name__}: {exc}")
             report["server_log_tail"] = server.tail()
             report.setdefault("server", {"rss_mb": rss})
         finally:
             server.stop()
             report["server"]["log_problems"] = log_problems(Path(server.log.name))
             server.close()
-    final = report["server"].get("final", {})
-    report.update(
-        errors=errors,
-        error_examples=examples[:20],
-        leaked_blocks=final.get("used_blocks"),
-        health_p99_ms=percentiles(health_all)["p99"],
-        rss_growth_mb=(rss["after_soak"] - rss["after_warmup"]) if {"after_soak", "after_warmup"} <= rss.keys() else None,
-        rss_slope_mb_per_min=report["phases"].get("soak", {}).get("rss_slope_mb_per_min"),
-    )
+    summarize(report, totals, rss)
     return report
 
 

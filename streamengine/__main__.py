@@ -14,14 +14,7 @@ import sys
 from collections.abc import Mapping
 from typing import Any
 
-from streamengine.config import (
-    ATTENTION_BACKENDS,
-    DTYPES,
-    KV_CACHE_DTYPES,
-    MODEL_IMPLS,
-    PREEMPTION_MODES,
-    EngineConfig,
-)
+from streamengine.config import FIELD_TYPES, EngineConfig
 from streamengine.server import _run  # the one event-loop runner (uvloop when installed)
 from streamengine.server.state import (
     DEFAULT_MAX_CONNECTIONS,
@@ -29,39 +22,11 @@ from streamengine.server.state import (
     DEFAULT_STALL_TIMEOUT_S,
 )
 
-# "none" means None (no limit); leaving the option out keeps the config's default.
-_LIMIT_FIELDS = {
-    "max_waiting": "requests allowed to wait for a slot; more are refused as overloaded",
-    "max_prefill_chunk": "most prompt tokens one request prefills in one step",
-    "max_tokens_cap": "largest max_tokens a request may ask for",
+# Spellings the CLI had before its options were generated; the field's own name works too.
+_OPTION_NAMES = {
+    "num_gpu_blocks": ("--num-blocks", "--num-gpu-blocks"),
+    "enable_prefix_caching": ("--prefix-caching", "--enable-prefix-caching"),  # and --no-...
 }
-
-
-def _engine_args(p: argparse.ArgumentParser) -> None:
-    g = p.add_argument_group("engine")
-    g.add_argument("--model", default=None, help="HF folder or .gguf file (default: SmolLM2-135M-Instruct)")
-    g.add_argument("--dtype", default="float32", choices=DTYPES)
-    g.add_argument("--device", default="auto")
-    g.add_argument("--block-size", type=int, default=16)
-    g.add_argument("--kv-cache-bytes", type=int, default=None, help="KV pool budget in bytes (default 512 MiB)")
-    g.add_argument("--kv-cache-dtype", default="auto", choices=KV_CACHE_DTYPES,
-                   help="KV cache element type (auto: the model's dtype)")
-    g.add_argument("--num-blocks", type=int, default=None, help="KV pool size in blocks (overrides bytes)")
-    g.add_argument("--max-num-seqs", type=int, default=128)
-    g.add_argument("--max-num-batched-tokens", type=int, default=2048)
-    g.add_argument("--max-model-len", type=int, default=None)
-    g.add_argument("--no-prefix-caching", action="store_true")
-    g.add_argument("--attention-backend", default="auto", choices=ATTENTION_BACKENDS)
-    g.add_argument("--model-impl", default="auto", choices=MODEL_IMPLS)
-    g.add_argument("--preemption-mode", default="recompute", choices=PREEMPTION_MODES)
-    g.add_argument("--swap-space-bytes", type=int, default=0)
-    g.add_argument("--seed", type=int, default=0)
-    g.add_argument("--num-threads", type=int, default=None)
-    defaults = {f.name: f.default for f in dataclasses.fields(EngineConfig)}
-    for name in _LIMIT_FIELDS:
-        shown = "none" if defaults[name] is None else defaults[name]
-        g.add_argument(f"--{name.replace('_', '-')}", type=_int_or_none, default=argparse.SUPPRESS,
-                       metavar="N", help=f"{_LIMIT_FIELDS[name]} (none: no limit; default {shown})")
 
 
 def _int_or_none(text: str) -> int | None:
@@ -73,18 +38,40 @@ def _int_or_none(text: str) -> int | None:
         raise argparse.ArgumentTypeError(f"expected an integer or 'none', got {text!r}") from None
 
 
+_PARSERS: dict[Any, Any] = {int: int, int | None: _int_or_none, str: str, str | None: str}
+
+
+def _engine_args(p: argparse.ArgumentParser) -> None:
+    """One option per EngineConfig field: default, choices and help come from the field."""
+    g = p.add_argument_group("engine", "EngineConfig's fields; an integer option takes 'none' for None")
+    defaults = EngineConfig()
+    for f in dataclasses.fields(EngineConfig):
+        default = getattr(defaults, f.name)
+        names = _OPTION_NAMES.get(f.name, (f"--{f.name.replace('_', '-')}",))
+        help_text = f"{f.metadata['help']} (default: {_shown(default)})".replace("%", "%%")
+        g.add_argument(*names, dest=f.name, default=default, help=help_text, **_value_kind(f))
+
+
+def _value_kind(f: dataclasses.Field) -> dict[str, Any]:
+    hint = FIELD_TYPES[f.name]
+    if hint is bool:
+        return {"action": argparse.BooleanOptionalAction}
+    if hint not in _PARSERS:
+        raise TypeError(f"EngineConfig.{f.name}: the CLI has no parser for {hint}")
+    kind: dict[str, Any] = {"type": _PARSERS[hint]}
+    if f.metadata["choices"]:
+        kind["choices"] = f.metadata["choices"]
+    elif hint in (int, int | None):
+        kind["metavar"] = "N"
+    return kind
+
+
+def _shown(value: object) -> str:
+    return str(value).lower() if value is None or isinstance(value, bool) else str(value)
+
+
 def config_from_args(a: argparse.Namespace) -> EngineConfig:
-    # Options left out are absent from the namespace (SUPPRESS): the config's default applies.
-    limits = {name: getattr(a, name) for name in _LIMIT_FIELDS if hasattr(a, name)}
-    return EngineConfig(
-        model=a.model, dtype=a.dtype, device=a.device, block_size=a.block_size,
-        kv_cache_bytes=a.kv_cache_bytes, kv_cache_dtype=a.kv_cache_dtype, num_gpu_blocks=a.num_blocks,
-        max_num_seqs=a.max_num_seqs,
-        max_num_batched_tokens=a.max_num_batched_tokens, max_model_len=a.max_model_len,
-        enable_prefix_caching=not a.no_prefix_caching, attention_backend=a.attention_backend, model_impl=a.model_impl,
-        preemption_mode=a.preemption_mode, swap_space_bytes=a.swap_space_bytes, seed=a.seed,
-        num_threads=a.num_threads, **limits,
-    )
+    return EngineConfig(**{f.name: getattr(a, f.name) for f in dataclasses.fields(EngineConfig)})
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -160,7 +147,7 @@ def server_options(a: argparse.Namespace, environ: Mapping[str, str] | None = No
 
 async def _generate(a: argparse.Namespace) -> None:
     from streamengine.engine import AsyncEngine
-    from streamengine.sampling import SamplingParams
+    from streamengine.sampling_params import SamplingParams
 
     params = SamplingParams(max_tokens=a.max_tokens, temperature=a.temperature, top_p=a.top_p, seed=a.sample_seed)
     async with AsyncEngine(config_from_args(a)) as engine:

@@ -3,20 +3,18 @@
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import Field, dataclass, field, fields
 from pathlib import Path
+from types import MappingProxyType
+from typing import Any, get_args, get_type_hints
 
 DEFAULT_KV_CACHE_BYTES = 512 * 1024 * 1024
-"""Default KV budget. 512 MiB holds ~11.6k tokens of SmolLM2-135M in float32 (45 KiB/token)."""
+"""Default KV budget: about 11.6k tokens of SmolLM2-135M in float32 (45 KiB per token)."""
 DEFAULT_MAX_PREFILL_CHUNK = 64
-"""Default prefill tokens per sequence and step: the largest measured value that kept a decode
-stream's inter-token gaps under ~1 s while an 8,000-token prompt prefilled (bench/long_prompt.py,
-SmolLM2-135M, 2 torch threads, 2-core CPU): max gap 0.60 s at 64, 1.01 s at 128, 10.2 s
-unchunked; the prompt's TTFT 42 s at 64, 34 s at 128, 29.5 s unchunked. A step's time grows
-with chunk x context (one chunk at ~6.5k context, 1 thread: 0.33 s at 32, 1.0 s at 64, 1.3 s at
-128). With 1 thread on a machine shared with other jobs 64 gave p99 1.26 s (32: 0.53 s). A lone
-160-token prompt's TTFT grew 5% (1,000 tokens: 2%). A shared prefix is still computed once (the
-scheduler waits for it), so bench/prefix.py's hit rate stays 99%."""
+"""Default prefill tokens per sequence and step: the largest value that kept decode streams'
+inter-token gaps short while a long prompt prefilled, at little cost to that prompt's time to
+first token (measurements: docs/performance.md, "Choosing max_prefill_chunk")."""
 
 ATTENTION_BACKENDS = ("auto", "triton", "torch", "cpu")
 PREEMPTION_MODES = ("auto", "recompute", "swap")
@@ -25,76 +23,92 @@ KV_CACHE_DTYPES = ("auto", *DTYPES)
 MODEL_IMPLS = ("auto", "native", "transformers")
 
 
+def _option(default: Any, help: str, *, choices: tuple[Any, ...] = (), minimum: int | None = None) -> Any:
+    """A field whose help, choices and lower bound both the CLI and `__post_init__` read."""
+    return field(default=default, metadata={"help": help, "choices": choices, "minimum": minimum})
+
+
 @dataclass(slots=True)
 class EngineConfig:
     """Everything the engine needs to start. Sizes are in tokens unless the name says bytes.
 
     The KV pool is sized from `num_gpu_blocks` when given, else from `kv_cache_bytes`
     (default `DEFAULT_KV_CACHE_BYTES`) divided by the bytes one block takes for this model.
+    Each field's metadata holds its help text, its allowed values and its lower bound: the
+    CLI builds its options from them and `__post_init__` enforces them.
     """
 
-    model: str | None = None  # None: the default SmolLM2-135M-Instruct; else HF folder or .gguf
-    dtype: str = "float32"
-    device: str = "auto"  # "auto": cuda when available, else cpu
-    block_size: int = 16
-    kv_cache_bytes: int | None = None
-    # The KV cache's element type; "auto" is the model's dtype. A float32 model with a float16
-    # cache holds twice the tokens in the same bytes and reads half per token in attention, at
-    # the cost of rounding K/V (greedy output can then differ from transformers').
-    kv_cache_dtype: str = "auto"
-    num_gpu_blocks: int | None = None  # overrides kv_cache_bytes (name as in vLLM)
-    max_num_seqs: int = 128
-    max_num_batched_tokens: int = 2048
-    # At most this many tokens of one sequence per step (vLLM: long_prefill_token_threshold).
-    # Why: a step's time grows with its prefill tokens times their context, and every decode
-    # stream batched with a long prompt waits for the whole step. None: up to the full budget.
-    max_prefill_chunk: int | None = DEFAULT_MAX_PREFILL_CHUNK
-    max_model_len: int | None = None  # default: the model's context, capped by the pool
-    enable_prefix_caching: bool = True
-    attention_backend: str = "auto"
-    # "native": streamengine's fused Llama/Qwen2 forward (models/native.py); "transformers":
-    # transformers' own modules with the paged attention hook; "auto": native on CPU when the
-    # architecture qualifies, transformers otherwise.
-    model_impl: str = "auto"
-    preemption_mode: str = "recompute"
-    swap_space_bytes: int = 0
-    # Admission control: with this many sequences already waiting (new requests not yet
-    # running, and preempted ones), generate() raises EngineOverloadedError instead of queuing
-    # more. None: an unbounded queue.
-    max_waiting: int | None = None
-    # Largest max_tokens a request may ask for; max_tokens=None means min(this, the room left
-    # in the context). Why: an uncapped request (times n up to 128) can hold the engine for
-    # the whole context. None: no cap, max_tokens=None runs to the end of the context.
-    max_tokens_cap: int | None = 4096
-    seed: int = 0
-    num_threads: int | None = None  # torch intra-op threads on CPU; None keeps torch's default
-    cache_dir: str | None = None  # where converted GGUF copies are kept
+    model: str | None = _option(None, "HF folder or .gguf file; None: the default SmolLM2-135M-Instruct")
+    dtype: str = _option("float32", "the model's weight and activation type", choices=DTYPES)
+    device: str = _option("auto", '"auto": cuda when available, else cpu')
+    block_size: int = _option(16, "tokens per KV cache block", choices=(8, 16, 32))
+    kv_cache_bytes: int | None = _option(
+        None, f"KV pool budget in bytes; None: {DEFAULT_KV_CACHE_BYTES // 2**20} MiB", minimum=1)
+    kv_cache_dtype: str = _option(
+        "auto",
+        "The KV cache's element type; \"auto\" is the model's dtype. A float32 model with a float16 "
+        "cache holds twice the tokens in the same bytes and reads half per token in attention, at "
+        "the cost of rounding K/V (greedy output can then differ from transformers').",
+        choices=KV_CACHE_DTYPES)
+    num_gpu_blocks: int | None = _option(
+        None, "KV pool size in blocks; overrides kv_cache_bytes (name as in vLLM)", minimum=1)
+    max_num_seqs: int = _option(128, "most sequences running in one step", minimum=1)
+    max_num_batched_tokens: int = _option(2048, "most tokens computed in one step", minimum=1)
+    max_prefill_chunk: int | None = _option(
+        DEFAULT_MAX_PREFILL_CHUNK,
+        "At most this many tokens of one sequence per step (vLLM: long_prefill_token_threshold). "
+        "Why: a step's time grows with its prefill tokens times their context, and every decode "
+        "stream batched with a long prompt waits for the whole step. None: up to the full budget.",
+        minimum=1)
+    max_model_len: int | None = _option(
+        None, "longest sequence; None: the model's context, capped by the pool", minimum=1)
+    enable_prefix_caching: bool = _option(True, "reuse the KV blocks of prompts' shared prefixes")
+    attention_backend: str = _option("auto", "paged attention implementation", choices=ATTENTION_BACKENDS)
+    model_impl: str = _option(
+        "auto",
+        "\"native\": streamengine's fused Llama/Qwen2 forward (models/native.py); \"transformers\": "
+        "transformers' own modules with the paged attention hook; \"auto\": native on CPU when the "
+        "architecture qualifies, transformers otherwise.",
+        choices=MODEL_IMPLS)
+    preemption_mode: str = _option(
+        "recompute", "how a sequence gives up its blocks when the pool runs out", choices=PREEMPTION_MODES)
+    swap_space_bytes: int = _option(0, "host memory for KV blocks swapped out by preemption", minimum=0)
+    max_waiting: int | None = _option(
+        None,
+        "Admission control: with this many sequences already waiting (new requests not yet "
+        "running, and preempted ones), generate() raises EngineOverloadedError instead of queuing "
+        "more. None: an unbounded queue.",
+        minimum=1)
+    max_tokens_cap: int | None = _option(
+        4096,
+        "Largest max_tokens a request may ask for; max_tokens=None means min(this, the room left "
+        "in the context). Why: an uncapped request (times n up to 128) can hold the engine for "
+        "the whole context. None: no cap, max_tokens=None runs to the end of the context.",
+        minimum=1)
+    seed: int = _option(0, "seed of the sampler's generator for requests without their own seed")
+    num_threads: int | None = _option(None, "torch intra-op threads on CPU; None keeps torch's default")
+    cache_dir: str | None = _option(None, "where converted GGUF copies are kept; None: default_cache_dir()")
 
     def __post_init__(self) -> None:
-        _check(self.dtype in DTYPES, "dtype", f"must be one of {DTYPES}, got {self.dtype!r}")
-        _check(self.kv_cache_dtype in KV_CACHE_DTYPES, "kv_cache_dtype",
-               f"must be one of {KV_CACHE_DTYPES}, got {self.kv_cache_dtype!r}")
-        _check(self.block_size in (8, 16, 32), "block_size", f"must be 8, 16 or 32, got {self.block_size}")
-        _check(self.max_num_seqs >= 1, "max_num_seqs", "must be >= 1")
-        _check(self.max_num_batched_tokens >= 1, "max_num_batched_tokens", "must be >= 1")
-        _check(self.max_prefill_chunk is None or self.max_prefill_chunk >= 1, "max_prefill_chunk",
-               f"must be >= 1 or None, got {self.max_prefill_chunk}")
-        _check(self.max_waiting is None or self.max_waiting >= 1, "max_waiting",
-               f"must be >= 1 or None, got {self.max_waiting}")
-        _check(self.max_tokens_cap is None or self.max_tokens_cap >= 1, "max_tokens_cap",
-               f"must be >= 1 or None, got {self.max_tokens_cap}")
-        _check(self.kv_cache_bytes is None or self.kv_cache_bytes > 0, "kv_cache_bytes", "must be > 0")
-        _check(self.num_gpu_blocks is None or self.num_gpu_blocks >= 1, "num_gpu_blocks", "must be >= 1")
-        _check(self.max_model_len is None or self.max_model_len >= 1, "max_model_len", "must be >= 1")
-        _check(self.attention_backend in ATTENTION_BACKENDS, "attention_backend", f"must be one of {ATTENTION_BACKENDS}")
-        _check(self.model_impl in MODEL_IMPLS, "model_impl", f"must be one of {MODEL_IMPLS}, got {self.model_impl!r}")
-        _check(self.preemption_mode in PREEMPTION_MODES, "preemption_mode", f"must be one of {PREEMPTION_MODES}")
-        _check(self.swap_space_bytes >= 0, "swap_space_bytes", "must be >= 0")
+        for f in fields(self):
+            _check_field(f, getattr(self, f.name))
 
 
-def _check(ok: bool, field: str, message: str) -> None:
-    if not ok:
-        raise ValueError(f"EngineConfig.{field} {message}")
+def _check_field(f: Field, value: Any) -> None:
+    choices, minimum = f.metadata["choices"], f.metadata["minimum"]
+    if choices and value not in choices:
+        raise ValueError(f"EngineConfig.{f.name} must be one of {choices}, got {value!r}")
+    if minimum is None or (value is None and f.name in NULLABLE_FIELDS):
+        return
+    if value is None or value < minimum:
+        allowed = f">= {minimum} or None" if f.name in NULLABLE_FIELDS else f">= {minimum}"
+        raise ValueError(f"EngineConfig.{f.name} must be {allowed}, got {value}")
+
+
+FIELD_TYPES: Mapping[str, Any] = MappingProxyType(get_type_hints(EngineConfig))
+"""Each field's resolved annotation (`int | None`, ...), read by the CLI."""
+NULLABLE_FIELDS = frozenset(name for name, hint in FIELD_TYPES.items() if type(None) in get_args(hint))
+"""Fields that accept None."""
 
 
 def default_cache_dir() -> Path:

@@ -1,4 +1,5 @@
-"""The CLI: option parsing, key resolution, the open-bind refusal, one event-loop runner."""
+"""The CLI: options generated from EngineConfig, key resolution, the open-bind refusal, one
+event-loop runner."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ import inspect
 import pytest
 
 from streamengine import __main__ as cli
-from streamengine.config import EngineConfig
+from streamengine.config import FIELD_TYPES, EngineConfig
 
 
 def serve_args(*argv: str):
@@ -85,11 +86,8 @@ def test_attention_backend_choices_come_from_config():
     assert cli.config_from_args(a).attention_backend == "cpu"
 
 
-def test_new_engine_options_when_the_config_has_them():
-    names = {f.name for f in dataclasses.fields(EngineConfig)}
-    present = [n for n in ("max_waiting", "max_prefill_chunk", "max_tokens_cap") if n in names]
-    if not present:
-        pytest.skip("EngineConfig has none of the new fields yet")
+def test_limit_options_take_a_number_or_none():
+    present = ["max_waiting", "max_prefill_chunk", "max_tokens_cap"]
     argv = []
     for name in present:
         argv += [f"--{name.replace('_', '-')}", "64"]
@@ -97,8 +95,86 @@ def test_new_engine_options_when_the_config_has_them():
     assert all(getattr(config, n) == 64 for n in present)
     default = cli.config_from_args(serve_args())
     assert all(getattr(default, n) == getattr(EngineConfig(), n) for n in present)
-    if "max_tokens_cap" in present:
-        assert cli.config_from_args(serve_args("--max-tokens-cap", "none")).max_tokens_cap is None
+    assert cli.config_from_args(serve_args("--max-tokens-cap", "none")).max_tokens_cap is None
+
+
+def option_of(name: str) -> str:
+    return f"--{name.replace('_', '-')}"
+
+
+def one_line(text: str) -> str:
+    return " ".join(text.split())
+
+
+@pytest.mark.parametrize("command", ["serve", "generate"])
+def test_every_config_field_is_an_option_with_its_help(command, monkeypatch, capsys):
+    monkeypatch.setenv("COLUMNS", "10000")  # no wrapping: a field's help reads as one line
+    argv = [command, "--help"] if command == "serve" else [command, "prompt", "--help"]
+    with pytest.raises(SystemExit):
+        cli.build_parser().parse_args(argv)
+    out = one_line(capsys.readouterr().out)
+    for f in dataclasses.fields(EngineConfig):
+        assert f" {option_of(f.name)}" in out, f.name
+        assert one_line(f.metadata["help"]) in out, f.name
+    assert "--no-prefix-caching" in out and "--num-blocks" in out  # spellings kept from before
+
+
+def non_default_argv() -> tuple[list[str], dict]:
+    """An option for every field with a value other than its default, and the values expected."""
+    argv, expected = [], {}
+    for f in dataclasses.fields(EngineConfig):
+        default, choices = f.default, f.metadata["choices"]
+        if isinstance(default, bool):
+            argv.append(option_of(f.name) if not default else f"--no-{option_of(f.name)[2:]}")
+            expected[f.name] = not default
+            continue
+        if choices:
+            value = next(c for c in choices if c != default)
+        elif FIELD_TYPES[f.name] in (int, int | None):
+            value = 7 if default != 7 else 8
+        else:
+            value = "some-value"
+        argv += [option_of(f.name), str(value)]
+        expected[f.name] = value
+    return argv, expected
+
+
+def test_options_build_the_config_they_name():
+    assert cli.config_from_args(serve_args()) == EngineConfig()
+    assert cli.config_from_args(cli.build_parser().parse_args(["generate", "hi"])) == EngineConfig()
+    argv, expected = non_default_argv()
+    assert len(expected) == len(dataclasses.fields(EngineConfig))
+    assert cli.config_from_args(serve_args(*argv)) == EngineConfig(**expected)
+    assert cli.config_from_args(serve_args("--num-blocks", "9", "--no-prefix-caching")) == EngineConfig(
+        num_gpu_blocks=9, enable_prefix_caching=False)
+
+
+def test_serve_help_in_a_real_process_lists_every_field():
+    import subprocess
+    import sys
+
+    done = subprocess.run([sys.executable, "-m", "streamengine", "serve", "--help"],
+                          capture_output=True, text=True, timeout=120, check=False)
+    assert done.returncode == 0, done.stderr
+    missing = [f.name for f in dataclasses.fields(EngineConfig) if option_of(f.name) not in done.stdout]
+    assert missing == []
+
+
+def test_config_choices_are_the_exported_lists():
+    from streamengine import config
+
+    meta = {f.name: f.metadata for f in dataclasses.fields(EngineConfig)}
+    assert meta["attention_backend"]["choices"] == config.ATTENTION_BACKENDS
+    assert meta["preemption_mode"]["choices"] == config.PREEMPTION_MODES
+    assert meta["dtype"]["choices"] == config.DTYPES
+    assert meta["kv_cache_dtype"]["choices"] == config.KV_CACHE_DTYPES
+    assert meta["model_impl"]["choices"] == config.MODEL_IMPLS
+    with pytest.raises(ValueError, match="EngineConfig.block_size must be one of"):
+        EngineConfig(block_size=12)
+    with pytest.raises(ValueError, match=r"EngineConfig.max_waiting must be >= 1 or None, got 0"):
+        EngineConfig(max_waiting=0)
+    with pytest.raises(ValueError, match=r"EngineConfig.max_num_seqs must be >= 1, got 0"):
+        EngineConfig(max_num_seqs=0)
 
 
 def test_one_runner_and_an_import_error_inside_is_not_rerun():
