@@ -1,4 +1,6 @@
-"""What a request's stream yields: cumulative text and token ids, one update per step."""
+"""What a request's stream yields, one output per step: each sample's text, token ids and
+logprobs so far (output_kind "cumulative"), or only what is new since the previous output
+("delta")."""
 
 from __future__ import annotations
 

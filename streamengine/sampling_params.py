@@ -23,7 +23,7 @@ from .stop_strings import StopAutomaton, build_automaton
 MAX_N = 128
 MAX_LOGPROBS = 20
 MAX_BEAM_WIDTH = 32
-# Bounds on the work one request's stop conditions can ask for (issue 12): the automaton of the
+# Bounds on the work one request's stop conditions can ask for: the automaton of the
 # stop strings has at most MAX_STOP_STRINGS * MAX_STOP_STRING_CHARS nodes.
 MAX_STOP_STRINGS = 32
 MAX_STOP_STRING_CHARS = 256

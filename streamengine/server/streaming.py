@@ -2,8 +2,8 @@
 
 The engine is asked for delta outputs (what is new since the previous one; several tokens at
 once when it coalesced for a slow consumer), which is what clients are sent. `stream_request`
-adds the running totals the routes report (usage, finish reasons), records the request's metrics, enforces the server's request timeout
-(`RequestTimeoutError`), and aborts the request in the engine whenever the stream ends early
+adds the running totals the routes report (usage, finish reasons), records the request's
+metrics, enforces the server's request timeout (`RequestTimeoutError`), and aborts the request in the engine whenever the stream ends early
 (disconnect, cancellation, error, timeout).
 """
 
