@@ -11,6 +11,7 @@ import time
 import pytest
 from aiohttp.test_utils import TestServer
 
+from conftest import slow_down_steps
 from streamengine import AsyncEngine, EngineConfig
 from streamengine.server import create_app
 
@@ -61,7 +62,10 @@ async def wait_idle(engine, timeout: float = 10.0) -> None:
         await asyncio.sleep(0.05)
 
 
-async def test_chat_streams_and_stop_aborts(engine):
+async def test_chat_streams_and_stop_aborts(engine, monkeypatch):
+    # Each step takes 20 ms more, so the 900-token reply outlasts the clicks below on any
+    # machine (the tiny model alone can finish it before Stop is visible).
+    slow_down_steps(monkeypatch, engine, 0.02)
     async with browser_page(engine) as (page, errors):
         await page.wait_for_selector("#conn-text:text('connected')", timeout=15_000)
         assert await page.text_content("#model") == "tiny"
