@@ -9,6 +9,8 @@ from pathlib import Path
 from types import MappingProxyType
 from typing import Any, get_args, get_type_hints
 
+from streamengine.tenants import TenantConfig
+
 DEFAULT_KV_CACHE_BYTES = 512 * 1024 * 1024
 """Default KV budget: about 11.6k tokens of SmolLM2-135M in float32 (45 KiB per token)."""
 DEFAULT_MAX_PREFILL_CHUNK = 64
@@ -21,11 +23,17 @@ PREEMPTION_MODES = ("auto", "recompute", "swap")
 DTYPES = ("float32", "float16", "bfloat16")
 KV_CACHE_DTYPES = ("auto", *DTYPES)
 MODEL_IMPLS = ("auto", "native", "transformers")
+SCHEDULING_POLICIES = ("fair", "fcfs")
 
 
-def _option(default: Any, help: str, *, choices: tuple[Any, ...] = (), minimum: int | None = None) -> Any:
-    """A field whose help, choices and lower bound both the CLI and `__post_init__` read."""
-    return field(default=default, metadata={"help": help, "choices": choices, "minimum": minimum})
+def _option(
+    default: Any, help: str, *, choices: tuple[Any, ...] = (), minimum: float | None = None,
+    maximum: float | None = None,
+) -> Any:
+    """A field whose help, choices and bounds both the CLI and `__post_init__` read."""
+    return field(
+        default=default, metadata={"help": help, "choices": choices, "minimum": minimum, "maximum": maximum}
+    )
 
 
 @dataclass(slots=True)
@@ -88,21 +96,43 @@ class EngineConfig:
     seed: int = _option(0, "seed of the sampler's generator for requests without their own seed")
     num_threads: int | None = _option(None, "torch intra-op threads on CPU; None keeps torch's default")
     cache_dir: str | None = _option(None, "where converted GGUF copies are kept; None: default_cache_dir()")
+    tenants: tuple[TenantConfig, ...] = _option(
+        (), "tenants known at start (more can be added at run time); requests naming no tenant run as 'default'")
+    scheduling_policy: str = _option(
+        "fair",
+        "\"fair\": admit from the backlogged tenant with the least weighted service (virtual token "
+        "counter), FCFS within a tenant; \"fcfs\": arrival order across all tenants.",
+        choices=SCHEDULING_POLICIES)
+    fair_prompt_token_weight: float = _option(
+        1.0, "service one computed prompt token counts for, in fair scheduling", minimum=0.0)
+    fair_output_token_weight: float = _option(
+        2.0, "service one generated token counts for, in fair scheduling", minimum=0.0)
+    max_pinned_fraction: float = _option(
+        0.5, "largest fraction of the KV pool pinned prefixes may hold", minimum=0.0, maximum=1.0)
 
     def __post_init__(self) -> None:
         for f in fields(self):
             _check_field(f, getattr(self, f.name))
+        self.tenants = tuple(self.tenants)
+        if not all(isinstance(t, TenantConfig) for t in self.tenants):
+            raise ValueError("EngineConfig.tenants must be TenantConfig records")
+        names = [t.name for t in self.tenants]
+        if len(set(names)) != len(names):
+            raise ValueError(f"EngineConfig.tenants names a tenant twice: {names}")
 
 
 def _check_field(f: Field, value: Any) -> None:
     choices, minimum = f.metadata["choices"], f.metadata["minimum"]
     if choices and value not in choices:
         raise ValueError(f"EngineConfig.{f.name} must be one of {choices}, got {value!r}")
-    if minimum is None or (value is None and f.name in NULLABLE_FIELDS):
+    maximum = f.metadata["maximum"]
+    if (minimum is None and maximum is None) or (value is None and f.name in NULLABLE_FIELDS):
         return
-    if value is None or value < minimum:
+    if minimum is not None and (value is None or value < minimum):
         allowed = f">= {minimum} or None" if f.name in NULLABLE_FIELDS else f">= {minimum}"
         raise ValueError(f"EngineConfig.{f.name} must be {allowed}, got {value}")
+    if maximum is not None and value > maximum:
+        raise ValueError(f"EngineConfig.{f.name} must be <= {maximum}, got {value}")
 
 
 FIELD_TYPES: Mapping[str, Any] = MappingProxyType(get_type_hints(EngineConfig))

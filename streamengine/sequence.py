@@ -39,6 +39,12 @@ class Sequence:
     num_cached_tokens: int = 0  # prompt tokens found in the prefix cache at first admission
     num_preemptions: int = 0
     group_size: int = 1  # sequences of the same request (n > 1): they share blocks
+    tenant: str = "default"  # whose share this sequence's service counts against
+    # Salts by token range, for prefixes shared more widely than the request's own salt:
+    # ((start_token, salt), ...) in increasing start order. A block is hashed with the salt of
+    # the last segment starting at or before the block's last token, so a block that mixes a
+    # shared preamble with private tokens is private. Empty: `cache_salt` for every block.
+    salt_segments: tuple[tuple[int, str | None], ...] = ()
 
     def __post_init__(self) -> None:
         if not self.token_ids:

@@ -1,0 +1,135 @@
+"""Tenants: who a request is for, with that tenant's share, limits and cache salt.
+
+A tenant is one bot of a platform (or one customer): its requests share prefix-cache blocks
+with each other and never with another tenant's, the scheduler gives each tenant service in
+proportion to its `weight` (fair_share.py), and its limits bound what one tenant can take.
+The registry is owned by one engine (two engines never share tenants) and grows at run time.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from dataclasses import dataclass, field
+
+from streamengine.errors import EngineOverloadedError
+
+DEFAULT_TENANT = "default"
+"""The tenant of requests that name none."""
+RATE_WINDOW_S = 60.0
+
+
+class TenantRateLimitError(EngineOverloadedError):
+    """The tenant used its `tokens_per_minute`; `retry_after` says when enough has aged out."""
+
+    def __init__(self, tenant: str, limit: int, retry_after: float) -> None:
+        super().__init__(
+            f"tenant {tenant!r} used its {limit} tokens per minute; retry in {retry_after:.1f} s",
+            retry_after=retry_after,
+        )
+        self.tenant = tenant
+        self.limit = "tokens_per_minute"
+
+
+@dataclass(frozen=True, slots=True)
+class TenantConfig:
+    name: str
+    weight: float = 1.0  # share of service relative to other backlogged tenants
+    max_running: int | None = None  # sequences of this tenant running at once
+    max_kv_fraction: float | None = None  # of the KV pool this tenant's running sequences may hold
+    tokens_per_minute: int | None = None  # prompt + generated tokens over the last minute
+    cache_salt: str | None = field(default=None, repr=False)  # None: derived from the name; kept out of logs
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.name, str) or not self.name:
+            raise ValueError("TenantConfig.name must be a non-empty string")
+        _check(self, "weight", self.weight > 0 and self.weight < float("inf"), "must be > 0 and finite")
+        _check(self, "max_running", self.max_running is None or self.max_running >= 1, "must be >= 1 or None")
+        _check(self, "max_kv_fraction", self.max_kv_fraction is None or 0 < self.max_kv_fraction <= 1,
+               "must be in (0, 1] or None")
+        _check(self, "tokens_per_minute", self.tokens_per_minute is None or self.tokens_per_minute >= 1,
+               "must be >= 1 or None")
+
+    @property
+    def salt(self) -> str:
+        """The prefix-cache salt of this tenant's private blocks."""
+        return self.cache_salt if self.cache_salt is not None else f"tenant:{self.name}"
+
+
+def _check(config: TenantConfig, name: str, ok: bool, message: str) -> None:
+    if not ok:
+        raise ValueError(f"TenantConfig.{name} {message} (tenant {config.name!r}), got {getattr(config, name)!r}")
+
+
+@dataclass(slots=True)
+class TokenWindow:
+    """Tokens used over the last RATE_WINDOW_S seconds, in arrival order."""
+
+    events: deque[tuple[float, int]] = field(default_factory=deque)
+    total: int = 0
+
+    def add(self, now: float, tokens: int) -> None:
+        if tokens:
+            self.events.append((now, tokens))
+            self.total += tokens
+
+    def used(self, now: float) -> int:
+        while self.events and self.events[0][0] <= now - RATE_WINDOW_S:
+            self.total -= self.events.popleft()[1]
+        return self.total
+
+    def retry_after(self, now: float, limit: int) -> float:
+        """Seconds until usage falls below `limit` as old events age out."""
+        excess = self.used(now) - limit
+        for stamp, tokens in self.events:
+            excess -= tokens
+            if excess < 0:
+                return max(0.0, stamp + RATE_WINDOW_S - now)
+        return 0.0
+
+
+class Tenants:
+    """The engine's tenants by name; an unknown name is registered with default settings."""
+
+    def __init__(self, configs: tuple[TenantConfig, ...] | list[TenantConfig] = ()) -> None:
+        self._configs: dict[str, TenantConfig] = {}
+        self._usage: dict[str, TokenWindow] = {}
+        self.num_rejected: dict[str, int] = {}  # requests refused by the rate limit
+        for config in configs:
+            self.add(config)
+
+    def add(self, config: TenantConfig) -> None:
+        """Registers a tenant or replaces its settings (requests in flight keep running)."""
+        if not isinstance(config, TenantConfig):
+            raise TypeError(f"expected TenantConfig, got {type(config).__name__}")
+        self._configs[config.name] = config
+        self._usage.setdefault(config.name, TokenWindow())
+
+    def get(self, name: str) -> TenantConfig:
+        config = self._configs.get(name)
+        if config is None:
+            config = TenantConfig(name)
+            self.add(config)
+        return config
+
+    def names(self) -> list[str]:
+        return list(self._configs)
+
+    def __contains__(self, name: str) -> bool:
+        return name in self._configs
+
+    def check_rate(self, name: str, now: float | None = None) -> None:
+        """Raises TenantRateLimitError when the tenant's last minute used its allowance."""
+        limit = self.get(name).tokens_per_minute
+        if limit is None:
+            return
+        now = time.monotonic() if now is None else now
+        window = self._usage[name]
+        if window.used(now) >= limit:
+            self.num_rejected[name] = self.num_rejected.get(name, 0) + 1
+            raise TenantRateLimitError(name, limit, max(0.1, window.retry_after(now, limit)))
+
+    def record(self, name: str, tokens: int, now: float | None = None) -> None:
+        """Counts tokens (prompt tokens at intake, generated ones as they come) against the rate."""
+        if self.get(name).tokens_per_minute is not None:
+            self._usage[name].add(time.monotonic() if now is None else now, tokens)
