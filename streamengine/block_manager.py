@@ -1,19 +1,47 @@
 """The paged KV-cache pool: physical blocks, refcounts, block tables and the prefix cache.
 
 No torch here: this module decides *which* slots hold which tokens; the model runner moves the
-bytes. Invariants (checked by tests/test_block_manager.py):
+bytes. Invariants (checked by tests/test_block_manager.py and tests/test_prefix_isolation.py):
 
 - a block is in the free queue iff its refcount is 0;
-- a block's refcount equals the number of block-table entries that point at it;
-- a block holding a hash is reachable from `cached` under that hash (until it is evicted).
+- a block's refcount equals the number of block-table entries that point at it plus its pins;
+- a block holding a hash is reachable from `cached` under that hash (until it is evicted);
+- a free cached block's cached parent, if free too, is behind it in the queue: eviction takes
+  a chain's tail first, never stranding a cached child behind an evicted parent.
+
+Salts and isolation
+-------------------
+Block i (tokens [i*bs, (i+1)*bs)) is hashed as H(hash of block i-1, its tokens, its salt), H
+being 128-bit BLAKE2b. Its salt is that of the last of `Sequence.salt_segments` starting at or
+before the block's last token (`cache_salt` with no segments, or before the first one), so a
+block holding the end of a shared segment and the start of the next takes the next one's salt.
+A lookup is an exact match of hashes, so a request hits a cached block only if it computes that
+block's hash itself: the same tokens, the same whole prefix before them, the same salt.
+
+Everything a request can learn from the prefix cache (how many of its blocks hit, hence its
+`num_cached_tokens`, how many tokens it computes and so its prefill time; whether the scheduler
+holds it back for a prefix in flight, also an exact hash match) is a function of which of its
+own hashes are cached. Of those:
+- a block hashed with salt s matches only lookups hashed with s. A tenant's salt is secret to
+  other tenants, so no other tenant computes the hash of any of its private blocks, whatever
+  tokens it sends (short of a BLAKE2b collision); through the chain, nor of any block after one;
+- the engine leaves only a leading segment unsalted, over a shared pinned prefix, so an
+  unsalted block holds only that prefix's tokens (its last token is in the segment, hence all
+  before it are). The prefix is public and, while pinned, always cached: its hit tells nothing;
+- a per-user salt after the tenant's segment separates one tenant's users the same way, if it
+  combines the tenant's secret salt with the user's: a user salt alone anyone can send, and the
+  block before it may be an unsalted one that anyone can compute.
+Not covered: load. Other tenants' traffic changes queueing delays, admission order and how soon
+one's own unpinned blocks are evicted; that shows how much others use, not their tokens.
 """
 
 from __future__ import annotations
 
 import hashlib
 import struct
+from collections import Counter
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from streamengine.sequence import Sequence
 
@@ -22,15 +50,25 @@ class NoFreeBlocksError(RuntimeError):
     """The pool has no free block left; the scheduler preempts before this can happen."""
 
 
+SHARED_OWNER = "*"
+"""`block_tenants()`'s owner of a block that several tenants hold."""
+
+
 @dataclass(slots=True, eq=False)
 class KVBlock:
-    """One physical block. `prev`/`next` link it into the free queue while its refcount is 0."""
+    """One physical block. `prev`/`next` link it into the free queue while its refcount is 0.
+
+    `ref_cnt` counts every reference: one per block-table entry (tallied by tenant in
+    `holders`) plus `pins`."""
 
     block_id: int
     ref_cnt: int = 0
     block_hash: bytes | None = None
     prev: KVBlock | None = None
     next: KVBlock | None = None
+    holders: dict[str, int] = field(default_factory=dict)  # tenant -> block-table entries
+    pins: int = 0
+    pin_owner: str | None = None  # shown by block_tenants() while no sequence holds it
 
 
 class FreeBlockQueue:
@@ -82,8 +120,8 @@ class FreeBlockQueue:
 def hash_block(parent: bytes | None, token_ids: list[int], extra: str | None) -> bytes:
     """Chained content hash of one full block, stable across processes and machines.
 
-    The parent hash makes a block's identity depend on the whole prefix; `extra` (the tenant's
-    cache salt) separates tenants, so one cannot probe another's prompts through cache timing.
+    The parent hash makes a block's identity depend on the whole prefix; `extra` (the block's
+    salt) separates tenants and users: see "Salts and isolation" in the module docstring.
     """
     h = hashlib.blake2b(digest_size=16)
     h.update(parent or b"root")
@@ -120,6 +158,7 @@ class BlockManager:
         # The host pool for swapped-out sequences: a plain stack, no sharing or caching there.
         self.num_cpu_blocks = num_cpu_blocks
         self.cpu_free: list[int] = list(range(num_cpu_blocks - 1, -1, -1))
+        self._num_pinned = 0
 
     # -- queries -------------------------------------------------------------------------
 
@@ -141,7 +180,8 @@ class BlockManager:
         hashes = seq.block_hashes
         for i in range(len(hashes), seq.num_tokens // bs):
             parent = hashes[i - 1] if i else None
-            hashes.append(hash_block(parent, seq.token_ids[i * bs:(i + 1) * bs], seq.cache_salt))
+            salt = _segment_salt(seq, (i + 1) * bs - 1)
+            hashes.append(hash_block(parent, seq.token_ids[i * bs:(i + 1) * bs], salt))
         return hashes
 
     def find_cached_blocks(self, seq: Sequence) -> list[KVBlock]:
@@ -201,7 +241,7 @@ class BlockManager:
         if cow:
             self._copy_on_write(seq)
         for _ in range(need):
-            seq.block_table.append(self._pop_free().block_id)
+            seq.block_table.append(self._pop_free(seq.tenant).block_id)
         return True
 
     def _num_new_blocks(self, seq: Sequence, num_new_tokens: int, cached: list[KVBlock]) -> int:
@@ -225,8 +265,8 @@ class BlockManager:
     def _copy_on_write(self, seq: Sequence) -> None:
         index = seq.num_computed_tokens // self.block_size
         src = self.blocks[seq.block_table[index]]
-        dst = self._pop_free()
-        src.ref_cnt -= 1  # still > 0: another sequence holds it
+        dst = self._pop_free(seq.tenant)
+        _drop(src, seq.tenant)  # refcount still > 0: another sequence (or a pin) holds it
         seq.block_table[index] = dst.block_id
         self.pending_copies.append((src.block_id, dst.block_id))
 
@@ -236,18 +276,18 @@ class BlockManager:
         for block in cached:
             if block.ref_cnt == 0:
                 self.free_queue.remove(block)
-            block.ref_cnt += 1
+            _hold(block, seq.tenant)
             seq.block_table.append(block.block_id)
         seq.num_computed_tokens = len(cached) * self.block_size
         seq.num_cached_blocks = len(cached)
 
-    def _pop_free(self) -> KVBlock:
+    def _pop_free(self, tenant: str) -> KVBlock:
         block = self.free_queue.popleft()
         if block.block_hash is not None:  # lazy eviction: forget the content only now
             if self.cached.get(block.block_hash) is block:
                 del self.cached[block.block_hash]
             block.block_hash = None
-        block.ref_cnt = 1
+        _hold(block, tenant)
         return block
 
     # -- release and sharing -------------------------------------------------------------
@@ -260,18 +300,34 @@ class BlockManager:
         self._release_blocks(seq)
 
     def _release_blocks(self, seq: Sequence) -> None:
-        for block_id in reversed(seq.block_table):
-            block = self.blocks[block_id]
-            if block.ref_cnt <= 0:
-                raise RuntimeError(f"double free of block {block_id}")
-            block.ref_cnt -= 1
+        hashes = seq.block_hashes
+        for i in range(len(seq.block_table) - 1, -1, -1):
+            block = self.blocks[seq.block_table[i]]
+            if block.holders.get(seq.tenant, 0) <= 0:
+                raise RuntimeError(f"double free of block {block.block_id}")
+            _drop(block, seq.tenant)
             if block.ref_cnt == 0:
-                if block.block_hash is None:
-                    self.free_queue.appendleft(block)
-                else:
-                    self.free_queue.append(block)
+                self._enqueue_free(block)
+            if block.block_hash is None and i < len(hashes):
+                self._touch_free_cached(hashes[i])
         seq.block_table = []
         seq.num_cached_blocks = 0
+
+    def _enqueue_free(self, block: KVBlock) -> None:
+        if block.block_hash is None:
+            self.free_queue.appendleft(block)
+        else:
+            self.free_queue.append(block)
+
+    def _touch_free_cached(self, block_hash: bytes) -> None:
+        """The sequence being freed held a duplicate of a cached block (both computed at
+        once, or past the hit cap): the cached one, if free, moves behind the blocks just
+        freed after it, which may be its cached children, so the chain's tail still goes
+        first."""
+        block = self.cached.get(block_hash)
+        if block is not None and block.ref_cnt == 0:
+            self.free_queue.remove(block)
+            self.free_queue.append(block)
 
     # -- swapping -------------------------------------------------------------------------
 
@@ -301,7 +357,7 @@ class BlockManager:
         copies to make before its next forward."""
         if not self.can_swap_in(seq):
             raise NoFreeBlocksError("not enough free KV blocks to swap in")
-        mapping = [(cpu, self._pop_free().block_id) for cpu in seq.cpu_block_table]
+        mapping = [(cpu, self._pop_free(seq.tenant).block_id) for cpu in seq.cpu_block_table]
         self.cpu_free.extend(reversed(seq.cpu_block_table))
         seq.cpu_block_table = []
         seq.block_table = [gpu for _, gpu in mapping]
@@ -314,7 +370,7 @@ class BlockManager:
         if child.block_table:
             raise ValueError("fork target must have an empty block table")
         for block_id in parent.block_table:
-            self.blocks[block_id].ref_cnt += 1
+            _hold(self.blocks[block_id], child.tenant)
         child.block_table = list(parent.block_table)
         child.block_hashes = list(parent.block_hashes)
         child.num_cached_blocks = parent.num_cached_blocks
@@ -325,17 +381,132 @@ class BlockManager:
         return copies
 
     def reset_prefix_cache(self) -> None:
-        """Forgets cached content of free blocks (blocks in use keep their data, not their hash)."""
+        """Forgets cached content (blocks in use keep their data, not their hash), except that
+        pinned blocks keep their hash: they were computed in earlier steps."""
+        kept = {h: b for h, b in self.cached.items() if b.pins}
         for block in self.blocks:
-            block.block_hash = None
+            if not block.pins:
+                block.block_hash = None
         self.cached.clear()
+        self.cached.update(kept)
+
+    # -- pins ------------------------------------------------------------------------------
+
+    @property
+    def num_pinned_blocks(self) -> int:
+        """Distinct blocks with at least one pin."""
+        return self._num_pinned
+
+    def pin_count(self, block_id: int) -> int:
+        """Pins on `block_id`: its refcount is its block-table entries plus this."""
+        return self.blocks[block_id].pins
+
+    def cached_block_ids(self, block_hashes: list[bytes]) -> list[int]:
+        """The cached blocks of a run of chained hashes (`seq.block_hashes[:n]`), up to the
+        first not cached. What to pin for a computed prefix: where its sequence computed a
+        block twice (the hit cap leaves a whole-block prompt's last block to compute), only
+        the first copy is cached."""
+        ids = []
+        for block_hash in block_hashes:
+            block = self.cached.get(block_hash)
+            if block is None:
+                break
+            ids.append(block.block_id)
+        return ids
+
+    def pin_blocks(self, block_ids: list[int], owner: str | None = None) -> None:
+        """Adds one pin per entry: a pinned block is never freed nor evicted until unpinned.
+
+        Each must be a cached block (full, holding a hash): a pin is a prefix-cache hit that
+        holds on, so it may take a free cached block out of the queue. Pass a prefix's blocks
+        root first. `owner` is what `block_tenants()` shows while no sequence holds the block
+        (default: the tenant holding it now; "*" from a second owner's pin until the last pin
+        goes). All or nothing: a bad entry raises ValueError before any pin is taken."""
+        for block_id in block_ids:
+            if self._block(block_id).block_hash is None:
+                raise ValueError(f"block {block_id} holds no cached content")
+        for block_id in block_ids:
+            block = self.blocks[block_id]
+            if block.pins == 0:
+                self._num_pinned += 1
+            block.pin_owner = _either(block.pin_owner, owner or _owner_of(block.holders))
+            if block.ref_cnt == 0:
+                self.free_queue.remove(block)
+            block.pins += 1
+            block.ref_cnt += 1
+
+    def unpin_blocks(self, block_ids: list[int]) -> None:
+        """Removes one pin per entry, tail first (a block left with no reference is queued
+        for eviction as if a sequence had freed it). All or nothing: ValueError if any entry
+        has no pin left to remove."""
+        for block_id, n in Counter(block_ids).items():
+            if self._block(block_id).pins < n:
+                raise ValueError(f"block {block_id} has fewer than {n} pins")
+        for block_id in reversed(block_ids):
+            block = self.blocks[block_id]
+            block.pins -= 1
+            block.ref_cnt -= 1
+            if block.pins == 0:
+                self._num_pinned -= 1
+                block.pin_owner = None
+            if block.ref_cnt == 0:
+                self._enqueue_free(block)
+
+    def _block(self, block_id: int) -> KVBlock:
+        if not 0 <= block_id < self.num_blocks:
+            raise ValueError(f"no block {block_id} in a pool of {self.num_blocks}")
+        return self.blocks[block_id]
+
+    # -- introspection -----------------------------------------------------------------------
 
     def block_states(self) -> list[int]:
-        """Per block: 0 free, 1 free but holding cached content, 2 in use, 3 shared."""
+        """Per block: 0 free, 1 free but holding cached content, 2 in use, 3 shared, 4 pinned."""
         states = []
         for b in self.blocks:
-            if b.ref_cnt == 0:
+            if b.pins:
+                states.append(4)
+            elif b.ref_cnt == 0:
                 states.append(0 if b.block_hash is None else 1)
             else:
                 states.append(2 if b.ref_cnt == 1 else 3)
         return states
+
+    def block_tenants(self) -> list[str | None]:
+        """Per block: the tenant of the sequences holding it, "*" when several tenants' do, a
+        pinned block's owner while no sequence holds it, None when free."""
+        return [_owner_of(b.holders) if b.holders else b.pin_owner for b in self.blocks]
+
+
+def _segment_salt(seq: Sequence, last_token: int) -> str | None:
+    """The salt of the segment holding `last_token`; tokens before the first segment, or a
+    sequence with none, get `cache_salt`."""
+    for start, salt in reversed(seq.salt_segments):
+        if start <= last_token:
+            return salt
+    return seq.cache_salt
+
+
+def _either(owner: str | None, other: str | None) -> str | None:
+    if owner is None or owner == other:
+        return other
+    return owner if other is None else SHARED_OWNER
+
+
+def _owner_of(holders: dict[str, int]) -> str | None:
+    if not holders:
+        return None
+    return next(iter(holders)) if len(holders) == 1 else SHARED_OWNER
+
+
+def _hold(block: KVBlock, tenant: str) -> None:
+    block.ref_cnt += 1
+    block.holders[tenant] = block.holders.get(tenant, 0) + 1
+
+
+def _drop(block: KVBlock, tenant: str) -> None:
+    block.ref_cnt -= 1
+    left = block.holders[tenant] - 1
+    if left:
+        block.holders[tenant] = left
+    else:
+        del block.holders[tenant]
