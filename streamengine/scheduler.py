@@ -7,6 +7,10 @@ Each step the scheduler decides, for every sequence it runs, how many of its tok
 computes its one new token, a prefix-cache hit starts with `num_computed_tokens` > 0.
 `max_prefill_chunk` caps the tokens one sequence computes per step, so a long prompt takes
 several steps and the decode streams batched with it keep getting a token every step.
+
+Two admission policies: "fcfs" admits in arrival order across everyone; "fair" admits from the
+tenant owed the most service, within its quotas, and inside a tenant prefers cached prefixes
+(fair_share.py holds that policy; this module keeps the queues and the blocks).
 """
 
 from __future__ import annotations
@@ -15,8 +19,11 @@ import bisect
 from collections import deque
 from dataclasses import dataclass, field
 
-from streamengine.block_manager import BlockManager
+from streamengine.block_manager import BlockManager, KVBlock
+from streamengine.config import SCHEDULING_POLICIES
+from streamengine.fair_share import LOOKAHEAD, FairShare
 from streamengine.sequence import Sequence, SequenceStatus
+from streamengine.tenants import Tenants
 
 
 @dataclass(slots=True)
@@ -72,8 +79,13 @@ class PreemptionPolicy:
 
 
 class Scheduler:
-    """Running sequences first (oldest first), then swapped ones, then waiting ones, each in
-    arrival order (FCFS)."""
+    """Running sequences first (oldest first), then swapped ones (in arrival order), then
+    waiting ones: in arrival order ("fcfs"), or by tenant share ("fair").
+
+    `waiting` keeps arrival order under both policies (a preempted sequence at the front), so
+    "fair" reads each tenant's own FCFS order from it. Per-tenant service is counted under
+    both (tenant_stats); quotas apply only under "fair".
+    """
 
     def __init__(
         self,
@@ -82,7 +94,15 @@ class Scheduler:
         max_num_batched_tokens: int,
         preemption: PreemptionPolicy | None = None,
         max_prefill_chunk: int | None = None,
+        policy: str = "fcfs",
+        tenants: Tenants | None = None,
+        prompt_token_weight: float = 1.0,
+        output_token_weight: float = 2.0,
     ) -> None:
+        if policy not in SCHEDULING_POLICIES:
+            raise ValueError(f"scheduling policy must be one of {SCHEDULING_POLICIES}, got {policy!r}")
+        self.policy = policy
+        self.share = FairShare(tenants if tenants is not None else Tenants(), prompt_token_weight, output_token_weight)
         self.block_manager = block_manager
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
@@ -99,17 +119,20 @@ class Scheduler:
 
     def add(self, seq: Sequence) -> None:
         seq.status = SequenceStatus.WAITING
+        self.share.on_arrival(seq)
         self.waiting.append(seq)
 
     def add_running(self, seq: Sequence) -> None:
         """A sequence that starts with computed blocks already (a fork of a running one)."""
         seq.status = SequenceStatus.RUNNING
+        self.share.on_arrival(seq, charged_upto=seq.num_computed_tokens)  # its parent paid for them
         bisect.insort(self.running, seq, key=_arrival)
 
     def add_preempted(self, seq: Sequence) -> None:
         """A sequence that must (re)compute from scratch, ahead of later arrivals."""
         seq.status = SequenceStatus.WAITING
         seq.num_computed_tokens = 0
+        self.share.on_arrival(seq, charged_upto=seq.num_tokens)  # a beam whose parent paid for them
         self.waiting.appendleft(seq)
 
     def has_work(self) -> bool:
@@ -124,7 +147,12 @@ class Scheduler:
         elif seq in self.waiting:
             self.waiting.remove(seq)
         self.block_manager.free(seq)
+        self.share.on_leave(seq)
         seq.status = SequenceStatus.FINISHED
+
+    def tenant_stats(self) -> dict[str, dict[str, float | int]]:
+        """Per tenant: service counter, queue lengths, tokens, prefix-cache figures, blocks held."""
+        return self.share.stats(self.running, self.waiting)
 
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
@@ -137,7 +165,7 @@ class Scheduler:
             # Every running sequence is idle (beams waiting for a sibling's logits) while the
             # sibling cannot get blocks: recompute the newest idle one later, behind the
             # blocked one (ahead of it, it would take the same blocks back: a livelock).
-            victim = self.running.pop()
+            victim = self._take_victim(out)
             self._preempt(victim, front=False)
             out.preempted.append(victim)
             budget = self._schedule_swapped(out, self.max_num_batched_tokens)
@@ -152,29 +180,35 @@ class Scheduler:
         return n if self.max_prefill_chunk is None else min(n, self.max_prefill_chunk)
 
     def _append(self, out: SchedulerOutput, seq: Sequence, n: int) -> None:
-        out.scheduled.append(ScheduledSeq.of(seq, n))
+        item = ScheduledSeq.of(seq, n)
+        out.scheduled.append(item)
+        self.share.charge(seq, seq.num_computed_tokens, n, item.samples)
         # Full blocks this step will compute become hits for requests admitted after it.
         self.block_manager.cache_full_blocks(seq, seq.num_computed_tokens + n)
 
     def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:
-        i = 0
-        while i < len(self.running) and budget > 0:
-            seq = self.running[i]
+        for seq in list(self.running):
+            if budget <= 0:
+                break
+            if seq.status is not SequenceStatus.RUNNING:
+                continue  # preempted for an earlier one this step ("fcfs": all after it are too)
             n = self._num_new_tokens(seq, seq.num_computed_tokens, budget)
             if n == 0:  # a beam waiting for its siblings' logits: nothing to compute
-                i += 1
                 continue
-            if not self._make_room(seq, n, out):
-                break  # seq itself was preempted, and everything after it before it
-            self._append(out, seq, n)
-            budget -= n
-            i += 1
+            if self._make_room(seq, n, out):
+                self._append(out, seq, n)
+                budget -= n
         return budget
 
     def _make_room(self, seq: Sequence, n: int, out: SchedulerOutput) -> bool:
-        """Allocates for `seq`, preempting the newest running sequences until it fits."""
-        while not self.block_manager.allocate_slots(seq, n):
-            victim = self.running.pop()
+        """Allocates for `seq`, preempting until it fits; False if `seq` itself yielded.
+
+        A tenant at its KV quota makes room among its own sequences ("fair")."""
+        while True:
+            over_quota = not self._may_grow(seq, n)
+            if not over_quota and self.block_manager.allocate_slots(seq, n):
+                return True
+            victim = self._take_victim(out, seq.tenant if over_quota else None)
             if self.preemption.should_swap(victim, self.block_manager):
                 self._swap_out(victim, out)
             else:
@@ -182,7 +216,25 @@ class Scheduler:
             out.preempted.append(victim)
             if victim is seq:
                 return False
-        return True
+
+    def _take_victim(self, out: SchedulerOutput, tenant: str | None = None) -> Sequence:
+        """Takes out of `running` the sequence to preempt: the newest ("fcfs"), or the newest of
+        the tenant furthest over its share (of `tenant`, if given) among those this step has
+        not scheduled yet ("fair")."""
+        if self.policy == "fcfs":
+            return self.running.pop()
+        scheduled = {item.seq for item in out.scheduled}
+        candidates = [s for s in self.running if s not in scheduled and tenant in (None, s.tenant)]
+        victim = self.share.pick_victim(candidates)
+        self.running.remove(victim)
+        return victim
+
+    def _may_grow(self, seq: Sequence, n: int) -> bool:
+        if self.policy == "fcfs":
+            return True
+        bm = self.block_manager
+        num_new = bm.blocks_needed(seq.num_computed_tokens + n) - len(seq.block_table)
+        return num_new <= 0 or self.share.within_quota(seq, self.running, (), num_new, bm.num_blocks)
 
     def _preempt(self, seq: Sequence, front: bool = True) -> None:
         """Recompute preemption: drop the blocks, keep the tokens, go back to the head of the
@@ -225,6 +277,12 @@ class Scheduler:
         return budget
 
     def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> None:
+        if self.policy == "fair":
+            self._schedule_waiting_fair(out, budget)
+        else:
+            self._schedule_waiting_fcfs(out, budget)
+
+    def _schedule_waiting_fcfs(self, out: SchedulerOutput, budget: int) -> None:
         bm = self.block_manager
         in_flight = self._blocks_in_flight()
         i = 0
@@ -243,11 +301,68 @@ class Scheduler:
             in_flight.update(self._pending_hashes(seq))
             budget -= n
 
+    def _schedule_waiting_fair(self, out: SchedulerOutput, budget: int) -> None:
+        """Admits from the tenant owed the most service. A tenant over its own quota is passed
+        (its limit must not hold back the others); when the chosen sequence does not fit the
+        pool, admission stops: the room that frees up goes to the tenant owed the most, as in
+        FCFS it goes to the head of the line, so a large request cannot starve."""
+        bm = self.block_manager
+        in_flight = self._blocks_in_flight()
+        queues = self._waiting_by_tenant()
+        while queues and budget > 0 and len(self.running) < self.max_num_seqs:
+            tenant = self.share.least_served(queues)
+            choice = self._pick_in_tenant(queues[tenant], in_flight)
+            if choice is None or not self._may_admit(choice[0], choice[1]):
+                del queues[tenant]  # all wait for a prefix in flight, or over its quota
+                continue
+            seq, cached, ahead = choice
+            n = self._num_new_tokens(seq, len(cached) * bm.block_size, budget)
+            reserve = self.watermark_blocks if self.running else 0
+            if not bm.allocate_slots(seq, n, cached, reserve=reserve):
+                return
+            self.share.passed_over(ahead)
+            queues[tenant].remove(seq)
+            if not queues[tenant]:
+                del queues[tenant]
+            self.waiting.remove(seq)
+            self._admit(out, seq, n, len(cached) * bm.block_size)
+            in_flight.update(self._pending_hashes(seq))
+            budget -= n
+
+    def _waiting_by_tenant(self) -> dict[str, list[Sequence]]:
+        """Each tenant's waiting sequences in order; tenants in order of their first one."""
+        queues: dict[str, list[Sequence]] = {}
+        for seq in self.waiting:
+            queues.setdefault(seq.tenant, []).append(seq)
+        return queues
+
+    def _pick_in_tenant(
+        self, queue: list[Sequence], in_flight: set[bytes]
+    ) -> tuple[Sequence, list[KVBlock], list[Sequence]] | None:
+        """The tenant's next sequence with its cache hits and the eligible ones it passes over;
+        those waiting for a prefix in flight keep their place and are not passed over."""
+        candidates = []
+        for seq in queue[:LOOKAHEAD]:
+            cached = self.block_manager.find_cached_blocks(seq)
+            if not self._waits_for_prefix(seq, len(cached), in_flight):
+                candidates.append((seq, cached))
+        if not candidates:
+            return None
+        i = self.share.pick([(seq, len(cached)) for seq, cached in candidates], len(queue))
+        return candidates[i][0], candidates[i][1], [seq for seq, _ in candidates[:i]]
+
+    def _may_admit(self, seq: Sequence, cached: list[KVBlock]) -> bool:
+        """Within the tenant's quotas, counting the blocks its known tokens will hold."""
+        bm = self.block_manager
+        num_new = bm.blocks_needed(seq.num_tokens) - len(cached)
+        return self.share.within_quota(seq, self.running, [b.block_id for b in cached], num_new, bm.num_blocks)
+
     def _admit(self, out: SchedulerOutput, seq: Sequence, n: int, num_hit_tokens: int) -> None:
         bm = self.block_manager
         if seq.num_preemptions == 0:
             bm.stats.queries += seq.num_tokens
             bm.stats.hits += num_hit_tokens
+            self.share.count_admission(seq, num_hit_tokens)
             seq.num_cached_tokens = num_hit_tokens
         seq.status = SequenceStatus.RUNNING
         # Running stays in arrival order: preemption takes the newest (least work lost),

@@ -1,0 +1,195 @@
+"""Fair share between tenants: the virtual token counter of Sheng et al., "Fairness in Serving
+Large Language Models" (OSDI 2024), per-tenant quotas, and cache-aware order inside a tenant.
+
+Each tenant has a counter of the service it received, weighted by its share:
+(prompt tokens computed * prompt weight + generated tokens * output weight) / tenant weight.
+The scheduler admits from the backlogged tenant with the least counter, so two tenants that
+both keep requests waiting receive service in proportion to their weights. A tenant that had
+nothing in the scheduler starts level with the least-served backlogged tenant instead of where
+it left off: idle time banks no credit, so a returning tenant cannot monopolise the engine.
+
+The block manager and the queues stay the scheduler's; this class only keeps counts and
+answers "whose turn", "which of this tenant's requests" and "who yields".
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+from streamengine.sequence import Sequence
+from streamengine.tenants import Tenants
+
+CACHE_AWARE_MIN_WAITING = 4
+"""A tenant with more waiting sequences than this admits the one with the longest cached prefix
+first. With a short queue everyone starts within a step or two anyway, so reordering would only
+cost the head its turn; a long queue is where hits first raises throughput."""
+MAX_PASS_OVERS = 8
+"""How many times a sequence may be passed over by a later one of its own tenant (cache-aware
+order) before it is admitted next regardless: no starvation, and its extra wait is bounded by
+8 admissions of its own tenant. The gain of hits-first comes from starting a burst of turns
+that re-send one cached history together; 8 covers the turns a bot's users send in one short
+window while keeping the bound far below a queue's usual length."""
+LOOKAHEAD = 32
+"""Cache-aware order looks at this many of a tenant's waiting sequences (in arrival order), so
+one admission costs a bounded number of prefix-cache lookups however long the queue is."""
+
+
+@dataclass(slots=True)
+class TenantUsage:
+    virtual_time: float = 0.0  # weighted service so far, lifted on return from idle
+    num_seqs: int = 0  # sequences in the scheduler: waiting, running or swapped
+    prompt_tokens: int = 0  # prompt tokens computed (not served from the cache, not recomputed)
+    output_tokens: int = 0
+    prefix_cache_queries: int = 0
+    prefix_cache_hits: int = 0
+
+
+class FairShare:
+    """Per-tenant service counters and the fair policy's choices."""
+
+    def __init__(self, tenants: Tenants, prompt_token_weight: float = 1.0, output_token_weight: float = 2.0) -> None:
+        self.tenants = tenants
+        self.prompt_token_weight = prompt_token_weight
+        self.output_token_weight = output_token_weight
+        self.usage: dict[str, TenantUsage] = {}
+        # Per sequence in the scheduler: positions below this were charged already (a recompute
+        # after preemption, or a fork sharing its parent's prompt, is not charged again).
+        self._charged: dict[Sequence, int] = {}
+        self._passed: dict[Sequence, int] = {}  # times passed over by a later one of its tenant
+
+    def usage_of(self, tenant: str) -> TenantUsage:
+        usage = self.usage.get(tenant)
+        if usage is None:
+            usage = self.usage[tenant] = TenantUsage()
+        return usage
+
+    # -- counters -------------------------------------------------------------------------
+
+    def on_arrival(self, seq: Sequence, charged_upto: int = 0) -> None:
+        """`seq` enters the scheduler; its first `charged_upto` positions were paid for."""
+        if seq in self._charged:
+            return
+        usage = self.usage_of(seq.tenant)
+        if usage.num_seqs == 0:
+            usage.virtual_time = max(usage.virtual_time, self._frontier())
+        usage.num_seqs += 1
+        self._charged[seq] = charged_upto
+        self._passed[seq] = 0
+
+    def _frontier(self) -> float:
+        """Where a returning tenant starts: the least counter among backlogged tenants; with
+        none backlogged, the furthest any counter got (those who come later start there too,
+        so nobody gains from the time the engine served others or stood idle)."""
+        active = [u.virtual_time for u in self.usage.values() if u.num_seqs]
+        if active:
+            return min(active)
+        return max((u.virtual_time for u in self.usage.values()), default=0.0)
+
+    def on_leave(self, seq: Sequence) -> None:
+        """`seq` finished or was aborted (idempotent)."""
+        if self._charged.pop(seq, None) is None:
+            return
+        self._passed.pop(seq, None)
+        self.usage_of(seq.tenant).num_seqs -= 1
+
+    def charge(self, seq: Sequence, start: int, num_new_tokens: int, samples: bool) -> None:
+        """Counts positions [start, start + num_new_tokens) of `seq` scheduled this step."""
+        upto = self._charged.get(seq)
+        if upto is None:
+            return
+        end = start + num_new_tokens
+        self._charged[seq] = max(upto, end)
+        # Positions past the prompt feed back tokens that were charged when generated.
+        prompt = max(0, min(end, seq.num_prompt_tokens) - max(start, upto))
+        generated = 1 if samples else 0
+        usage = self.usage_of(seq.tenant)
+        usage.prompt_tokens += prompt
+        usage.output_tokens += generated
+        cost = prompt * self.prompt_token_weight + generated * self.output_token_weight
+        usage.virtual_time += cost / self.tenants.get(seq.tenant).weight
+
+    def count_admission(self, seq: Sequence, num_hit_tokens: int) -> None:
+        usage = self.usage_of(seq.tenant)
+        usage.prefix_cache_queries += seq.num_tokens
+        usage.prefix_cache_hits += num_hit_tokens
+
+    # -- choices --------------------------------------------------------------------------
+
+    def least_served(self, tenants: Iterable[str]) -> str:
+        """The tenant owed the most service; ties go to the one listed first (arrival order)."""
+        return min(tenants, key=lambda name: self.usage_of(name).virtual_time)
+
+    def pick(self, candidates: list[tuple[Sequence, int]], num_waiting: int) -> int:
+        """Index of the candidate (sequence, cached blocks), in the tenant's arrival order, to
+        admit next: one passed over MAX_PASS_OVERS times, else with a long queue the longest
+        cached prefix (earliest on ties), else the first."""
+        for i, (seq, _) in enumerate(candidates):
+            if self._passed.get(seq, 0) >= MAX_PASS_OVERS:
+                return i
+        if num_waiting <= CACHE_AWARE_MIN_WAITING:
+            return 0
+        return max(range(len(candidates)), key=lambda i: candidates[i][1])
+
+    def passed_over(self, seqs: Iterable[Sequence]) -> None:
+        """`seqs` were eligible and ahead of the one just admitted from their tenant."""
+        for seq in seqs:
+            if seq in self._passed:
+                self._passed[seq] += 1
+
+    def num_passed(self, seq: Sequence) -> int:
+        return self._passed.get(seq, 0)
+
+    def pick_victim(self, candidates: list[Sequence]) -> Sequence:
+        """The newest sequence of the candidates' tenant furthest over its share."""
+        return max(candidates, key=lambda s: (self.usage_of(s.tenant).virtual_time, s.arrival_time, s.seq_id))
+
+    # -- quotas ---------------------------------------------------------------------------
+
+    def within_quota(self, seq: Sequence, running: list[Sequence], new_block_ids: Iterable[int],
+                     num_new_blocks: int, pool_size: int) -> bool:
+        """Whether `seq` may run (admitted, or grown by `num_new_blocks` fresh blocks and the
+        cache hits `new_block_ids`) within its tenant's max_running and max_kv_fraction. A tenant
+        with nothing else running may always run one sequence: a limit smaller than one request
+        must not stop it for good."""
+        config = self.tenants.get(seq.tenant)
+        if config.max_running is None and config.max_kv_fraction is None:
+            return True
+        mine = [s for s in running if s.tenant == seq.tenant]
+        admitting = all(s is not seq for s in mine)
+        if not mine or mine == [seq]:
+            return True
+        if admitting and config.max_running is not None and len(mine) >= config.max_running:
+            return False
+        if config.max_kv_fraction is None:
+            return True
+        held = {b for s in mine for b in s.block_table}
+        held.update(new_block_ids)
+        return len(held) + num_new_blocks <= config.max_kv_fraction * pool_size
+
+    # -- stats ----------------------------------------------------------------------------
+
+    def stats(self, running: list[Sequence], waiting: Iterable[Sequence]) -> dict[str, dict[str, float | int]]:
+        out = {name: _row(self.usage_of(name)) for name in dict.fromkeys([*self.tenants.names(), *self.usage])}
+        blocks: dict[str, set[int]] = {}
+        for seq in running:
+            out.setdefault(seq.tenant, _row(self.usage_of(seq.tenant)))["num_running"] += 1
+            blocks.setdefault(seq.tenant, set()).update(seq.block_table)
+        for seq in waiting:
+            out.setdefault(seq.tenant, _row(self.usage_of(seq.tenant)))["num_waiting"] += 1
+        for name, held in blocks.items():
+            out[name]["num_blocks"] = len(held)
+        return out
+
+
+def _row(usage: TenantUsage) -> dict[str, float | int]:
+    return {
+        "virtual_time": usage.virtual_time,
+        "num_running": 0,
+        "num_waiting": 0,
+        "prompt_tokens": usage.prompt_tokens,
+        "output_tokens": usage.output_tokens,
+        "prefix_cache_queries": usage.prefix_cache_queries,
+        "prefix_cache_hits": usage.prefix_cache_hits,
+        "num_blocks": 0,
+    }

@@ -1,0 +1,412 @@
+"""Fair scheduling between tenants: the virtual token counter (weights, no banked credit),
+quotas, preemption victims, cache-aware order inside a tenant and its pass-over bound, and
+"fcfs" left as it was. The engine is simulated as in test_scheduler.py: after each step every
+scheduled sequence advances, registers its full blocks and appends a fake token if it samples."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from streamengine.block_manager import BlockManager
+from streamengine.fair_share import CACHE_AWARE_MIN_WAITING, MAX_PASS_OVERS
+from streamengine.scheduler import Scheduler, SchedulerOutput
+from streamengine.sequence import Sequence, SequenceStatus
+from streamengine.tenants import TenantConfig, Tenants
+
+BS = 4
+
+
+class Sim:
+    def __init__(
+        self, num_blocks: int, *, tenants: list[TenantConfig] = (), policy: str = "fair",
+        budget: int = 64, max_num_seqs: int = 8, prefix_caching: bool = True, chunk: int | None = None,
+    ) -> None:
+        self.bm = BlockManager(num_blocks, BS, prefix_caching)
+        self.sched = Scheduler(self.bm, max_num_seqs, budget, max_prefill_chunk=chunk, policy=policy,
+                               tenants=Tenants(tenants))
+        self.max_tokens: dict[int, int] = {}
+        self.finished: list[Sequence] = []
+        self.admitted: list[Sequence] = []  # first admissions, in order
+        self.next_id = 0
+        self.clock = 0.0
+
+    def add(self, tenant: str, prompt: list[int], max_tokens: int) -> Sequence:
+        self.clock += 1.0
+        seq = Sequence(self.next_id, f"r{self.next_id}", list(prompt), cache_salt=tenant,
+                       arrival_time=self.clock, tenant=tenant)
+        self.next_id += 1
+        self.max_tokens[seq.seq_id] = max_tokens
+        self.sched.add(seq)
+        return seq
+
+    def step(self) -> SchedulerOutput:
+        out = self.sched.schedule()
+        seen = set(self.admitted)
+        self.admitted += [i.seq for i in out.scheduled if i.seq not in seen and i.seq.num_preemptions == 0
+                          and i.seq.num_computed_tokens == i.seq.num_cached_tokens]
+        for item in out.scheduled:
+            seq = item.seq
+            assert seq.status is SequenceStatus.RUNNING and item.num_new_tokens > 0
+            seq.num_computed_tokens += item.num_new_tokens
+            self.bm.cache_full_blocks(seq)
+            if item.samples:
+                seq.token_ids.append(1000 + seq.seq_id)
+                if seq.num_output_tokens >= self.max_tokens[seq.seq_id]:
+                    self.sched.remove(seq)
+                    self.finished.append(seq)
+        return out
+
+    def run(self, max_steps: int = 3000) -> None:
+        for _ in range(max_steps):
+            if not self.sched.has_work():
+                return
+            assert not self.step().is_empty
+        raise AssertionError("no progress")
+
+    def stat(self, tenant: str, key: str) -> float:
+        return self.sched.tenant_stats()[tenant][key]
+
+    def running_of(self, tenant: str) -> list[Sequence]:
+        return [s for s in self.sched.running if s.tenant == tenant]
+
+    def blocks_of(self, tenant: str) -> int:
+        return len({b for s in self.running_of(tenant) for b in s.block_table})
+
+
+def tokens(n: int, start: int = 0) -> list[int]:
+    return list(range(start, start + n))
+
+
+def ids(seqs: list[Sequence]) -> list[int]:
+    return [s.seq_id for s in seqs]
+
+
+def service(sim: Sim, tenant: str) -> float:
+    """Unweighted service: prompt tokens computed * 1 + generated tokens * 2 (the defaults)."""
+    return sim.stat(tenant, "prompt_tokens") + 2 * sim.stat(tenant, "output_tokens")
+
+
+# -- the virtual token counter -------------------------------------------------------------
+
+
+def test_weights_one_to_two_get_service_one_to_two() -> None:
+    """Both tenants always have requests waiting; B (weight 2) gets twice A's service. Bound:
+    the weighted service of two backlogged tenants differs by at most 2 U (Sheng et al.),
+    U the cost of one whole request (prompt 8 * 1 + 6 outputs * 2 = 20)."""
+    sim = Sim(64, tenants=[TenantConfig("a", weight=1.0), TenantConfig("b", weight=2.0)], max_num_seqs=4)
+    bound = 2 * (8 + 2 * 6)
+    for step in range(400):
+        for tenant in ("a", "b"):
+            while sum(1 for s in sim.sched.waiting if s.tenant == tenant) < 3:
+                sim.add(tenant, tokens(8, 100 * sim.next_id), max_tokens=6)
+        sim.step()
+        gap = service(sim, "a") / 1.0 - service(sim, "b") / 2.0
+        assert abs(gap) <= bound, (step, gap)
+        assert sim.stat("a", "virtual_time") == pytest.approx(service(sim, "a"))
+        assert sim.stat("b", "virtual_time") == pytest.approx(service(sim, "b") / 2)
+    assert service(sim, "a") > 20 * bound  # long enough for the bound to mean a ratio
+    assert service(sim, "b") / service(sim, "a") == pytest.approx(2.0, abs=0.1)
+
+
+def test_an_idle_tenant_banks_no_credit() -> None:
+    """A is served alone for a while; B arrives with a backlog: B's counter starts at A's, so
+    the two then alternate instead of B taking every admission until it catches up."""
+    sim = Sim(64, tenants=[TenantConfig("a"), TenantConfig("b")], max_num_seqs=2)
+    for _ in range(40):
+        while sum(1 for s in sim.sched.waiting if s.tenant == "a") < 4:
+            sim.add("a", tokens(8, 100 * sim.next_id), max_tokens=2)
+        sim.step()
+    a_time = sim.stat("a", "virtual_time")
+    assert a_time > 200 and sim.stat("b", "virtual_time") == 0
+    b_seqs = [sim.add("b", tokens(8, 100 * sim.next_id), max_tokens=2) for _ in range(8)]
+    assert sim.stat("b", "virtual_time") == a_time  # lifted to the least backlogged counter
+    start = len(sim.admitted)
+    for _ in range(12):
+        while sum(1 for s in sim.sched.waiting if s.tenant == "a") < 4:
+            sim.add("a", tokens(8, 100 * sim.next_id), max_tokens=2)
+        sim.step()
+    order = [s.tenant for s in sim.admitted[start:]][:12]
+    assert order.count("a") == order.count("b") == 6
+    assert all(abs(order[:i].count("a") - order[:i].count("b")) <= 2 for i in range(len(order)))
+    assert all(s in sim.admitted for s in b_seqs[:6])
+
+
+def test_a_tenant_returning_to_an_empty_engine_starts_where_service_got_to() -> None:
+    sim = Sim(64, tenants=[TenantConfig("a"), TenantConfig("b")])
+    for _ in range(5):
+        sim.add("a", tokens(8, 100 * sim.next_id), max_tokens=3)
+    sim.run()
+    a_time = sim.stat("a", "virtual_time")
+    assert a_time == 5 * (8 + 2 * 3)
+    sim.add("b", tokens(8, 900), max_tokens=1)  # nobody backlogged: B starts at A's counter
+    assert sim.stat("b", "virtual_time") == a_time
+    sim.run()
+    b_time = sim.stat("b", "virtual_time")
+    sim.add("a", tokens(8, 950), max_tokens=1)
+    assert sim.stat("a", "virtual_time") == max(a_time, b_time)
+
+
+def test_removing_a_waiting_sequence_makes_its_tenant_idle() -> None:
+    sim = Sim(64, tenants=[TenantConfig("a"), TenantConfig("b")])
+    b = sim.add("b", tokens(8, 500), max_tokens=1)
+    sim.sched.remove(b)
+    sim.sched.remove(b)  # idempotent
+    for _ in range(3):
+        sim.add("a", tokens(8, 100 * sim.next_id), max_tokens=2)
+    sim.run()
+    assert sim.stat("b", "virtual_time") == 0 and sim.stat("b", "num_waiting") == 0
+    sim.add("a", tokens(8, 800), max_tokens=4)
+    sim.step()
+    sim.add("b", tokens(8, 900), max_tokens=1)  # idle: lifted to A's counter, not left at 0
+    assert sim.stat("b", "virtual_time") == sim.stat("a", "virtual_time") > 0
+
+
+def test_recompute_and_forks_are_not_charged_twice() -> None:
+    sim = Sim(4, tenants=[TenantConfig("a")], prefix_caching=False)
+    seqs = [sim.add("a", tokens(4, 50 * i), max_tokens=10) for i in range(3)]
+    sim.run()
+    assert sim.sched.num_preemptions > 0
+    assert sim.stat("a", "prompt_tokens") == 12  # the recomputed prompts were paid for once
+    assert sim.stat("a", "output_tokens") == 30 == sum(s.num_output_tokens for s in seqs)
+
+    sim = Sim(16, tenants=[TenantConfig("a")])
+    parent = sim.add("a", tokens(6), max_tokens=3)
+    sim.step()
+    child = Sequence(99, "r0", tokens(6), token_ids=list(parent.token_ids[:6]),
+                     arrival_time=parent.arrival_time, tenant="a")
+    sim.bm.fork(parent, child)
+    child.token_ids.append(7)
+    sim.max_tokens[99] = 3
+    sim.sched.add_running(child)
+    sim.sched.running.remove(child)
+    sim.sched._preempt(child)  # before its first step: it recomputes the prompt its parent paid for
+    beam = Sequence(98, "r0", tokens(6), token_ids=list(parent.token_ids), arrival_time=parent.arrival_time,
+                    tenant="a")
+    sim.max_tokens[98] = 2
+    sim.sched.add_preempted(beam)  # a beam whose parent was preempted: recomputes its tokens
+    sim.run()
+    assert sim.stat("a", "prompt_tokens") == 6
+    # each sample's own new tokens; the child's first one came from the parent's sample
+    assert sim.stat("a", "output_tokens") == 3 + 2 + 1
+    assert sim.sched.share.usage["a"].num_seqs == 0
+
+
+# -- quotas --------------------------------------------------------------------------------
+
+
+def test_max_running_holds_and_does_not_hold_back_other_tenants() -> None:
+    sim = Sim(64, tenants=[TenantConfig("a", max_running=2), TenantConfig("b")])
+    a_seqs = [sim.add("a", tokens(4, 10 * i), max_tokens=3) for i in range(5)]
+    b_seqs = [sim.add("b", tokens(4, 100 + 10 * i), max_tokens=3) for i in range(3)]
+    out = sim.step()
+    # equal counters go to the tenant whose request came first; A then stops at its limit
+    assert [i.seq for i in out.scheduled] == [a_seqs[0], b_seqs[0], a_seqs[1], b_seqs[1], b_seqs[2]]
+    while sim.sched.has_work():
+        assert len(sim.running_of("a")) <= 2
+        sim.step()
+    assert all(s.is_finished for s in a_seqs + b_seqs)
+
+
+def test_max_kv_fraction_holds_at_admission_and_while_growing() -> None:
+    """A may hold 4 of 16 blocks: it admits what fits and, when its sequences grow, yields its
+    own newest; B is never preempted for A's quota."""
+    sim = Sim(16, tenants=[TenantConfig("a", max_kv_fraction=0.25), TenantConfig("b")], prefix_caching=False)
+    a_seqs = [sim.add("a", tokens(8, 10 * i), max_tokens=8) for i in range(4)]  # 2 blocks each
+    b_seqs = [sim.add("b", tokens(8, 100 + 10 * i), max_tokens=8) for i in range(2)]
+    out = sim.step()
+    assert [i.seq for i in out.scheduled] == [a_seqs[0], b_seqs[0], a_seqs[1], b_seqs[1]]
+    preempted = []
+    while sim.sched.has_work():
+        out = sim.step()
+        preempted += out.preempted
+        assert len(sim.running_of("a")) <= 1 or sim.blocks_of("a") <= 4
+    assert preempted and all(s.tenant == "a" for s in preempted)
+    assert all(s.is_finished for s in a_seqs + b_seqs)
+
+
+def test_a_quota_smaller_than_one_request_does_not_stop_its_tenant() -> None:
+    sim = Sim(16, tenants=[TenantConfig("a", max_kv_fraction=0.1)])
+    seqs = [sim.add("a", tokens(12, 20 * i), max_tokens=6) for i in range(2)]
+    sim.run()
+    assert all(s.is_finished for s in seqs)
+
+
+def test_room_in_the_pool_is_kept_for_the_tenant_owed_the_most() -> None:
+    """A's request does not fit beside B's running one; B's small one would, but waits: the
+    blocks that free up go to A first (no large request starves behind small ones)."""
+    sim = Sim(8, tenants=[TenantConfig("a"), TenantConfig("b")], prefix_caching=False)
+    b0 = sim.add("b", tokens(16), max_tokens=8)
+    sim.step()
+    a0 = sim.add("a", tokens(20, 100), max_tokens=2)  # 5 blocks
+    b1 = sim.add("b", tokens(2, 200), max_tokens=2)  # 1 block
+    out = sim.step()
+    assert [i.seq for i in out.scheduled] == [b0] and sim.bm.num_free_blocks == 3
+    assert b1.status is SequenceStatus.WAITING
+    sim.run()
+    assert ids(sim.admitted) == ids([b0, a0, b1])
+
+
+# -- preemption ----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("policy", ["fair", "fcfs"])
+def test_the_victim_comes_from_the_tenant_furthest_over_its_share(policy: str) -> None:
+    sim = Sim(6, tenants=[TenantConfig("a"), TenantConfig("b", weight=4.0)], policy=policy,
+              prefix_caching=False)
+    a0 = sim.add("a", tokens(4), max_tokens=10)
+    a1 = sim.add("a", tokens(4, 20), max_tokens=10)
+    b0 = sim.add("b", tokens(4, 40), max_tokens=10)
+    for _ in range(20):
+        out = sim.step()
+        if out.preempted:
+            break
+    assert sim.stat("a", "virtual_time") > sim.stat("b", "virtual_time")
+    # fair: A's newest yields, though B's sequence is newer; fcfs: the newest, whoever owns it
+    assert out.preempted == ([a1] if policy == "fair" else [b0])
+    assert [i.seq for i in out.scheduled] == ([a0, b0] if policy == "fair" else [a0, a1])
+    sim.run()
+    assert all(s.num_output_tokens == 10 for s in (a0, a1, b0))
+
+
+# -- cache-aware order inside a tenant -----------------------------------------------------
+
+
+def warm_prefix(sim: Sim, tenant: str, prefix: list[int]) -> None:
+    sim.add(tenant, prefix + [9999], max_tokens=1)
+    sim.run()
+
+
+def test_cache_aware_order_prefers_the_longest_cached_prefix() -> None:
+    sim = Sim(64, tenants=[TenantConfig("a")], max_num_seqs=1)
+    prefix = tokens(12, 500)  # 3 blocks
+    warm_prefix(sim, "a", prefix)
+    x = [sim.add("a", tokens(6, 10 * i), max_tokens=1) for i in range(3)]
+    two = sim.add("a", prefix[:8] + [1, 2, 3], max_tokens=1)  # 2 cached blocks
+    x.append(sim.add("a", tokens(6, 40), max_tokens=1))
+    three = sim.add("a", prefix + [4, 5], max_tokens=1)  # 3 cached blocks
+    assert len(sim.sched.waiting) == 6 > CACHE_AWARE_MIN_WAITING
+    start = len(sim.admitted)
+    sim.run()
+    assert ids(sim.admitted[start:]) == ids([three, two, *x])
+    assert three.num_cached_tokens == 12 and two.num_cached_tokens == 8
+
+
+def test_a_short_queue_keeps_arrival_order() -> None:
+    sim = Sim(64, tenants=[TenantConfig("a")], max_num_seqs=1)
+    prefix = tokens(12, 500)
+    warm_prefix(sim, "a", prefix)
+    seqs = [sim.add("a", tokens(6, 10 * i), max_tokens=1) for i in range(CACHE_AWARE_MIN_WAITING - 1)]
+    seqs.append(sim.add("a", prefix + [4, 5], max_tokens=1))
+    start = len(sim.admitted)
+    sim.run()
+    assert ids(sim.admitted[start:]) == ids(seqs)
+
+
+def test_nobody_is_passed_over_more_than_the_bound() -> None:
+    """Requests hitting a cached prefix keep arriving behind one that hits nothing: it is
+    passed over exactly MAX_PASS_OVERS times, then admitted next."""
+    sim = Sim(256, tenants=[TenantConfig("a")], max_num_seqs=1)
+    prefix = tokens(12, 500)
+    warm_prefix(sim, "a", prefix)
+    cold = sim.add("a", tokens(6, 0), max_tokens=1)
+    for i in range(CACHE_AWARE_MIN_WAITING):
+        sim.add("a", prefix + [i], max_tokens=1)
+    start = len(sim.admitted)
+    for i in range(MAX_PASS_OVERS + 1):
+        sim.step()
+        sim.add("a", prefix + [100 + i], max_tokens=1)  # the queue stays long
+    order = sim.admitted[start:]
+    assert order.index(cold) == MAX_PASS_OVERS
+    assert all(s.num_cached_tokens == 12 for s in order[:MAX_PASS_OVERS])
+
+
+def test_pass_over_bound_holds_on_a_random_workload() -> None:
+    """Counted from outside: how many later requests of the same tenant started before each."""
+    rng = random.Random(7)
+    sim = Sim(96, tenants=[TenantConfig("a"), TenantConfig("b", weight=2.0)], max_num_seqs=2, budget=32)
+    prefixes = {t: [tokens(4 * rng.randint(1, 4), 1000 * k + 100 * j) for j in range(3)]
+                for k, t in enumerate(("a", "b"))}
+    for _ in range(300):
+        for _ in range(rng.randint(0, 2)):
+            tenant = rng.choice("ab")
+            prompt = rng.choice(prefixes[tenant]) + [rng.randrange(50) for _ in range(rng.randint(1, 6))]
+            sim.add(tenant, prompt, max_tokens=rng.randint(1, 4))
+        sim.step()
+    sim.run()
+    rank = {s: i for i, s in enumerate(sim.admitted)}
+    worst = 0
+    for seq in sim.admitted:
+        later = [o for o in sim.admitted if o.tenant == seq.tenant and o.arrival_time > seq.arrival_time]
+        worst = max(worst, sum(1 for o in later if rank[o] < rank[seq]))
+    assert 0 < worst <= MAX_PASS_OVERS
+    assert sim.bm.stats.hits > 0
+
+
+def test_a_prompt_still_waits_for_a_shared_prefix_in_flight() -> None:
+    sim = Sim(32, tenants=[TenantConfig("a"), TenantConfig("b")], chunk=4)
+    prefix = tokens(24)
+    first = sim.add("a", prefix + tokens(3, 100), max_tokens=1)
+    follower = sim.add("a", prefix + tokens(5, 200), max_tokens=1)
+    other = sim.add("b", tokens(6, 300), max_tokens=1)
+    out = sim.step()
+    assert [i.seq for i in out.scheduled] == [first, other]
+    for _ in range(4):
+        assert follower.status is SequenceStatus.WAITING
+        sim.step()
+    out = sim.step()  # the first schedules the last shared block: the follower starts on hits
+    assert follower in [i.seq for i in out.scheduled]
+    assert follower.num_cached_tokens == 24
+
+
+# -- fcfs and the policy switch ------------------------------------------------------------
+
+
+def test_fcfs_admits_in_arrival_order_across_tenants_without_quotas() -> None:
+    sim = Sim(64, tenants=[TenantConfig("a", max_running=1), TenantConfig("b", weight=8.0)], policy="fcfs")
+    seqs = [sim.add(t, tokens(4, 10 * i), max_tokens=2) for i, t in enumerate("aabab")]
+    out = sim.step()
+    assert [i.seq for i in out.scheduled] == seqs
+    sim.run()
+    assert sim.stat("a", "prompt_tokens") == 12 and sim.stat("b", "output_tokens") == 4
+
+
+def test_fair_with_one_tenant_and_a_short_queue_plans_exactly_as_fcfs() -> None:
+    def plans(policy: str) -> list[list[tuple[int, int]]]:
+        rng = random.Random(3)
+        sim = Sim(10, tenants=[TenantConfig("a")], policy=policy, budget=16, max_num_seqs=4)
+        result = []
+        for _ in range(400):
+            if len(sim.sched.waiting) <= CACHE_AWARE_MIN_WAITING - 2 and rng.random() < 0.5:
+                sim.add("a", [rng.randrange(3) for _ in range(rng.randint(1, 14))], rng.randint(1, 20))
+            out = sim.step()
+            result.append([(i.seq.seq_id, i.num_new_tokens) for i in out.scheduled] + [(-1, s.seq_id) for s in out.preempted])
+        return result
+
+    fair = plans("fair")
+    assert fair == plans("fcfs")
+    assert any(p and p[-1][0] == -1 for p in fair)  # the pool was under pressure
+
+
+def test_tenant_stats() -> None:
+    sim = Sim(64, tenants=[TenantConfig("a"), TenantConfig("idle")])
+    sim.add("a", tokens(8), max_tokens=2)
+    sim.step()
+    sim.add("a", tokens(9), max_tokens=1)
+    sim.add("b", tokens(4, 50), max_tokens=2)
+    stats = sim.sched.tenant_stats()
+    assert set(stats) == {"a", "idle", "b"}
+    assert stats["a"] == {
+        "virtual_time": 8 + 2, "num_running": 1, "num_waiting": 1, "prompt_tokens": 8, "output_tokens": 1,
+        "prefix_cache_queries": 8, "prefix_cache_hits": 0, "num_blocks": 2,
+    }
+    sim.step()
+    stats = sim.sched.tenant_stats()
+    assert stats["a"]["prefix_cache_queries"] == 17 and stats["a"]["prefix_cache_hits"] == 8
+    assert stats["b"]["num_running"] == 1 and stats["idle"]["virtual_time"] == 0
+
+
+def test_an_unknown_policy_is_refused() -> None:
+    with pytest.raises(ValueError, match="scheduling policy"):
+        Scheduler(BlockManager(4, BS), 4, 16, policy="lottery")
