@@ -28,12 +28,14 @@ from streamengine.model_runner import ModelRunner
 from streamengine.models import LoadedModel, load_model
 from streamengine.output_processor import make_output
 from streamengine.outputs import RequestOutput
+from streamengine.pinning import Pin, Pins
 from streamengine.request import Request, Sample
 from streamengine.sampler import SamplerOutput, SamplingRow, sample_generator
 from streamengine.sampling_params import SamplingParams
 from streamengine.scheduler import PreemptionPolicy, Scheduler, SchedulerOutput
 from streamengine.sequence import Sequence, SequenceStatus
 from streamengine.stop_rules import StopRules
+from streamengine.tenants import DEFAULT_TENANT, Tenants
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -71,6 +73,7 @@ class EngineCore:
         self.tokenizer = self.loaded.tokenizer
         self.kv_spec = plan_kv_cache(config, self.loaded.model.config)
         self.runner = ModelRunner(self.loaded, config, self.device, self.kv_spec)
+        self.tenants = Tenants(config.tenants)
         self.block_manager, self.scheduler = self._fresh_bookkeeping()
         self.max_model_len = self._max_model_len()
         self.eos_token_ids = eos_token_ids(self.loaded)
@@ -78,6 +81,7 @@ class EngineCore:
         pool = f"{self.kv_spec.num_blocks} blocks x {config.block_size}"
         self.intake = Intake(self.tokenizer, self.vocab_size, self.max_model_len, config.max_tokens_cap, pool)
         self.stop_rules = StopRules(frozenset(self.eos_token_ids), self.max_model_len)
+        self.pins = Pins(config.block_size)
         self.requests: dict[str, Request] = {}
         # Every live sequence's request, and its sample (None for a beam of a beam search).
         self._owner: dict[int, tuple[Request, Sample | None]] = {}
@@ -95,6 +99,9 @@ class EngineCore:
         scheduler = Scheduler(
             block_manager, config.max_num_seqs, config.max_num_batched_tokens,
             self._preemption_policy(), max_prefill_chunk=config.max_prefill_chunk,
+            policy=config.scheduling_policy, tenants=self.tenants,
+            prompt_token_weight=config.fair_prompt_token_weight,
+            output_token_weight=config.fair_output_token_weight,
         )
         return block_manager, scheduler
 
@@ -107,6 +114,7 @@ class EngineCore:
         self.block_manager, self.scheduler = self._fresh_bookkeeping()
         self.requests.clear()
         self._owner.clear()
+        self.pins.clear()  # their blocks went with the old block manager
         return dropped
 
     def _preemption_policy(self) -> PreemptionPolicy:
@@ -130,30 +138,42 @@ class EngineCore:
 
     def add_request(
         self, request_id: str, prompt: str | list[int], params: SamplingParams,
-        cache_salt: str | None = None,
+        cache_salt: str | None = None, tenant: str | None = None, pin: Pin | None = None,
     ) -> Request:
-        """Queues a request; raises ValueError (LimitExceededError) for a bad one."""
+        """Queues a request of `tenant` (None: the default tenant); `cache_salt` is a per-user
+        salt for what follows the tenant's pinned prefixes. A `pin` request pins its prompt's
+        full blocks when it ends. Raises ValueError (LimitExceededError) for a bad request,
+        TenantRateLimitError past the tenant's tokens per minute."""
         if request_id in self.requests:
             raise ValueError(f"request_id {request_id!r} is already in use")
+        tenant = tenant if tenant is not None else DEFAULT_TENANT
+        self.tenants.check_rate(tenant)
         prompt_ids = self.intake.prompt_ids(prompt)
         self.intake.check_length(len(prompt_ids), params)
         req = Request(
             request_id, prompt_ids, params, samples=[], arrival_time=time.monotonic(),
             max_tokens=self.intake.max_tokens(len(prompt_ids), params),
-            stop_ids=self.intake.stop_ids(params),
+            stop_ids=self.intake.stop_ids(params), tenant=tenant, pin=pin,
+            salt_segments=self._salt_segments(prompt_ids, tenant, cache_salt, pin),
         )
         if params.use_beam_search:
-            self._start_beam_search(req, cache_salt)
+            self._start_beam_search(req)
         else:
-            self._start_samples(req, cache_salt)
+            self._start_samples(req)
         self.requests[request_id] = req
         self.scheduler.add(req.seqs[0])
+        self.tenants.record(tenant, len(prompt_ids))
         return req
 
-    def _start_samples(self, req: Request, cache_salt: str | None) -> None:
+    def _salt_segments(self, prompt_ids: list[int], tenant: str, user_salt: str | None, pin: Pin | None):
+        if pin is not None and pin.info.shared:
+            return ((0, None),)  # a shared prefix: hashed without any salt
+        return self.pins.segments(prompt_ids, tenant, self.tenants.get(tenant).salt, user_salt)
+
+    def _start_samples(self, req: Request) -> None:
         params, prompt_ids = req.params, req.prompt_token_ids
         for i in range(params.n):
-            seq = self._new_seq(req, cache_salt, group_size=params.n)
+            seq = self._new_seq(req, group_size=params.n)
             sample = Sample(
                 i, seq, IncrementalDetokenizer(self.tokenizer, prompt_ids, params),
                 logprobs=[] if params.logprobs is not None else None,
@@ -164,10 +184,10 @@ class EngineCore:
             self._owner[seq.seq_id] = (req, sample)
         req.pending_children = req.samples[1:]  # forked from sample 0 once its prompt is computed
 
-    def _start_beam_search(self, req: Request, cache_salt: str | None) -> None:
+    def _start_beam_search(self, req: Request) -> None:
         params = req.params
         req.samples = [Sample(i) for i in range(params.n)]  # filled when the search ends
-        first = self._new_seq(req, cache_salt, group_size=params.beam_width)
+        first = self._new_seq(req, group_size=params.beam_width)
         stops = req.stop_ids if params.ignore_eos else req.stop_ids | self.eos_token_ids
         prompt_len = len(req.prompt_token_ids)
         state = BeamSearchState(
@@ -181,10 +201,12 @@ class EngineCore:
         req.beam = BeamSearch(state, first, params.n)
         self._owner[first.seq_id] = (req, None)
 
-    def _new_seq(self, req: Request, cache_salt: str | None, group_size: int) -> Sequence:
+    def _new_seq(self, req: Request, group_size: int, token_ids: list[int] | None = None) -> Sequence:
+        segments = req.salt_segments
         return Sequence(
-            next(self._seq_ids), req.request_id, req.prompt_token_ids, cache_salt,
-            req.arrival_time, group_size=group_size,
+            next(self._seq_ids), req.request_id, req.prompt_token_ids, segments[-1][1] if segments else None,
+            req.arrival_time, token_ids=list(token_ids or ()), group_size=group_size,
+            tenant=req.tenant, salt_segments=segments,
         )
 
     # -- abort and failure ---------------------------------------------------------------
@@ -230,9 +252,10 @@ class EngineCore:
         return failures
 
     def audit(self) -> None:
-        """Raises EngineStateError unless every block's refcount equals the number of queued
-        sequences whose block table holds it, every host block is free or held once, and every
-        queued sequence belongs to a live request. O(blocks + tokens' blocks): run after faults."""
+        """Raises EngineStateError unless every block's refcount equals its pins plus the
+        number of queued sequences whose block table holds it, every host block is free or held
+        once, and every queued sequence belongs to a live request. O(blocks + tokens' blocks):
+        run after faults."""
         bm = self.block_manager
         counts = [0] * bm.num_blocks
         num_cpu_held = 0
@@ -242,6 +265,9 @@ class EngineCore:
             for block_id in seq.block_table:
                 counts[block_id] += 1
             num_cpu_held += len(seq.cpu_block_table)
+        for pin in self.pins.all():
+            for block_id in pin.block_ids:
+                counts[block_id] += 1
         if [b.ref_cnt for b in bm.blocks] != counts or bm.num_free_blocks != counts.count(0):
             raise EngineStateError("KV block refcounts do not match the sequences' block tables")
         if num_cpu_held + bm.num_free_cpu_blocks != bm.num_cpu_blocks:
@@ -357,9 +383,12 @@ class EngineCore:
         if sample.logprobs is not None:
             sample.logprobs.append(logprobs)
         stop_str = sample.detok.add_tokens([token])
+        self.tenants.record(req.tenant, 1)
         reason, stop = self.stop_rules.check(req, sample, token, stop_str)
         if reason is not None:
             sample.finish(reason, stop)
+            if req.pin is not None:
+                self._pin(req.pin, seq)
             self.scheduler.remove(seq)
 
     def _beam_step(self, req: Request) -> bool:
@@ -376,10 +405,7 @@ class EngineCore:
         return True
 
     def _fork_beam(self, req: Request, parent: Sequence) -> Sequence:
-        child = Sequence(
-            next(self._seq_ids), req.request_id, req.prompt_token_ids, parent.cache_salt,
-            parent.arrival_time, token_ids=list(parent.token_ids), group_size=parent.group_size,
-        )
+        child = self._new_seq(req, parent.group_size, token_ids=parent.token_ids)
         self._owner[child.seq_id] = (req, None)
         if parent.status is SequenceStatus.RUNNING:
             self.block_manager.fork(parent, child)
@@ -387,6 +413,22 @@ class EngineCore:
         else:  # parent preempted meanwhile: the child recomputes (mostly prefix-cache hits)
             self.scheduler.add_preempted(child)
         return child
+
+    def _pin(self, pin: Pin, seq: Sequence) -> None:
+        """Pins the cached blocks of `seq`'s prompt (computed by now) for `pin`. They are
+        found by hash: a prompt already cached computes its last block again in a block of
+        its own, which is not the cached one."""
+        bm, n = self.block_manager, pin.info.num_blocks
+        block_ids = bm.cached_block_ids(bm.compute_block_hashes(seq)[:n])
+        if len(block_ids) != n:
+            raise RuntimeError(f"pinned prefix {pin.info.pin_id}: only {len(block_ids)} of its {n} blocks are cached")
+        bm.pin_blocks(block_ids, owner="*" if pin.info.shared else pin.info.tenant)
+        pin.block_ids = block_ids
+        self.pins.add(pin)
+
+    def unpin(self, pin_id: str) -> None:
+        """Makes a pinned prefix's blocks evictable again; KeyError for an unknown id."""
+        self.block_manager.unpin_blocks(self.pins.pop(pin_id).block_ids)
 
     def _drop_beam(self, seq: Sequence) -> None:
         self.scheduler.remove(seq)
@@ -437,7 +479,27 @@ class EngineCore:
             "num_swap_blocks_free": bm.num_free_cpu_blocks,
             "block_size": bm.block_size,
             "max_model_len": self.max_model_len,
+            "num_pinned_blocks": bm.num_pinned_blocks,
+            "tenants": self.tenant_stats(),
         }
+
+    def tenant_stats(self) -> dict[str, dict[str, int | float]]:
+        """Per tenant: the scheduler's share and service figures, plus its weight, requests in
+        flight, pinned blocks and requests refused by its rate limit."""
+        figures = self.scheduler.tenant_stats()
+        live: dict[str, int] = {}
+        for req in self.requests.values():
+            live[req.tenant] = live.get(req.tenant, 0) + 1
+        pinned: dict[str | None, int] = {}
+        for pin in self.pins.all():
+            pinned[pin.info.tenant] = pinned.get(pin.info.tenant, 0) + len(pin.block_ids)
+        for name in self.tenants.names():
+            row = figures.setdefault(name, {})
+            row["weight"] = self.tenants.get(name).weight
+            row["num_requests"] = live.get(name, 0)
+            row["num_pinned_blocks"] = pinned.get(name, 0)
+            row["num_rejected"] = self.tenants.num_rejected.get(name, 0)
+        return figures
 
     def _live_seqs(self) -> Iterator[Sequence]:
         for req in self.requests.values():
@@ -447,7 +509,10 @@ class EngineCore:
 
     def kv_state(self) -> dict:
         bm = self.block_manager
-        return {"block_size": bm.block_size, "num_blocks": bm.num_blocks, "blocks": bm.block_states()}
+        return {
+            "block_size": bm.block_size, "num_blocks": bm.num_blocks, "blocks": bm.block_states(),
+            "tenants": bm.block_tenants(),
+        }
 
 
 def eos_token_ids(loaded: LoadedModel) -> set[int]:

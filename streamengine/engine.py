@@ -15,6 +15,7 @@ a tight loop stop the engine (EngineDeadError) rather than spin.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import ctypes
 import logging
 import os
@@ -26,11 +27,18 @@ from concurrent.futures import ThreadPoolExecutor
 
 from streamengine.config import EngineConfig
 from streamengine.core import EngineCore, EngineStateError
-from streamengine.errors import EngineDeadError, EngineOverloadedError, RequestFailedError
+from streamengine.errors import (
+    EngineDeadError,
+    EngineOverloadedError,
+    LimitExceededError,
+    RequestFailedError,
+)
 from streamengine.models import LoadedModel
 from streamengine.output_stream import RequestStream
 from streamengine.outputs import RequestOutput
+from streamengine.pinning import Pin, PinnedPrefix
 from streamengine.sampling_params import SamplingParams
+from streamengine.tenants import DEFAULT_TENANT, TenantConfig
 
 log = logging.getLogger(__name__)
 
@@ -72,6 +80,8 @@ class AsyncEngine:
         self._executor: ThreadPoolExecutor | None = None
         self._in_flight = False
         self._pending_aborts: list[str] = []
+        self._pending_pin_blocks = 0  # blocks of pin_prefix calls still computing
+        self._repin_task: asyncio.Task | None = None  # pins computed again after a restart
         self._state, self._reason = "stopped", "not started"
         self._restart_reason: str | None = None  # set by a fault outside the loop: restart next
         self._restart_times: deque[float] = deque()
@@ -104,6 +114,11 @@ class AsyncEngine:
     async def stop(self) -> None:
         """Stops the step loop, waits for a forward pass in flight, aborts every request."""
         task, self._task = self._task, None
+        repin, self._repin_task = self._repin_task, None
+        if repin is not None:
+            repin.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await repin
         if task is not None:
             task.cancel()
             try:
@@ -158,22 +173,19 @@ class AsyncEngine:
         params: SamplingParams | None = None,
         request_id: str | None = None,
         cache_salt: str | None = None,
+        tenant: str | None = None,
     ) -> AsyncIterator[RequestOutput]:
         """Streams the outputs of one request, one per engine step: cumulative by default,
         only what is new with `params.output_kind="delta"`; a consumer slower than the engine
-        gets the steps it missed folded into one output. Leaving early (break, cancel, error) aborts it and frees its blocks.
-        Raises ValueError for a bad request, EngineOverloadedError when `max_waiting` requests
-        already wait, RequestFailedError if the engine fails it, EngineDeadError if it stops."""
-        self._check_admission()
-        params = params if params is not None else SamplingParams()
-        if not isinstance(params, SamplingParams):
-            raise TypeError(f"params must be SamplingParams, got {type(params).__name__}")
-        request_id = request_id if request_id is not None else uuid.uuid4().hex
-        if not self.core.has_work():  # progress is measured from when work arrives
-            self._last_progress = time.monotonic()
-        self.core.add_request(request_id, prompt, params, cache_salt)  # raises ValueError
-        stream = self._streams[request_id] = RequestStream(delta=params.output_kind == "delta")
-        self._wakeup.set()
+        gets the steps it missed folded into one output. Leaving early (break, cancel, error)
+        aborts it and frees its blocks.
+
+        `tenant` (None: "default") is whose share the request counts against and whose cache
+        blocks it may share; `cache_salt` is a per-user salt for what follows the tenant's
+        pinned prefixes. Raises ValueError for a bad request, EngineOverloadedError when
+        `max_waiting` requests already wait (TenantRateLimitError past the tenant's tokens per
+        minute), RequestFailedError if the engine fails it, EngineDeadError if it stops."""
+        request_id, stream = self._submit(prompt, params, request_id, cache_salt, tenant)
         finished = False
         try:
             while not finished:
@@ -184,6 +196,96 @@ class AsyncEngine:
             self._streams.pop(request_id, None)
             if not finished:
                 self._abort(request_id)
+
+    def _submit(
+        self, prompt: str | list[int], params: SamplingParams | None, request_id: str | None,
+        cache_salt: str | None, tenant: str | None, pin: Pin | None = None,
+    ) -> tuple[str, RequestStream]:
+        self._check_admission()
+        params = params if params is not None else SamplingParams()
+        if not isinstance(params, SamplingParams):
+            raise TypeError(f"params must be SamplingParams, got {type(params).__name__}")
+        request_id = request_id if request_id is not None else uuid.uuid4().hex
+        if not self.core.has_work():  # progress is measured from when work arrives
+            self._last_progress = time.monotonic()
+        self.core.add_request(request_id, prompt, params, cache_salt, tenant, pin)  # raises ValueError
+        stream = self._streams[request_id] = RequestStream(delta=params.output_kind == "delta")
+        self._wakeup.set()
+        return request_id, stream
+
+    # -- tenants and pinned prefixes -------------------------------------------------------
+
+    @property
+    def tenants(self) -> list[TenantConfig]:
+        return [self.core.tenants.get(name) for name in self.core.tenants.names()]
+
+    def add_tenant(self, config: TenantConfig) -> None:
+        """Registers a tenant, or changes its settings (requests in flight keep running)."""
+        self.core.tenants.add(config)
+
+    def pinned(self) -> list[PinnedPrefix]:
+        return [pin.info for pin in self.core.pins.all()]
+
+    async def pin_prefix(
+        self, prompt: str | list[int], tenant: str | None = None, shared: bool = False,
+    ) -> PinnedPrefix:
+        """Computes `prompt` once and keeps its full blocks resident until `unpin`.
+
+        A tenant's pin (its system prompt) is hashed with the tenant's salt: only its own
+        requests hit it. `shared=True` hashes it without a salt, so every tenant's requests that
+        start with it hit it (a platform preamble); what follows stays salted. Raises
+        LimitExceededError past `max_pinned_fraction` of the pool, ValueError for a prompt
+        shorter than one block."""
+        ids = self.core.intake.prompt_ids(prompt)
+        pin = self._new_pin(ids, tenant, shared)
+        await self._compute_pin(pin, tenant)
+        return pin.info
+
+    async def _compute_pin(self, pin: Pin, tenant: str | None) -> None:
+        """Runs the prefix as a one-token request that pins its prompt's blocks as it ends."""
+        self._pending_pin_blocks += pin.info.num_blocks
+        try:
+            params = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
+            request_id, stream = self._submit(list(pin.token_ids), params, f"pin-{pin.info.pin_id}", None, tenant, pin)
+            try:
+                while not (await stream.get()).finished:
+                    pass
+            finally:
+                self._streams.pop(request_id, None)
+                self._abort(request_id)  # a no-op once it finished
+        finally:
+            self._pending_pin_blocks -= pin.info.num_blocks
+        if self.core.pins.get(pin.info.pin_id) is None:
+            raise RequestFailedError("the prefix was not pinned: its request ended early")
+
+    async def _repin(self, pins: list[Pin]) -> None:
+        """After a restart: computes and pins again the prefixes the old bookkeeping held,
+        under their old ids."""
+        for pin in pins:
+            try:
+                await self._compute_pin(Pin(pin.info, pin.token_ids), pin.info.tenant)
+            except Exception:
+                log.exception("pinning prefix %s again after a restart failed", pin.info.pin_id)
+
+    def _new_pin(self, ids: list[int], tenant: str | None, shared: bool) -> Pin:
+        num_blocks = len(ids) // self.config.block_size
+        if num_blocks == 0:
+            raise ValueError(f"a pinned prefix needs at least one full block ({self.config.block_size} tokens)")
+        limit = int(self.config.max_pinned_fraction * self.core.kv_spec.num_blocks)
+        held = self.core.block_manager.num_pinned_blocks + self._pending_pin_blocks
+        if held + num_blocks > limit:
+            raise LimitExceededError(
+                "max_pinned_fraction",
+                f"pinning {num_blocks} more blocks would exceed max_pinned_fraction "
+                f"({self.config.max_pinned_fraction:g} of {self.core.kv_spec.num_blocks} blocks; {held} pinned)",
+            )
+        owner = None if shared else (tenant if tenant is not None else DEFAULT_TENANT)
+        info = PinnedPrefix(uuid.uuid4().hex[:12], owner, shared, len(ids), num_blocks)
+        return Pin(info, tuple(ids))
+
+    async def unpin(self, pin_id: str) -> None:
+        """Lets a pinned prefix's blocks be evicted again; KeyError for an unknown id."""
+        self.core.unpin(pin_id)
 
     def _check_admission(self) -> None:
         if not self.is_running:
@@ -309,6 +411,7 @@ class AsyncEngine:
         log.error("restarting the engine core (restart %d): %s", self.num_restarts, why)
         self._deliver_failures()  # requests whose own fault came first keep their own message
         self._pending_aborts.clear()
+        pins = self.core.pins.all()
         for request_id in self.core.reset():
             stream = self._streams.get(request_id)
             if stream is not None:
@@ -317,6 +420,8 @@ class AsyncEngine:
         await asyncio.sleep(RESTART_BACKOFF_S)
         self._state, self._reason = "ready", None
         self._last_progress = time.monotonic()
+        if pins:
+            self._repin_task = asyncio.get_running_loop().create_task(self._repin(pins), name="streamengine-repin")
 
     def _take_pending_aborts(self) -> list[str]:
         aborts, self._pending_aborts = self._pending_aborts, []

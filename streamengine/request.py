@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 
 from streamengine.beam_search import BeamSearch
 from streamengine.detokenizer import IncrementalDetokenizer
+from streamengine.pinning import Pin
 from streamengine.sampler import SamplingRow
 from streamengine.sampling_params import SamplingParams
 from streamengine.sequence import Sequence
@@ -68,6 +69,9 @@ class Request:
     # first token from the same logits.
     pending_children: list[Sample] = field(default_factory=list)
     beam: BeamSearch | None = None
+    tenant: str = "default"
+    salt_segments: tuple[tuple[int, str | None], ...] = ()  # see pinning.Pins.segments
+    pin: Pin | None = None  # a pin_prefix request: its prompt's full blocks are pinned at the end
 
     @property
     def finished(self) -> bool:

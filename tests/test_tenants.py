@@ -1,0 +1,172 @@
+"""Tenants in the engine: registry and rate limits, salt segments, pinned prefixes, and the
+guarantee that scheduling policy never changes results."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from streamengine import AsyncEngine, EngineConfig, SamplingParams
+from streamengine.errors import LimitExceededError
+from streamengine.pinning import Pin, PinnedPrefix, Pins
+from streamengine.tenants import RATE_WINDOW_S, TenantConfig, TenantRateLimitError, Tenants
+
+BS = 16
+
+
+# -- registry and rate limit (no model) ---------------------------------------------------------
+
+
+def test_tenant_config_is_validated():
+    for bad in (dict(weight=0), dict(max_running=0), dict(max_kv_fraction=1.5), dict(tokens_per_minute=0)):
+        with pytest.raises(ValueError, match=f"TenantConfig.{next(iter(bad))}"):
+            TenantConfig("a", **bad)
+    with pytest.raises(ValueError, match="name"):
+        TenantConfig("")
+    assert TenantConfig("a").salt != TenantConfig("b").salt
+    assert TenantConfig("a", cache_salt="s").salt == "s"
+
+
+def test_unknown_tenants_are_registered_with_defaults():
+    tenants = Tenants([TenantConfig("a", weight=2.0)])
+    assert tenants.get("a").weight == 2.0
+    assert tenants.get("new").weight == 1.0 and "new" in tenants
+
+
+def test_rate_limit_counts_the_last_minute():
+    tenants = Tenants([TenantConfig("a", tokens_per_minute=100)])
+    tenants.record("a", 60, now=0.0)
+    tenants.check_rate("a", now=1.0)  # 60 < 100
+    tenants.record("a", 50, now=10.0)
+    with pytest.raises(TenantRateLimitError) as err:
+        tenants.check_rate("a", now=20.0)
+    # 110 used; the first 60 age out at t=60, leaving 50 < 100
+    assert err.value.retry_after == pytest.approx(RATE_WINDOW_S - 20.0)
+    assert tenants.num_rejected["a"] == 1
+    tenants.check_rate("a", now=RATE_WINDOW_S + 0.5)
+    tenants.check_rate("unlimited", now=0.0)
+
+
+# -- salt segments (no model) -------------------------------------------------------------------
+
+
+def pins_with(*pins: tuple[str | None, bool, list[int]]) -> Pins:
+    registry = Pins(BS)
+    for i, (tenant, shared, ids) in enumerate(pins):
+        registry.add(Pin(PinnedPrefix(f"p{i}", tenant, shared, len(ids), len(ids) // BS), tuple(ids)))
+    return registry
+
+
+def test_segments_follow_the_longest_matching_pins():
+    preamble, system = list(range(40)), list(range(40, 80))
+    pins = pins_with((None, True, preamble), ("a", False, preamble + system))
+    prompt = preamble + system + [999] * 10
+    # shared part in whole blocks (32 of 40 tokens), the tenant's pin (80 -> 80), then the user
+    assert pins.segments(prompt, "a", "salt-a", "u1") == ((0, None), (32, "salt-a"), (80, "salt-a\x00user:u1"))
+    assert pins.segments(prompt, "a", "salt-a", None) == ((0, None), (32, "salt-a"))
+    # another tenant shares only the preamble; its user salt starts right after it
+    assert pins.segments(prompt, "b", "salt-b", "u1") == ((0, None), (32, "salt-b\x00user:u1"))
+    # no pins at all: the tenant salt (or tenant + user) from the first block
+    assert Pins(BS).segments(prompt, "a", "salt-a", None) == ((0, "salt-a"),)
+    assert pins.segments([7] * 50, "a", "salt-a", None) == ((0, "salt-a"),)
+
+
+# -- the engine ---------------------------------------------------------------------------------
+
+
+@pytest.fixture
+async def engine(tiny_llama_dir):
+    config = EngineConfig(model=str(tiny_llama_dir), num_gpu_blocks=64, max_pinned_fraction=0.5,
+                          tenants=(TenantConfig("a"), TenantConfig("b", weight=2.0)))
+    async with AsyncEngine(config) as eng:
+        yield eng
+
+
+async def cached_tokens(engine, prompt, tenant=None, user=None) -> int:
+    params = SamplingParams(temperature=0, max_tokens=2, ignore_eos=True)
+    outs = [o async for o in engine.generate(prompt, params, tenant=tenant, cache_salt=user)]
+    return outs[-1].num_cached_tokens
+
+
+SYSTEM = list(range(1000, 1064))  # 4 blocks
+PREAMBLE = list(range(2000, 2032))  # 2 blocks
+
+
+async def test_a_pinned_system_prompt_is_hit_by_its_tenant_only(engine):
+    pin = await engine.pin_prefix(SYSTEM, tenant="a")
+    assert (pin.num_blocks, pin.tenant, pin.shared) == (4, "a", False)
+    assert engine.stats()["num_pinned_blocks"] == 4
+    assert await cached_tokens(engine, SYSTEM + [5, 6, 7], tenant="a") == 64
+    assert await cached_tokens(engine, SYSTEM + [5, 6, 7], tenant="b") == 0  # b's salt differs
+
+
+async def test_users_share_the_pinned_prompt_but_not_each_others_messages(engine):
+    await engine.pin_prefix(SYSTEM, tenant="a")
+    message = list(range(3000, 3040))
+    assert await cached_tokens(engine, SYSTEM + message, tenant="a", user="alice") == 64
+    # alice's own next turn hits her earlier message; bob's identical message does not
+    assert await cached_tokens(engine, SYSTEM + message + [1], tenant="a", user="alice") == 64 + 32
+    assert await cached_tokens(engine, SYSTEM + message + [1], tenant="a", user="bob") == 64
+
+
+async def test_a_shared_preamble_is_hit_by_every_tenant_and_only_it(engine):
+    await engine.pin_prefix(PREAMBLE, shared=True)
+    rest = list(range(4000, 4040))
+    assert await cached_tokens(engine, PREAMBLE + rest, tenant="a") == 32
+    assert await cached_tokens(engine, PREAMBLE + rest, tenant="b") == 32  # a's own blocks stay a's
+    assert await cached_tokens(engine, PREAMBLE + rest, tenant="a") == 32 + 32
+
+
+async def test_pinned_blocks_survive_pressure_and_unpin_releases_them(engine):
+    pin = await engine.pin_prefix(SYSTEM, tenant="a")
+    for i in range(12):  # each fills most of the pool: every unpinned block is recycled
+        await cached_tokens(engine, [100 + i] * 400, tenant="b")
+    assert await cached_tokens(engine, SYSTEM + [9], tenant="a") == 64
+    await engine.unpin(pin.pin_id)
+    assert engine.stats()["num_pinned_blocks"] == 0 and engine.pinned() == []
+    for i in range(12):
+        await cached_tokens(engine, [200 + i] * 400, tenant="b")
+    assert await cached_tokens(engine, SYSTEM + [9], tenant="a") == 0
+    with pytest.raises(KeyError):
+        await engine.unpin(pin.pin_id)
+
+
+async def test_pins_past_the_pinned_fraction_are_refused(engine):
+    await engine.pin_prefix(list(range(16 * 30)), tenant="a")  # 30 of the 32 allowed
+    with pytest.raises(LimitExceededError, match="max_pinned_fraction") as err:
+        await engine.pin_prefix(list(range(5000, 5048)), tenant="b")
+    assert err.value.limit == "max_pinned_fraction"
+    with pytest.raises(ValueError, match="full block"):
+        await engine.pin_prefix([1, 2, 3])
+
+
+async def test_rate_limited_tenant_is_refused_and_others_are_not(engine):
+    engine.add_tenant(TenantConfig("slow", tokens_per_minute=50))
+    await cached_tokens(engine, list(range(60)), tenant="slow")
+    with pytest.raises(TenantRateLimitError) as err:
+        await cached_tokens(engine, [1, 2, 3], tenant="slow")
+    assert err.value.retry_after > 0
+    await cached_tokens(engine, [1, 2, 3], tenant="a")
+    tenants = engine.stats()["tenants"]
+    assert tenants["slow"]["num_rejected"] == 1 and tenants["b"]["weight"] == 2.0
+
+
+@pytest.mark.parametrize("policy", ["fcfs", "fair"])
+def test_greedy_outputs_do_not_depend_on_the_policy(tiny_llama_dir, policy):
+    """Scheduling decides when tokens are computed, never which: every tenant's greedy output
+    equals what the same prompt gives alone."""
+
+    async def run(config: EngineConfig) -> dict[str, list[int]]:
+        async with AsyncEngine(config) as engine:
+            async def one(i: int) -> tuple[str, list[int]]:
+                params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+                outs = [o async for o in engine.generate([10 + i] * (20 + 7 * i), params, tenant=f"t{i % 3}")]
+                return f"r{i}", outs[-1].outputs[0].token_ids
+            return dict(await asyncio.gather(*(one(i) for i in range(9))))
+
+    base = dict(model=str(tiny_llama_dir), num_gpu_blocks=24, max_num_seqs=4,
+                tenants=(TenantConfig("t0", weight=3.0), TenantConfig("t1")))
+    got = asyncio.run(run(EngineConfig(scheduling_policy=policy, **base)))
+    alone = asyncio.run(run(EngineConfig(scheduling_policy="fcfs", **dict(base, max_num_seqs=1))))
+    assert got == alone
