@@ -1,8 +1,9 @@
 """CLI: `python -m streamengine generate ...` and `python -m streamengine serve ...`.
 
 API and admin keys come from repeatable options, else from STREAMENGINE_API_KEY /
-STREAMENGINE_ADMIN_KEY (comma-separated lists). Usage errors, including a refused open
-bind, exit with code 2.
+STREAMENGINE_ADMIN_KEY (comma-separated lists); `--tenants FILE` (TOML) adds tenants with their
+own keys, shares, limits and pinned system prompts. Usage errors, including a refused open
+bind and a bad tenants file, exit with code 2 before the model loads.
 """
 
 from __future__ import annotations
@@ -21,6 +22,8 @@ from streamengine.server.state import (
     DEFAULT_SHUTDOWN_TIMEOUT_S,
     DEFAULT_STALL_TIMEOUT_S,
 )
+from streamengine.server.tenants_file import TenantsFile, TenantsFileError, load_tenants_file
+from streamengine.tenants import TenantConfig
 
 # Spellings the CLI had before its options were generated; the field's own name works too.
 _OPTION_NAMES = {
@@ -38,7 +41,24 @@ def _int_or_none(text: str) -> int | None:
         raise argparse.ArgumentTypeError(f"expected an integer or 'none', got {text!r}") from None
 
 
-_PARSERS: dict[Any, Any] = {int: int, int | None: _int_or_none, str: str, str | None: str}
+def _tenants_file(path: str) -> TenantsFile:
+    """Parsed while the command line is: a bad file is a usage error (exit 2) naming the entry."""
+    try:
+        return load_tenants_file(path)
+    except TenantsFileError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+_PARSERS: dict[Any, Any] = {
+    int: int, int | None: _int_or_none, float: float, str: str, str | None: str,
+    tuple[TenantConfig, ...]: _tenants_file,
+}
+_METAVARS: dict[Any, str] = {int: "N", int | None: "N", float: "X", tuple[TenantConfig, ...]: "FILE"}
+_MORE_HELP = {
+    "tenants": "; FILE is TOML: [[tenants]] tables of name, api_key or api_key_sha256, weight, max_running, "
+               "max_kv_fraction, tokens_per_minute, system_prompt (pinned at start), and an optional "
+               "top-level shared_prefix (pinned for every tenant)",
+}
 
 
 def _engine_args(p: argparse.ArgumentParser) -> None:
@@ -48,7 +68,8 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
     for f in dataclasses.fields(EngineConfig):
         default = getattr(defaults, f.name)
         names = _OPTION_NAMES.get(f.name, (f"--{f.name.replace('_', '-')}",))
-        help_text = f"{f.metadata['help']} (default: {_shown(default)})".replace("%", "%%")
+        help_text = f"{f.metadata['help']}{_MORE_HELP.get(f.name, '')} (default: {_shown(default)})"
+        help_text = help_text.replace("%", "%%")
         g.add_argument(*names, dest=f.name, default=default, help=help_text, **_value_kind(f))
 
 
@@ -61,17 +82,26 @@ def _value_kind(f: dataclasses.Field) -> dict[str, Any]:
     kind: dict[str, Any] = {"type": _PARSERS[hint]}
     if f.metadata["choices"]:
         kind["choices"] = f.metadata["choices"]
-    elif hint in (int, int | None):
-        kind["metavar"] = "N"
+    elif hint in _METAVARS:
+        kind["metavar"] = _METAVARS[hint]
     return kind
 
 
 def _shown(value: object) -> str:
+    if value == ():
+        return "none"
     return str(value).lower() if value is None or isinstance(value, bool) else str(value)
 
 
 def config_from_args(a: argparse.Namespace) -> EngineConfig:
-    return EngineConfig(**{f.name: getattr(a, f.name) for f in dataclasses.fields(EngineConfig)})
+    values = {f.name: getattr(a, f.name) for f in dataclasses.fields(EngineConfig)}
+    if isinstance(values["tenants"], TenantsFile):  # the option holds the whole file: keys and prompts too
+        values["tenants"] = values["tenants"].tenants
+    return EngineConfig(**values)
+
+
+def tenants_of(a: argparse.Namespace) -> TenantsFile | None:
+    return a.tenants if isinstance(a.tenants, TenantsFile) else None
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -141,7 +171,7 @@ def server_options(a: argparse.Namespace, environ: Mapping[str, str] | None = No
         "allowed_origins": list(a.allowed_origin), "allowed_hosts": list(a.allowed_host),
         "max_prompt_tokens": a.max_prompt_tokens, "max_connections": a.max_connections,
         "request_timeout": a.request_timeout, "stall_timeout": a.stall_timeout,
-        "shutdown_timeout": a.shutdown_timeout,
+        "shutdown_timeout": a.shutdown_timeout, "tenants": tenants_of(a),
     }
 
 

@@ -10,8 +10,8 @@ import time
 
 import pytest
 from aiohttp.test_utils import TestServer
-
 from conftest import slow_down_steps
+
 from streamengine import AsyncEngine, EngineConfig
 from streamengine.server import create_app
 

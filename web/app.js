@@ -6,7 +6,9 @@
   const KEY_STORAGE = "streamengine.apiKey";
   const KV_POLL_BUSY_MS = 400;
   const KV_POLL_IDLE_MS = 2000;
-  const KV_COLORS = ["--kv-free", "--kv-cached", "--kv-used", "--kv-shared"];
+  const KV_COLORS = ["--kv-free", "--kv-cached", "--kv-used", "--kv-shared", "--kv-pinned"];
+  const KV_STATES = ["free", "cached", "used", "shared", "pinned"];
+  const SHARED_OWNER = "*"; // a block several tenants hold (a shared prefix)
 
   const ui = {
     model: $("model"), dot: $("conn-dot"), connText: $("conn-text"), keyButton: $("key-button"),
@@ -14,6 +16,7 @@
     newChat: $("new-chat"), conversation: $("conversation"), empty: $("empty"),
     composer: $("composer"), input: $("input"), send: $("send"), stop: $("stop"),
     kvCanvas: $("kv-canvas"), kvSummary: $("kv-summary"), kvUsage: $("kv-usage"),
+    kvByTenant: $("kv-by-tenant"), kvByTenantLabel: $("kv-by-tenant-label"), kvTenants: $("kv-tenants"),
     keyDialog: $("key-dialog"), keyForm: $("key-form"), keyInput: $("key-input"), keyReason: $("key-reason"),
   };
 
@@ -305,10 +308,11 @@
     state.kvTimer = setTimeout(pollKv, state.current ? KV_POLL_BUSY_MS : KV_POLL_IDLE_MS);
   }
 
+  // Older servers send four states and no owners: every count and list is optional.
   function drawKv(kv) {
-    const { counts } = kv;
-    for (const name of ["free", "cached", "used", "shared"]) $(`kv-${name}`).textContent = counts[name];
-    const inUse = counts.used + counts.shared;
+    const counts = kv.counts || {};
+    for (const name of KV_STATES) $(`kv-${name}`).textContent = counts[name] || 0;
+    const inUse = (counts.used || 0) + (counts.shared || 0) + (counts.pinned || 0);
     ui.kvUsage.textContent = `${((100 * inUse) / Math.max(kv.num_blocks, 1)).toFixed(1)}% in use`;
     ui.kvSummary.textContent =
       `${kv.num_blocks} blocks × ${kv.block_size} tokens = ${(kv.num_blocks * kv.block_size).toLocaleString()} token slots`;
@@ -328,13 +332,14 @@
     ctx.clearRect(0, 0, width, height);
     const styles = getComputedStyle(document.documentElement);
     const colors = KV_COLORS.map((name) => styles.getPropertyValue(name).trim());
+    const ownerColor = tenantColors(kv, colors);
     const gap = cell >= 6 ? 1.5 : cell >= 4 ? 1 : 0;
     const size = cell - gap;
     const radius = size >= 8 ? 2 : 0;
     for (let i = 0; i < kv.num_blocks; i++) {
       const x = (i % cols) * cell;
       const y = Math.floor(i / cols) * cell;
-      ctx.fillStyle = colors[kv.blocks.charCodeAt(i) - 48] || colors[0];
+      ctx.fillStyle = ownerColor(i) || colors[kv.blocks.charCodeAt(i) - 48] || colors[0];
       if (radius) {
         ctx.beginPath();
         ctx.roundRect(x, y, size, size, radius);
@@ -344,6 +349,45 @@
       }
     }
   }
+
+  // Per block, its tenant's colour when the map is coloured by tenant (else null: by state).
+  function tenantColors(kv, colors) {
+    const names = Array.isArray(kv.tenants) ? kv.tenants : null;
+    const owners = names && Array.isArray(kv.owners) && kv.owners.length === kv.num_blocks ? kv.owners : null;
+    ui.kvByTenantLabel.hidden = !owners;
+    const byTenant = owners !== null && ui.kvByTenant.checked;
+    ui.kvTenants.hidden = !byTenant;
+    if (!byTenant) return () => null;
+    const palette = names.map((name) => (name === SHARED_OWNER ? colors[3] : hueOf(name)));
+    const held = names.map(() => 0);
+    for (const owner of owners) if (owner >= 0) held[owner]++;
+    ui.kvTenants.replaceChildren(...names.map((name, i) => tenantItem(name, palette[i], held[i])));
+    return (i) => (owners[i] >= 0 ? palette[owners[i]] : null);
+  }
+
+  function tenantItem(name, color, blocks) {
+    const li = document.createElement("li");
+    const swatch = document.createElement("span");
+    swatch.className = "swatch";
+    swatch.style.background = color;
+    const label = document.createElement("span");
+    label.className = "tenant-name";
+    label.textContent = name; // a tenant name is text, never markup
+    label.title = name;
+    const count = document.createElement("b");
+    count.textContent = blocks;
+    li.append(swatch, label, count);
+    return li;
+  }
+
+  // A stable colour per tenant name: the same bot keeps its colour across polls and reloads.
+  function hueOf(name) {
+    let hash = 0;
+    for (let i = 0; i < name.length; i++) hash = (hash * 31 + name.charCodeAt(i)) >>> 0;
+    return `hsl(${hash % 360} 65% 52%)`;
+  }
+
+  ui.kvByTenant.addEventListener("change", () => { if (state.lastKv) drawKv(state.lastKv); });
 
   // The largest square cell (2..18 px) that fits every block into width x maxHeight.
   function layoutGrid(n, width, maxHeight) {

@@ -18,6 +18,7 @@ from streamengine.server.state import (
     DEFAULT_SHUTDOWN_TIMEOUT_S,
     DEFAULT_STALL_TIMEOUT_S,
 )
+from streamengine.server.tenants_file import TenantsFile
 
 __all__ = ["create_app", "drain", "run_server"]
 
@@ -40,6 +41,7 @@ def run_server(
     shutdown_timeout: float = DEFAULT_SHUTDOWN_TIMEOUT_S,
     request_timeout: float | None = None,
     max_connections: int = DEFAULT_MAX_CONNECTIONS,
+    tenants: TenantsFile | None = None,
 ) -> None:
     """Loads the model, serves until SIGINT/SIGTERM, drains, then shuts down.
 
@@ -47,9 +49,10 @@ def run_server(
     a non-loopback address without a key unless `allow_unauthenticated`. The Host names
     answered are the loopback ones, `host` itself when it is a specific address, and
     `allowed_hosts`; on a wildcard address with no `allowed_hosts`, any. Runs on uvloop when
-    it is installed.
+    it is installed. `tenants` (a parsed `--tenants` file): keys that run requests as their
+    tenant, registered with the engine and their prompts pinned before serving.
     """
-    has_keys = bool(api_key) or bool(admin_keys)
+    has_keys = bool(api_key) or bool(admin_keys) or bool(tenants is not None and tenants.keys)
     check_exposure(host, has_keys=has_keys, allow_unauthenticated=allow_unauthenticated)
     if shutdown_timeout < 0:
         raise ValueError(f"shutdown_timeout must be >= 0 seconds, got {shutdown_timeout}")
@@ -61,7 +64,7 @@ def run_server(
         engine, api_key=api_key, admin_keys=list(admin_keys), allowed_origins=list(allowed_origins),
         allowed_hosts=hosts_for_bind(host, list(allowed_hosts)), max_prompt_tokens=max_prompt_tokens,
         model_name=engine.model_name, stall_timeout=stall_timeout, request_timeout=request_timeout,
-        max_connections=max_connections,
+        max_connections=max_connections, tenants=tenants,
     )
     _run(_serve(app, host, port, engine.model_name, shutdown_timeout))
 

@@ -36,6 +36,8 @@ from streamengine.server.state import (
     ServerState,
     get_state,
 )
+from streamengine.server.tenancy import apply_tenants_file, tenants_route
+from streamengine.server.tenants_file import TenantsFile
 from streamengine.server.websocket import stream_handler
 
 if TYPE_CHECKING:
@@ -51,7 +53,7 @@ _PUBLIC_PATHS = frozenset({"/", "/health", "/ready", "/favicon.ico", "/v1/stream
 _PUBLIC_PREFIXES = ("/static/",)
 # /v1/stream is "public" to the HTTP middleware only: the WebSocket checks the key itself,
 # because browsers cannot put an Authorization header on a WebSocket handshake.
-_ADMIN_PATHS = frozenset({"/metrics", "/v1/kv_state"})
+_ADMIN_PATHS = frozenset({"/metrics", "/v1/kv_state", "/v1/tenants"})
 """Views of the whole server (every tenant's load and cache): admin keys only, once keys exist."""
 _PROBE_PATHS = frozenset({"/health", "/ready"})
 # Orchestrators probe by pod IP (`Host: 10.x.y.z:8000`), a name no --allowed-host lists; these
@@ -82,6 +84,7 @@ def create_app(
     allowed_hosts: Sequence[str] | None = None,
     stall_timeout: float = DEFAULT_STALL_TIMEOUT_S,
     web_dir: Path | str | None = None,
+    tenants: TenantsFile | None = None,
 ) -> web.Application:
     """The server for `engine`, started and stopped with the app (unless already running).
 
@@ -93,13 +96,15 @@ def create_app(
     only). `stall_timeout`: /ready is 503 once the engine has work but no progress for this
     many seconds. `max_prompt_tokens`: prompts longer than this are refused with a structured
     error. `model_name`: the id reported by /v1/models and required (when given) in OpenAI
-    requests; default `engine.model_name`.
+    requests; default `engine.model_name`. `tenants`: a parsed tenants file: its keys run
+    requests as their tenant, and its tenants are registered and their prompts pinned when
+    the engine starts (see tenants_file.py).
     """
     _check_options(max_prompt_tokens, max_message_bytes, max_body_bytes, stall_timeout)
     state = ServerState(
         engine=engine,
         model_name=model_name or engine.model_name,
-        keys=KeyRing(api_key, admin_keys),
+        keys=KeyRing(api_key, admin_keys, tenants.keys if tenants is not None else ()),
         origins=OriginPolicy(allowed_origins),
         max_prompt_tokens=max_prompt_tokens,
         metrics=ServerMetrics(engine.stats),
@@ -110,6 +115,7 @@ def create_app(
         request_timeout=request_timeout,
         hosts=HostPolicy(allowed_hosts or ()),
         stall_timeout=stall_timeout,
+        tenants=tenants,
     )
     return _build_app(state, max_body_bytes, Path(web_dir) if web_dir is not None else WEB_DIR)
 
@@ -142,6 +148,7 @@ def _add_routes(app: web.Application, web_dir: Path) -> None:
     app.router.add_get("/metrics", metrics)
     app.router.add_get("/v1/stream", stream_handler)
     app.router.add_get("/v1/kv_state", kv_state)
+    app.router.add_get("/v1/tenants", tenants_route)
     openai.add_routes(app)
     if (web_dir / "index.html").is_file():
         index = web_dir / "index.html"
@@ -164,6 +171,8 @@ async def _engine_lifespan(app: web.Application) -> AsyncIterator[None]:
     if owned:
         await engine.start()
     try:
+        if state.tenants is not None:
+            await apply_tenants_file(engine, state.tenants)
         yield
     finally:
         state.close()

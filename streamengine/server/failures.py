@@ -13,6 +13,7 @@ from streamengine.errors import EngineError, EngineOverloadedError, LimitExceede
 from streamengine.server import protocol as p
 from streamengine.server.state import PromptTooLong
 from streamengine.server.streaming import RequestTimeoutError
+from streamengine.tenants import TenantRateLimitError
 
 
 @dataclass(frozen=True, slots=True)
@@ -21,7 +22,7 @@ class Failure:
     status: int  # the HTTP status
     openai_code: str | None  # OpenAI's `error.code`
     message: str
-    limit: str | None = None  # with LIMIT_EXCEEDED: which limit
+    limit: str | None = None  # with LIMIT_EXCEEDED, or OVERLOADED by a tenant's rate: which limit
     retry_after: float | None = None  # with OVERLOADED: seconds to wait before retrying
 
 
@@ -31,6 +32,7 @@ _RULES: tuple[tuple[type[Exception], str, int, str | None], ...] = (
     (PromptTooLong, p.PROMPT_TOO_LONG, 400, "context_length_exceeded"),
     (LimitExceededError, p.LIMIT_EXCEEDED, 400, "limit_exceeded"),
     (ValueError, p.BAD_PARAMS, 400, None),
+    (TenantRateLimitError, p.OVERLOADED, 429, "rate_limit_exceeded"),
     (EngineOverloadedError, p.OVERLOADED, 429, "overloaded"),
     (RequestTimeoutError, p.TIMEOUT, 504, "timeout"),
     (EngineError, p.ENGINE_ERROR, 500, "engine_error"),
@@ -48,6 +50,6 @@ def classify(exc: BaseException) -> Failure | None:
         openai_code = "context_length_exceeded"  # the engine's own prompt-length check
     return Failure(
         code, status, openai_code, message,
-        limit=exc.limit if isinstance(exc, LimitExceededError) else None,
+        limit=exc.limit if isinstance(exc, LimitExceededError | TenantRateLimitError) else None,
         retry_after=float(exc.retry_after) if isinstance(exc, EngineOverloadedError) else None,
     )

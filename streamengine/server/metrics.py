@@ -4,6 +4,12 @@ Each app owns its own CollectorRegistry, so two servers (or two tests) in one pr
 collide on metric names. Engine state (running/waiting requests, KV usage, prefix-cache and
 preemption counters) is read from `engine.stats()` at scrape time; per-request latencies and
 token counts are recorded by the server as it streams.
+
+Per tenant, `streamengine:tenant_*` series carry a `tenant` label: the engine's per-tenant
+figures (`stats()["tenants"]`: tokens, prefix-cache queries and hits, running and waiting
+requests, blocks held and pinned, rate-limit refusals) and the time to first token recorded
+here. Tenant names come from the operator (the tenants file), never from clients, so the
+number of series stays bounded.
 """
 
 from __future__ import annotations
@@ -15,6 +21,8 @@ from typing import Any
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
+
+from streamengine.tenants import DEFAULT_TENANT
 
 PREFIX = "streamengine:"
 
@@ -41,6 +49,32 @@ class _EngineStatsCollector(Collector):
         yield _counter("prefix_cache_hits", "Prompt tokens found in the prefix cache.", stats.get("prefix_cache_hits", 0))
         # CounterMetricFamily appends `_total`, giving vLLM's `num_preemptions_total`.
         yield _counter("num_preemptions", "Preemptions since start.", stats.get("num_preemptions", 0))
+        yield from _tenant_families(stats.get("tenants") or {})
+
+
+# (series name, stats key, help, counter?) of the per-tenant figures of `engine.stats()`.
+_TENANT_SERIES = (
+    ("tenant_num_requests_running", "num_running", "Sequences of the tenant in the running batch.", False),
+    ("tenant_num_requests_waiting", "num_waiting", "Sequences of the tenant waiting to be scheduled.", False),
+    ("tenant_prompt_tokens", "prompt_tokens", "Prompt tokens computed for the tenant (cache hits excluded).", True),
+    ("tenant_generation_tokens", "output_tokens", "Tokens generated for the tenant.", True),
+    ("tenant_prefix_cache_queries", "prefix_cache_queries", "The tenant's prompt tokens looked up in the prefix cache.", True),
+    ("tenant_prefix_cache_hits", "prefix_cache_hits", "The tenant's prompt tokens found in the prefix cache.", True),
+    ("tenant_num_rejected", "num_rejected", "Requests refused for the tenant's tokens_per_minute.", True),
+    ("tenant_kv_blocks", "num_blocks", "KV-cache blocks held by the tenant's running sequences.", False),
+    ("tenant_pinned_blocks", "num_pinned_blocks", "KV-cache blocks pinned for the tenant.", False),
+    ("tenant_virtual_time", "virtual_time", "The tenant's weighted service so far (fair scheduling's counter).", False),
+)
+
+
+def _tenant_families(tenants: dict[str, dict[str, Any]]) -> Iterator[Metric]:
+    for name, key, doc, is_counter in _TENANT_SERIES:
+        kind = CounterMetricFamily if is_counter else GaugeMetricFamily
+        family = kind(PREFIX + name, doc, labels=["tenant"])
+        for tenant, figures in sorted(tenants.items()):
+            if key in figures:
+                family.add_metric([tenant], float(figures[key]))
+        yield family
 
 
 def _gauge(name: str, doc: str, value: float) -> GaugeMetricFamily:
@@ -72,21 +106,26 @@ class ServerMetrics:
             PREFIX + "e2e_request_latency_seconds", "Time from request arrival to its end.",
             buckets=_E2E_BUCKETS, registry=reg,
         )
+        self.tenant_ttft = Histogram(
+            PREFIX + "tenant_time_to_first_token_seconds", "Time from request arrival to its first token, per tenant.",
+            labelnames=["tenant"], buckets=_TTFT_BUCKETS, registry=reg,
+        )
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
 
-    def recorder(self) -> RequestRecorder:
-        return RequestRecorder(self)
+    def recorder(self, tenant: str = DEFAULT_TENANT) -> RequestRecorder:
+        return RequestRecorder(self, tenant)
 
 
 class RequestRecorder:
-    """Latency bookkeeping for one request; created when the request arrives."""
+    """Latency bookkeeping for one request of `tenant`; created when the request arrives."""
 
-    __slots__ = ("_arrival", "_last_token_time", "_metrics", "_prompt_counted")
+    __slots__ = ("_arrival", "_last_token_time", "_metrics", "_prompt_counted", "_tenant_ttft")
 
-    def __init__(self, metrics: ServerMetrics) -> None:
+    def __init__(self, metrics: ServerMetrics, tenant: str = DEFAULT_TENANT) -> None:
         self._metrics = metrics
+        self._tenant_ttft = metrics.tenant_ttft.labels(tenant)
         self._arrival = time.monotonic()
         self._last_token_time: float | None = None
         self._prompt_counted = False
@@ -103,6 +142,7 @@ class RequestRecorder:
             m.generation_tokens.inc(new_tokens)
             if self._last_token_time is None:
                 m.ttft.observe(now - self._arrival)
+                self._tenant_ttft.observe(now - self._arrival)
             else:
                 # A coalesced step carries several tokens per sample: spread its gap over them.
                 steps = max(longest_delta, 1)

@@ -47,6 +47,7 @@ BEARER_PROTOCOL_PREFIX = "bearer."
 
 MAX_ID_CHARS = 256
 RequestId = Annotated[str, msgspec.Meta(max_length=MAX_ID_CHARS)]
+UserId = Annotated[str, msgspec.Meta(max_length=MAX_ID_CHARS)]
 
 
 class ChatMessage(msgspec.Struct, forbid_unknown_fields=True):
@@ -66,6 +67,9 @@ class Generate(msgspec.Struct, tag="generate", tag_field="type", forbid_unknown_
     prompt: str | list[int] | None = None
     messages: list[ChatMessage] | None = None
     params: dict[str, Any] = {}
+    # The end user (or session) this request is for, as OpenAI's `user`: its private blocks
+    # are salted per user, so users of one key share only the key's pinned prefixes.
+    user: UserId | None = None
 
 
 class Abort(msgspec.Struct, tag="abort", tag_field="type", forbid_unknown_fields=True):
@@ -125,12 +129,16 @@ class Error(msgspec.Struct, tag="error", tag_field="type", omit_defaults=True):
     retry_after: float | None = None  # with overloaded: seconds to wait before trying again
 
 
-class KvState(msgspec.Struct, tag="kv_state", tag_field="type"):
+class KvState(msgspec.Struct, tag="kv_state", tag_field="type", omit_defaults=True):
     block_size: int
     num_blocks: int
-    # One digit per physical block: 0 free, 1 cached-free, 2 in use, 3 shared.
+    # One digit per physical block: 0 free, 1 cached-free, 2 in use, 3 shared, 4 pinned.
     blocks: str
     counts: dict[str, int]
+    # When the engine reports owners: the tenant names, and per block an index into them
+    # (-1: no owner). The name "*" stands for a block held by several tenants (a shared prefix).
+    tenants: list[str] | None = None
+    owners: list[int] | None = None
 
 
 ServerMessage = Ready | Delta | Done | Error | KvState
@@ -168,18 +176,31 @@ class Codec:
         return self._encoder.encode(message).decode()
 
 
-KV_STATE_NAMES = ("free", "cached", "used", "shared")
+KV_STATE_NAMES = ("free", "cached", "used", "shared", "pinned")
 
 
 def kv_state_message(state: dict[str, Any]) -> KvState:
     """Turns `engine.kv_state()` into the compact wire form (one character per block)."""
     blocks = state["blocks"]
-    counts = [0, 0, 0, 0]
+    counts = [0] * len(KV_STATE_NAMES)
     for code in blocks:
         counts[code] += 1
+    names, owners = _owners(state.get("tenants"))
     return KvState(
         block_size=int(state["block_size"]),
         num_blocks=int(state["num_blocks"]),
-        blocks="".join("0123"[code] for code in blocks),
+        blocks="".join("01234"[code] for code in blocks),
         counts=dict(zip(KV_STATE_NAMES, counts, strict=True)),
+        tenants=names,
+        owners=owners,
     )
+
+
+def _owners(per_block: list[str | None] | None) -> tuple[list[str] | None, list[int] | None]:
+    """Per-block tenant names as (distinct names, per block an index or -1): a name is sent
+    once, not once per block."""
+    if per_block is None:
+        return None, None
+    names = sorted({name for name in per_block if name is not None})
+    index = {name: i for i, name in enumerate(names)}
+    return names, [-1 if name is None else index[name] for name in per_block]

@@ -1,6 +1,7 @@
-"""Who may talk to the server: API keys (one tenant each, with its own prefix-cache salt;
-admin keys also read the global views), the Host check against DNS rebinding, the Origin
-check for browsers, and the refusal to serve a non-loopback address without a key."""
+"""Who may talk to the server: API keys (each with its own prefix-cache salt; admin keys also
+read the global views; a tenants file's keys run as their tenant), the Host check against DNS
+rebinding, the Origin check for browsers, and the refusal to serve a non-loopback address
+without a key."""
 
 from __future__ import annotations
 
@@ -14,29 +15,52 @@ from urllib.parse import urlsplit
 
 from aiohttp import web
 
+from streamengine.server.tenants_file import TenantKey
+
 
 @dataclass(slots=True, frozen=True)
 class Tenant:
-    name: str  # "tenant-<8 hex>": safe to log, reveals nothing usable about the key
-    cache_salt: str | None
-    # May read the global views (/metrics, /v1/kv_state, WebSocket kv_state): with no keys
-    # configured everyone may; with keys, only the holder of an admin key.
+    """Who sent a request: the engine tenant it runs as and the salt of its private blocks."""
+
+    name: str  # for logs: "tenant-<8 hex>" for an --api-key key (reveals nothing usable), else the tenant's
+    cache_salt: str | None  # of requests that name no user; None: the engine tenant's own salt
+    # May read the global views (/metrics, /v1/kv_state, /v1/tenants, WebSocket kv_state): with
+    # no keys configured everyone may; with keys, only the holder of an admin key.
     is_admin: bool = False
+    engine_tenant: str | None = None  # None: the engine's default tenant
+    user_salt_key: str = ""  # keys the hash of per-user salts: secret, never sent to a client
+
+    def salt_for(self, user: str | None) -> str | None:
+        """The cache salt of a request made for `user` (OpenAI's `user` field): one user's
+        blocks after the tenant's pinned prefixes are then never hits for another user, so
+        `cached_tokens` cannot tell a user what the others asked. Hashed with a secret of the
+        tenant, so no one can choose a user name that lands on another tenant's salt."""
+        if not user:
+            return self.cache_salt
+        return hmac.new(self.user_salt_key.encode(), user.encode(), hashlib.sha256).hexdigest()
 
 
-ANONYMOUS = Tenant("anonymous", None, is_admin=True)
+ANONYMOUS = Tenant("anonymous", None, is_admin=True, user_salt_key="anonymous")
 
 
 class KeyRing:
-    """The accepted API keys. Each key is a tenant with its own prefix-cache salt, so one
-    tenant's prompts can never produce prefix-cache hits (a timing side channel) for another.
-    An admin key is such a tenant too, one that may also read the global views."""
+    """The accepted API keys. Each --api-key key has its own prefix-cache salt (in the engine's
+    default tenant), so one key's prompts can never produce prefix-cache hits (a timing side
+    channel) for another; an admin key is such a key too, one that may also read the global
+    views. A tenants file's keys run as their tenant, with that tenant's salt."""
 
-    def __init__(self, keys: str | Sequence[str] | None, admin_keys: str | Sequence[str] | None = None) -> None:
+    def __init__(self, keys: str | Sequence[str] | None, admin_keys: str | Sequence[str] | None = None,
+                 tenant_keys: Sequence[TenantKey] = ()) -> None:
         keys, admin = _key_list(keys), _key_list(admin_keys)
         # a key listed as both is an admin key: the stronger grant is the one meant
-        self._keys = [(k.encode(), _tenant_for(k, is_admin=False)) for k in keys if k not in admin]
-        self._keys += [(k.encode(), _tenant_for(k, is_admin=True)) for k in admin]
+        self._keys = [(_digest(k), _tenant_for(k, is_admin=False)) for k in keys if k not in admin]
+        self._keys += [(_digest(k), _tenant_for(k, is_admin=True)) for k in admin]
+        given = {digest for digest, _ in self._keys}
+        for key in tenant_keys:
+            if key.digest in given:
+                raise ValueError(f"tenant {key.tenant!r} has a key also given with --api-key or --admin-key")
+            self._keys.append((key.digest, Tenant(key.tenant, None, engine_tenant=key.tenant,
+                                                  user_salt_key=key.salt)))
         self.has_admin = bool(admin)
 
     @property
@@ -49,11 +73,11 @@ class KeyRing:
             return ANONYMOUS
         if not key:
             return None
-        candidate = key.encode()
+        candidate = _digest(key)
         found = None
-        for secret, tenant in self._keys:
+        for digest, tenant in self._keys:
             # compare against every key in constant time, so timing reveals nothing
-            if hmac.compare_digest(candidate, secret):
+            if hmac.compare_digest(candidate, digest):
                 found = tenant
         return found
 
@@ -69,10 +93,14 @@ def _key_list(keys: str | Sequence[str] | None) -> list[str]:
     return keys
 
 
+def _digest(key: str) -> bytes:
+    return hashlib.sha256(key.encode()).digest()
+
+
 def _tenant_for(key: str, *, is_admin: bool) -> Tenant:
     digest = hashlib.sha256(b"streamengine-tenant\0" + key.encode()).hexdigest()
     prefix = "admin" if is_admin else "tenant"
-    return Tenant(name=f"{prefix}-{digest[:8]}", cache_salt=digest, is_admin=is_admin)
+    return Tenant(name=f"{prefix}-{digest[:8]}", cache_salt=digest, is_admin=is_admin, user_salt_key=digest)
 
 
 def bearer_token(header: str | None) -> str | None:

@@ -14,6 +14,7 @@ from aiohttp import web
 
 from streamengine.server.metrics import ServerMetrics
 from streamengine.server.security import HostPolicy, KeyRing, OriginPolicy, Tenant
+from streamengine.server.tenants_file import TenantsFile
 
 if TYPE_CHECKING:  # the engine loads torch and the model code: the server's modules do not need it
     from streamengine.engine import AsyncEngine
@@ -60,6 +61,7 @@ class ServerState:
     request_timeout: float | None = None  # seconds from arrival to the last token; None = none
     hosts: HostPolicy = field(default_factory=HostPolicy)
     stall_timeout: float = DEFAULT_STALL_TIMEOUT_S
+    tenants: TenantsFile | None = None  # registered and pinned when the engine starts
     created: int = field(default_factory=lambda: int(time.time()))
     connections: set[Connection] = field(default_factory=set)
     # Engine request ids of HTTP requests in flight, aborted on shutdown so handlers end fast.

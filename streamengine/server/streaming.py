@@ -85,8 +85,12 @@ async def stream_request(
     cache_salt: str | None,
     recorder: RequestRecorder,
     timeout: float | None = None,
+    tenant: str | None = None,
 ) -> AsyncIterator[StepUpdate]:
     """Deltas of one engine request. Leaving early (break, cancel, error) aborts it.
+
+    `tenant` None runs it as the engine's default tenant, and then `generate` is called
+    exactly as before tenants existed (engines and stand-ins without the argument work).
 
     The engine's own errors (ValueError for bad params or a long prompt, LimitExceededError,
     EngineOverloadedError on the first step; EngineError later) propagate unchanged. With
@@ -95,7 +99,8 @@ async def stream_request(
     """
     progress = _Progress([None] * params.n)
     params = msgspec.structs.replace(params, output_kind="delta")
-    stream = engine.generate(prompt, params, request_id=request_id, cache_salt=cache_salt)
+    named = {} if tenant is None else {"tenant": tenant}
+    stream = engine.generate(prompt, params, request_id=request_id, cache_salt=cache_salt, **named)
     deadline = None if timeout is None else asyncio.get_running_loop().time() + timeout
     finished = False
     try:

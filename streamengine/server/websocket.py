@@ -54,6 +54,7 @@ from streamengine.server.state import (
     new_request_id,
 )
 from streamengine.server.streaming import SampleDelta, StepUpdate, stream_request
+from streamengine.tenants import DEFAULT_TENANT
 
 log = logging.getLogger(__name__)
 
@@ -397,7 +398,7 @@ class Connection:
         try:
             prompt_ids = await self._prompt_ids(msg)
             if not live.aborted:  # an abort may arrive before generation starts
-                last = await self._pump(client_id, live, prompt_ids, params)
+                last = await self._pump(client_id, live, prompt_ids, params, msg.user)
             self.outbox.push(_done(client_id, last, params.n))
         except asyncio.CancelledError:
             raise
@@ -408,15 +409,17 @@ class Connection:
                 del self.live[client_id]
 
     async def _pump(
-        self, client_id: str, live: _Live, prompt_ids: list[int], params: SamplingParams
+        self, client_id: str, live: _Live, prompt_ids: list[int], params: SamplingParams, user: str | None
     ) -> StepUpdate | None:
         last: StepUpdate | None = None
+        engine_tenant = self.tenant.engine_tenant if self.tenant else None
         updates = stream_request(
             self.state.engine, prompt_ids, params,
             request_id=live.engine_id,
-            cache_salt=self.tenant.cache_salt if self.tenant else None,
-            recorder=self.state.metrics.recorder(),
+            cache_salt=self.tenant.salt_for(user) if self.tenant else None,
+            recorder=self.state.metrics.recorder(engine_tenant or DEFAULT_TENANT),
             timeout=self.state.request_timeout,
+            tenant=engine_tenant,
         )
         async with contextlib.aclosing(updates):
             async for update in updates:

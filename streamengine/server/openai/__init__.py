@@ -8,7 +8,14 @@ long or an engine limit (`param` names the limit, code `limit_exceeded`), 429 wi
 when the engine's queue is full, 500 with the engine's message when it fails the request, 504
 past the server's request timeout. After the first chunk, a failure is reported in-band (an
 `{"error": ...}` event, then `data: [DONE]`). A client that goes away mid-request has its
-request aborted at the next engine step.
+request aborted at the next engine step. Past a tenant's `tokens_per_minute` the answer is 429
+with Retry-After, code `rate_limit_exceeded` and `param` "tokens_per_minute".
+
+`user` is honoured: it salts the request's private prefix-cache blocks per user (hashed with a
+secret of the key's tenant). Users of one key (one bot) still share its pinned system prompt,
+but no user's messages are a cache hit for another, so `usage.prompt_tokens_details.
+cached_tokens` cannot reveal what someone else asked. Requests without `user` share blocks
+across the whole key, as before.
 
 schemas.py holds the bodies, endpoints.py what differs between the two endpoints (one object
 each), format.py builds response bodies from stream updates, routes.py the handlers.

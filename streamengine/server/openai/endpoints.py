@@ -44,6 +44,7 @@ class Job:
     top_logprobs: int | None  # how many alternatives to report; None = no logprobs
     stream: bool
     include_usage: bool
+    user: str | None = None  # OpenAI's `user`: salts the request's private blocks per user
 
 
 @dataclass(frozen=True, slots=True)
@@ -70,7 +71,8 @@ class Endpoint(ABC, Generic[Body]):
         prompt, params, top_logprobs = self.prepare(state, body)
         response_id, created = new_request_id(self.id_prefix), int(time.time())
         prompt_ids = await tokenize(state, prompt)
-        return Job(self, response_id, created, prompt_ids, params, top_logprobs, body.stream, body.include_usage)
+        return Job(self, response_id, created, prompt_ids, params, top_logprobs, body.stream, body.include_usage,
+                   body.user)
 
     @abstractmethod
     def prepare(self, state: ServerState, body: Body) -> tuple[str | list[int], SamplingParams, int | None]:

@@ -16,6 +16,7 @@ from streamengine.server.openai.errors import OpenAIError, failure_error
 from streamengine.server.openai.format import CollectedChoice, ResponseFormat
 from streamengine.server.state import TENANT_KEY, ServerState, get_state, new_request_id
 from streamengine.server.streaming import StepUpdate, stream_request
+from streamengine.tenants import DEFAULT_TENANT
 
 log = logging.getLogger(__name__)
 
@@ -28,13 +29,15 @@ class _Runner:
     def __init__(self, state: ServerState, request: web.Request, job: Job) -> None:
         self.state, self.request, self.job = state, request, job
         self.engine_id = new_request_id("http")
-        tenant = request.get(TENANT_KEY)
+        caller = request.get(TENANT_KEY)
+        engine_tenant = caller.engine_tenant if caller is not None else None
         self.updates = stream_request(
             state.engine, job.prompt_ids, job.params,
             request_id=self.engine_id,
-            cache_salt=tenant.cache_salt if tenant is not None else None,
-            recorder=state.metrics.recorder(),
+            cache_salt=caller.salt_for(job.user) if caller is not None else None,
+            recorder=state.metrics.recorder(engine_tenant or DEFAULT_TENANT),
             timeout=state.request_timeout,
+            tenant=engine_tenant,
         )
         self.format = ResponseFormat(job, state.model_name, self._token_text)
 
