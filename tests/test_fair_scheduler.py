@@ -8,6 +8,7 @@ from __future__ import annotations
 import random
 
 import pytest
+from test_scheduler import Sim as BaseSim
 
 from streamengine.block_manager import BlockManager
 from streamengine.fair_share import CACHE_AWARE_MIN_WAITING, MAX_PASS_OVERS
@@ -18,52 +19,32 @@ from streamengine.tenants import TenantConfig, Tenants
 BS = 4
 
 
-class Sim:
+class Sim(BaseSim):
+    """test_scheduler's simulation with tenants, recording first admissions in order."""
+
     def __init__(
         self, num_blocks: int, *, tenants: list[TenantConfig] = (), policy: str = "fair",
         budget: int = 64, max_num_seqs: int = 8, prefix_caching: bool = True, chunk: int | None = None,
     ) -> None:
-        self.bm = BlockManager(num_blocks, BS, prefix_caching)
+        super().__init__(num_blocks, budget=budget, max_num_seqs=max_num_seqs, prefix_caching=prefix_caching,
+                         chunk=chunk)
         self.sched = Scheduler(self.bm, max_num_seqs, budget, max_prefill_chunk=chunk, policy=policy,
                                tenants=Tenants(tenants))
-        self.max_tokens: dict[int, int] = {}
-        self.finished: list[Sequence] = []
         self.admitted: list[Sequence] = []  # first admissions, in order
-        self.next_id = 0
-        self.clock = 0.0
 
-    def add(self, tenant: str, prompt: list[int], max_tokens: int) -> Sequence:
-        self.clock += 1.0
-        seq = Sequence(self.next_id, f"r{self.next_id}", list(prompt), cache_salt=tenant,
-                       arrival_time=self.clock, tenant=tenant)
-        self.next_id += 1
-        self.max_tokens[seq.seq_id] = max_tokens
-        self.sched.add(seq)
-        return seq
+    def add(self, tenant: str, prompt: list[int], max_tokens: int) -> Sequence:  # type: ignore[override]
+        return super().add(prompt, max_tokens, salt=tenant, tenant=tenant)
 
     def step(self) -> SchedulerOutput:
         out = self.sched.schedule()
         seen = set(self.admitted)
         self.admitted += [i.seq for i in out.scheduled if i.seq not in seen and i.seq.num_preemptions == 0
                           and i.seq.num_computed_tokens == i.seq.num_cached_tokens]
-        for item in out.scheduled:
-            seq = item.seq
-            assert seq.status is SequenceStatus.RUNNING and item.num_new_tokens > 0
-            seq.num_computed_tokens += item.num_new_tokens
-            self.bm.cache_full_blocks(seq)
-            if item.samples:
-                seq.token_ids.append(1000 + seq.seq_id)
-                if seq.num_output_tokens >= self.max_tokens[seq.seq_id]:
-                    self.sched.remove(seq)
-                    self.finished.append(seq)
+        self._advance(out)
         return out
 
     def run(self, max_steps: int = 3000) -> None:
-        for _ in range(max_steps):
-            if not self.sched.has_work():
-                return
-            assert not self.step().is_empty
-        raise AssertionError("no progress")
+        super().run(max_steps)
 
     def stat(self, tenant: str, key: str) -> float:
         return self.sched.tenant_stats()[tenant][key]

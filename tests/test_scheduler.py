@@ -31,10 +31,10 @@ class Sim:
         self.next_id = 0
         self.clock = 0.0
 
-    def add(self, prompt: list[int], max_tokens: int, salt: str | None = None) -> Sequence:
+    def add(self, prompt: list[int], max_tokens: int, salt: str | None = None, tenant: str = "default") -> Sequence:
         self.clock += 1.0
         seq = Sequence(self.next_id, f"r{self.next_id}", list(prompt), cache_salt=salt,
-                       arrival_time=self.clock)
+                       arrival_time=self.clock, tenant=tenant)
         self.next_id += 1
         self.max_tokens[seq.seq_id] = max_tokens
         self.sched.add(seq)
@@ -42,6 +42,11 @@ class Sim:
 
     def step(self) -> SchedulerOutput:
         out = self.sched.schedule()
+        self._advance(out)
+        return out
+
+    def _advance(self, out: SchedulerOutput) -> None:
+        """What the engine does after the forward pass, with a fake token for each sample."""
         self.check_plan(out)
         for item in out.scheduled:
             seq = item.seq
@@ -53,7 +58,6 @@ class Sim:
                     self.sched.remove(seq)
                     self.finished.append(seq)
         self.check_refcounts()
-        return out
 
     def run(self, max_steps: int = 2000) -> list[SchedulerOutput]:
         outs = []
