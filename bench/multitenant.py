@@ -1,0 +1,692 @@
+"""Multi-tenant bots: FCFS with plain LRU against fair share with pinned system prompts.
+
+Workload (seeded, nothing downloaded): `--bots` bots with Zipf(`--zipf`) popularity, each with
+its own system prompt of random ordinary tokens (300-1,500 tokens); conversations of 3-6 turns
+start by Poisson arrivals at `--rate` conversations/s over `--duration` seconds, each turn
+re-sending the whole history (system prompt, every user turn of 20-80 random tokens and every
+answer so far). An answer is exactly the drawn 16-64 tokens (greedy, `ignore_eos`), and a
+conversation's next turn is sent when its previous answer finished (closed loop per
+conversation). During the middle third of the run one noisy bot (Zipf rank `--noisy-rank`)
+starts `--burst-factor` times its share of conversations. The KV pool holds `--kv-fraction` of
+all tokens the run ever holds (every system prompt plus every conversation's full history).
+`--scale` multiplies every length range (`--quick` runs the same shape smaller and shorter).
+
+Two systems, same weights, same KV pool, same arrivals, one after the other:
+
+  baseline      scheduling_policy="fcfs", nothing pinned: plain LRU eviction, each bot's salt
+                isolating its cache (what vLLM does with a per-bot cache_salt)
+  streamengine  scheduling_policy="fair" (virtual token counter, cache-aware admission) and
+                each bot's system prompt pinned (most popular first, up to max_pinned_fraction)
+
+Both start warm in the same way: each bot's system prompt is computed once before the clock
+starts (pinned by streamengine, a one-token request for the baseline). Measured per tenant class
+(noisy = the noisy bot, popular = the other bots among the `--popular` top ranks, rare = the
+rest): TTFT p50/p99, over all turns and over the turns submitted during the burst (from its
+first extra conversation's start to its last extra conversation's last answer: each one goes
+on, closed-loop, after the burst's last start), output tokens/s over the run, prefix hit rate (num_cached_tokens / prompt tokens). Fairness, from
+`engine.stats()["tenants"]` sampled every `--sample-period` seconds: the run is cut into
+`--window`-second windows; in each, the tenants with a request waiting for admission at every
+sample are backlogged, and each one's service is (prompt tokens computed *
+fair_prompt_token_weight + output tokens * fair_output_token_weight) / weight. Jain's index of
+the backlogged tenants' service, averaged over windows with two or more of them (1.0 when there
+is none: no two tenants waited a whole window side by side), and the largest service gap
+between two backlogged tenants of a window.
+
+    python bench/multitenant.py --quick     # < 5 min on a 2-core CPU
+    python bench/multitenant.py             # full shape
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import bisect
+import gc
+import json
+import os
+import random
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # run as a script: bench/ is not a package
+
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
+from common import model_folder, quiet_transformers, software  # noqa: E402
+from tqdm import tqdm  # noqa: E402
+from traces import normal_token_ids  # noqa: E402
+
+RESULTS_DIR = Path(__file__).resolve().parent / "results"
+BLOCK_SIZE = 16
+SYSTEMS = ("baseline", "streamengine")
+POLICIES = {"baseline": "fcfs", "streamengine": "fair"}
+CLASSES = ("noisy", "popular", "rare")
+PROMPT_WEIGHT, OUTPUT_WEIGHT = 1.0, 2.0  # EngineConfig's fair_*_token_weight defaults
+GOALS = {  # report key: the least value that meets the goal
+    "quiet_ttft_p99_ratio": 5.0,
+    "hit_rate_gain_points": 15.0,
+    "throughput_ratio": 0.95,
+    "jain_fair": 0.95,
+}
+
+
+# -- workload -------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class Bot:
+    name: str
+    rank: int  # 0 = most popular
+    share: float  # of conversation starts outside the burst
+    klass: str  # one of CLASSES
+    system: tuple[int, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class Conversation:
+    index: int
+    bot: int
+    arrival_s: float  # offset from the start of the run
+    users: tuple[tuple[int, ...], ...]  # one user turn per turn
+    answer_lens: tuple[int, ...]
+    burst: bool  # one of the noisy bot's extra conversations
+
+    @property
+    def history_tokens(self) -> int:
+        return sum(len(u) for u in self.users) + sum(self.answer_lens)
+
+
+@dataclass(frozen=True, slots=True)
+class Workload:
+    bots: tuple[Bot, ...]
+    conversations: tuple[Conversation, ...]
+    duration_s: float
+    burst: tuple[float, float]  # [start, end) of the noisy bot's extra conversation starts, seconds
+
+    @property
+    def footprint_tokens(self) -> int:
+        """Every token the run ever holds: each system prompt and each full history."""
+        return sum(len(b.system) for b in self.bots) + sum(c.history_tokens for c in self.conversations)
+
+    @property
+    def longest_turn_tokens(self) -> int:
+        return max(len(self.bots[c.bot].system) + c.history_tokens for c in self.conversations)
+
+
+def scaled(bounds: tuple[int, int], scale: float) -> tuple[int, int]:
+    return max(1, round(bounds[0] * scale)), max(1, round(bounds[1] * scale))
+
+
+def zipf_shares(n: int, s: float) -> list[float]:
+    weights = [1.0 / (k ** s) for k in range(1, n + 1)]
+    return [w / sum(weights) for w in weights]
+
+
+def bot_class(rank: int, noisy: int, popular: int) -> str:
+    if rank == noisy:
+        return "noisy"
+    return "popular" if rank < popular else "rare"
+
+
+def make_bots(args, rng: random.Random, token_ids: list[int]) -> tuple[Bot, ...]:
+    lo, hi = scaled(args.system_len, args.scale)
+    shares = zipf_shares(args.bots, args.zipf)
+    return tuple(
+        Bot(f"bot{rank:02d}", rank, share, bot_class(rank, args.noisy_rank - 1, args.popular),
+            random_ids(rng, token_ids, rng.randint(lo, hi)))
+        for rank, share in enumerate(shares)
+    )
+
+
+def random_ids(rng: random.Random, ids: list[int], n: int) -> tuple[int, ...]:
+    return tuple(ids[rng.randrange(len(ids))] for _ in range(n))
+
+
+def poisson_times(rng: random.Random, rate: float, start: float, end: float) -> list[float]:
+    times, t = [], start
+    while rate > 0:
+        t += rng.expovariate(rate)
+        if t >= end:
+            return times
+        times.append(t)
+    return times
+
+
+def arrivals(args, rng: random.Random, bots: tuple[Bot, ...]) -> list[tuple[float, int, bool]]:
+    """(time, bot, extra) of every conversation start: Zipf over the whole run, plus the noisy
+    bot's extra (burst_factor - 1) x its share during the middle third."""
+    shares = [b.share for b in bots]
+    base = [(t, rng.choices(range(len(bots)), shares)[0], False)
+            for t in poisson_times(rng, args.rate, 0.0, args.duration)]
+    noisy = args.noisy_rank - 1
+    extra_rate = (args.burst_factor - 1) * args.rate * shares[noisy]
+    burst = poisson_times(rng, extra_rate, args.duration / 3, 2 * args.duration / 3)
+    return sorted(base + [(t, noisy, True) for t in burst])
+
+
+def make_workload(args, token_ids: list[int]) -> Workload:
+    rng = random.Random(f"{args.seed}:multitenant")
+    bots = make_bots(args, rng, token_ids)
+    user_lo, user_hi = scaled(args.user_len, args.scale)
+    ans_lo, ans_hi = scaled(args.answer_len, args.scale)
+    conversations = []
+    for i, (t, bot, extra) in enumerate(arrivals(args, rng, bots)):
+        turns = rng.randint(*args.turns)
+        users = tuple(random_ids(rng, token_ids, rng.randint(user_lo, user_hi)) for _ in range(turns))
+        answers = tuple(rng.randint(ans_lo, ans_hi) for _ in range(turns))
+        conversations.append(Conversation(i, bot, t, users, answers, extra))
+    burst = (args.duration / 3, 2 * args.duration / 3)
+    return Workload(bots, tuple(conversations), args.duration, burst)
+
+
+def describe(workload: Workload) -> dict:
+    convs = workload.conversations
+    by_class = {k: sum(workload.bots[c.bot].klass == k for c in convs) for k in CLASSES}
+    return {
+        "num_bots": len(workload.bots),
+        "num_conversations": len(convs),
+        "num_turns": sum(len(c.users) for c in convs),
+        "conversations_by_class": by_class,
+        "noisy_bot": next(b.name for b in workload.bots if b.klass == "noisy"),
+        "popular_bots": [b.name for b in workload.bots if b.klass == "popular"],
+        "system_prompt_tokens": [len(b.system) for b in workload.bots],
+        "bot_shares": [round(b.share, 4) for b in workload.bots],
+        "footprint_tokens": workload.footprint_tokens,
+        "longest_turn_tokens": workload.longest_turn_tokens,
+        "burst_s": list(workload.burst),
+    }
+
+
+# -- driving the engine ---------------------------------------------------------------------
+
+
+@dataclass(slots=True)
+class Turn:
+    bot: int
+    conversation: int
+    submit: float  # seconds from the start of the run
+    first_token: float = 0.0
+    finish: float = 0.0
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+    output_tokens: int = 0
+
+    @property
+    def ttft(self) -> float:
+        return self.first_token - self.submit
+
+
+async def run_turn(engine, turn: Turn, prompt: list[int], max_tokens: int, tenant: str | None,
+                   start: float) -> list[int]:
+    """Sends one turn and fills in its timings and counts; returns the answer's token ids."""
+    from streamengine import SamplingParams
+
+    params = SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=max_tokens)
+    last = None
+    async for out in engine.generate(prompt, params, tenant=tenant):
+        if last is None and out.outputs[0].token_ids:
+            turn.first_token = time.perf_counter() - start
+        last = out
+    turn.finish = time.perf_counter() - start
+    answer = list(last.outputs[0].token_ids) if last is not None else []
+    if len(answer) != max_tokens:
+        raise RuntimeError(f"a turn of {tenant} got {len(answer)} tokens for max_tokens={max_tokens}")
+    turn.prompt_tokens, turn.cached_tokens, turn.output_tokens = len(prompt), last.num_cached_tokens, len(answer)
+    return answer
+
+
+async def run_conversation(engine, workload: Workload, conv: Conversation, start: float, bar: tqdm) -> list[Turn]:
+    await asyncio.sleep(max(0.0, start + conv.arrival_s - time.perf_counter()))
+    bot = workload.bots[conv.bot]
+    history = list(bot.system)
+    turns = []
+    for user, answer_len in zip(conv.users, conv.answer_lens, strict=True):
+        prompt = history + list(user)
+        turn = Turn(conv.bot, conv.index, time.perf_counter() - start)
+        history = prompt + await run_turn(engine, turn, prompt, answer_len, bot.name, start)
+        turns.append(turn)
+        bar.update(1)
+    return turns
+
+
+async def prepare_prefixes(engine, workload: Workload, pin: bool) -> list[str]:
+    """Computes every system prompt once before the clock starts; pins them (most popular
+    first, while the pool's pinned share allows) when `pin`. Returns the pinned bots."""
+    from streamengine.errors import LimitExceededError
+
+    pinned = []
+    for bot in workload.bots:
+        if pin:
+            try:
+                await engine.pin_prefix(list(bot.system), tenant=bot.name)
+                pinned.append(bot.name)
+                continue
+            except LimitExceededError:
+                pin = False  # the pool's pinned share is used up: warm the rest like the baseline
+        await run_turn(engine, Turn(bot.rank, -1, 0.0), list(bot.system), 1, bot.name, time.perf_counter())
+    return pinned
+
+
+def engine_config(args, workload: Workload, system: str):
+    from streamengine import EngineConfig
+    from streamengine.tenants import TenantConfig
+
+    return EngineConfig(
+        model=str(args.folder), dtype="float32", device=args.device, block_size=BLOCK_SIZE,
+        kv_cache_bytes=args.kv_bytes, max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens, num_threads=args.threads, seed=args.seed,
+        scheduling_policy=POLICIES[system], tenants=tuple(TenantConfig(b.name) for b in workload.bots),
+    )
+
+
+@dataclass(slots=True)
+class TenantSamples:
+    """engine.stats()["tenants"] every `period` seconds: each tenant's cumulative weighted
+    service (prompt tokens computed * PROMPT_WEIGHT + output tokens * OUTPUT_WEIGHT) / weight
+    and whether it had a request waiting for admission."""
+
+    times: list[float] = field(default_factory=list)
+    service: dict[str, list[float]] = field(default_factory=dict)
+    waiting: dict[str, list[bool]] = field(default_factory=dict)
+
+    def add(self, now: float, tenants: dict[str, dict]) -> None:
+        self.times.append(now)
+        for name, t in tenants.items():
+            if name not in self.service:  # first seen now: nothing served or waiting before
+                self.service[name] = [0.0] * (len(self.times) - 1)
+                self.waiting[name] = [False] * (len(self.times) - 1)
+            work = t["prompt_tokens"] * PROMPT_WEIGHT + t["output_tokens"] * OUTPUT_WEIGHT
+            self.service[name].append(work / t.get("weight", 1.0))
+            self.waiting[name].append(t["num_waiting"] > 0)
+        for name in self.service.keys() - tenants.keys():
+            self.service[name].append(self.service[name][-1])
+            self.waiting[name].append(False)
+
+
+async def sample_tenants(engine, samples: TenantSamples, start: float, period: float) -> None:
+    """Until cancelled; nothing on a build whose stats() has no per-tenant figures."""
+    while "tenants" in (stats := engine.stats()):
+        samples.add(time.perf_counter() - start, stats["tenants"])
+        await asyncio.sleep(period)
+
+
+@dataclass(slots=True)
+class SystemRun:
+    system: str
+    turns: list[Turn]
+    pinned: list[str]
+    stats: dict  # engine.stats() deltas and final figures
+    kv_capacity_tokens: int
+    samples: TenantSamples
+
+
+async def run_system(loaded, args, workload: Workload, system: str) -> SystemRun:
+    from streamengine import AsyncEngine
+
+    engine = AsyncEngine(engine_config(args, workload, system), loaded=loaded)
+    total = sum(len(c.users) for c in workload.conversations)
+    samples = TenantSamples()
+    async with engine:
+        # First-call overheads, on a prompt and a tenant that share nothing with the workload.
+        await run_turn(engine, Turn(-1, -1, 0.0), [workload.bots[0].system[0]] * 8, 2, None, time.perf_counter())
+        pinned = await prepare_prefixes(engine, workload, pin=system == "streamengine")
+        before = engine.stats()
+        with tqdm(total=total, desc=system, unit="turn", file=sys.stderr, dynamic_ncols=True) as bar:
+            start = time.perf_counter()
+            sampler = asyncio.create_task(sample_tenants(engine, samples, start, args.sample_period))
+            runs = await asyncio.gather(*(run_conversation(engine, workload, c, start, bar)
+                                          for c in workload.conversations))
+            sampler.cancel()
+        after = engine.stats()
+    del engine
+    gc.collect()
+    stats = {k: after[k] - before[k] for k in ("prefix_cache_queries", "prefix_cache_hits", "num_preemptions")}
+    if "tenants" in after:
+        stats["tenants"] = after["tenants"]
+    turns = [t for run in runs for t in run]
+    return SystemRun(system, turns, pinned, stats, after["num_total_blocks"] * BLOCK_SIZE, samples)
+
+
+# -- metrics --------------------------------------------------------------------------------
+
+
+def pct(xs: list[float], q: float) -> float | None:
+    return float(np.percentile(np.asarray(xs), q)) if xs else None
+
+
+def hit_rate(turns: list[Turn]) -> float:
+    prompt = sum(t.prompt_tokens for t in turns)
+    return sum(t.cached_tokens for t in turns) / prompt if prompt else 0.0
+
+
+def makespan(turns: list[Turn]) -> float:
+    return max(t.finish for t in turns) - min(t.submit for t in turns)
+
+
+def burst_period(turns: list[Turn], workload: Workload) -> tuple[float, float]:
+    """From the first extra start of the noisy bot to the last answer of its extra
+    conversations: the burst's turns go on after its last start, each conversation closed-loop."""
+    extra = {c.index for c in workload.conversations if c.burst}
+    ends = [t.finish for t in turns if t.conversation in extra]
+    return workload.burst[0], max(ends, default=workload.burst[1])
+
+
+def class_metrics(turns: list[Turn], period: tuple[float, float], span: float) -> dict:
+    ttft = [t.ttft for t in turns]
+    burst = [t.ttft for t in turns if period[0] <= t.submit < period[1]]
+    return {
+        "num_turns": len(turns),
+        "ttft_p50_s": pct(ttft, 50),
+        "ttft_p99_s": pct(ttft, 99),
+        "ttft_p50_burst_s": pct(burst, 50),
+        "ttft_p99_burst_s": pct(burst, 99),
+        "output_tok_s": sum(t.output_tokens for t in turns) / span,
+        "hit_rate": hit_rate(turns),
+    }
+
+
+def window_service(samples: TenantSamples, a: float, b: float) -> dict[str, float]:
+    """Weighted service of each tenant that had a request waiting at every sample of [a, b]."""
+    i0, i1 = bisect.bisect_left(samples.times, a), bisect.bisect_right(samples.times, b) - 1
+    if i1 <= i0:
+        return {}
+    return {name: service[i1] - service[i0] for name, service in samples.service.items()
+            if all(samples.waiting[name][i0 : i1 + 1])}
+
+
+def jain(xs: list[float]) -> float:
+    total, squares = sum(xs), sum(x * x for x in xs)
+    return total * total / (len(xs) * squares) if squares else 1.0  # all zero: equal
+
+
+def fairness(samples: TenantSamples, window: float) -> dict:
+    """Jain's index and the largest gap of weighted service among tenants backlogged for a
+    whole window, over the run's windows with two or more of them."""
+    if not samples.times:
+        return {"jain": None, "jain_min": None, "num_windows": 0, "num_windows_total": 0,
+                "max_service_gap": None, "max_service_gap_per_s": None}
+    total = int(samples.times[-1] // window)
+    indices, gaps = [], []
+    for k in range(total):
+        service = list(window_service(samples, k * window, (k + 1) * window).values())
+        if len(service) >= 2:
+            indices.append(jain(service))
+            gaps.append(max(service) - min(service))
+    gap = max(gaps) if gaps else 0.0
+    return {
+        "jain": float(np.mean(indices)) if indices else 1.0,
+        "jain_min": min(indices) if indices else 1.0,
+        "num_windows": len(indices),
+        "num_windows_total": total,
+        "max_service_gap": gap,
+        "max_service_gap_per_s": gap / window,
+    }
+
+
+def summarize(run: SystemRun, workload: Workload, window: float) -> dict:
+    span = makespan(run.turns)
+    period = burst_period(run.turns, workload)
+    quiet_burst = [t.ttft for t in run.turns
+                   if workload.bots[t.bot].klass != "noisy" and period[0] <= t.submit < period[1]]
+    classes = {k: class_metrics([t for t in run.turns if workload.bots[t.bot].klass == k], period, span)
+               for k in CLASSES}
+    return {
+        "num_turns": len(run.turns),
+        "num_conversations": len({t.conversation for t in run.turns}),
+        "makespan_s": span,
+        "output_tok_s": sum(t.output_tokens for t in run.turns) / span,
+        "hit_rate": hit_rate(run.turns),
+        "ttft_p50_s": pct([t.ttft for t in run.turns], 50),
+        "ttft_p99_s": pct([t.ttft for t in run.turns], 99),
+        "quiet_ttft_p99_burst_s": pct(quiet_burst, 99),
+        "quiet_ttft_p50_burst_s": pct(quiet_burst, 50),
+        "quiet_turns_burst": len(quiet_burst),
+        "burst_period_s": list(period),
+        "classes": classes,
+        "fairness": fairness(run.samples, window),
+        "pinned_bots": run.pinned,
+        "kv_capacity_tokens": run.kv_capacity_tokens,
+        "engine": run.stats,
+        "turns": [[t.bot, round(t.submit, 3), round(t.ttft, 4)] for t in run.turns],  # for plots
+    }
+
+
+# -- report ---------------------------------------------------------------------------------
+
+
+def ratio(a: float | None, b: float | None) -> float | None:
+    return a / b if a is not None and b else None
+
+
+def goals(report: dict) -> dict:
+    values = {
+        "quiet_ttft_p99_ratio": report["quiet_ttft_p99_ratio"],
+        "hit_rate_gain_points": report["hit_rate_gain_points"],
+        "throughput_ratio": report["throughput_ratio"],
+        "jain_fair": report["jain_fair"],
+    }
+    return {k: {"target": f">= {GOALS[k]:g}", "value": v, "met": v is not None and v >= GOALS[k]}
+            for k, v in values.items()}
+
+
+def build_report(args, workload: Workload, systems: dict[str, dict]) -> dict:
+    base, ours = systems.get("baseline"), systems.get("streamengine")
+    report = {
+        "quiet_ttft_p99_ratio": ratio(base and base["quiet_ttft_p99_burst_s"], ours and ours["quiet_ttft_p99_burst_s"]),
+        "hit_rate_fair": ours["hit_rate"] if ours else None,
+        "hit_rate_baseline": base["hit_rate"] if base else None,
+        "hit_rate_gain_points": 100 * (ours["hit_rate"] - base["hit_rate"]) if base and ours else None,
+        "throughput_ratio": ratio(ours and ours["output_tok_s"], base and base["output_tok_s"]),
+        "jain_fair": ours["fairness"]["jain"] if ours else None,
+        "jain_baseline": base["fairness"]["jain"] if base else None,
+        # Windows with two or more backlogged tenants behind each index (none: 1.0, vacuously).
+        "jain_fair_windows": ours["fairness"]["num_windows"] if ours else None,
+        "jain_baseline_windows": base["fairness"]["num_windows"] if base else None,
+    }
+    report["goals"] = goals(report)
+    report["all_goals_met"] = all(g["met"] for g in report["goals"].values())
+    report["workload"] = describe(workload)
+    report["systems"] = systems
+    report["config"] = run_config(args)
+    return report
+
+
+def run_config(args) -> dict:
+    keys = ("quick", "bots", "zipf", "noisy_rank", "popular", "burst_factor", "rate", "duration", "scale",
+            "system_len", "user_len", "answer_len", "turns", "kv_fraction", "kv_tokens", "kv_bytes",
+            "window", "sample_period", "max_num_seqs", "max_num_batched_tokens", "threads", "device", "seed")
+    return {"model": str(args.folder), **{k: getattr(args, k) for k in keys}, **software()}
+
+
+def fmt_s(x: float | None) -> str:
+    return f"{x:8.2f}s" if x is not None else f"{'-':>9}"
+
+
+def fmt_x(x: float | None, spec: str = ".2f") -> str:
+    return format(x, spec) if x is not None else "-"
+
+
+def print_table(report: dict) -> None:
+    w, c = report["workload"], report["config"]
+    print(f"{w['num_bots']} bots (noisy {w['noisy_bot']} x{c['burst_factor']:g} in the middle third), "
+          f"{w['num_conversations']} conversations / {w['num_turns']} turns over {c['duration']:g} s, "
+          f"KV {c['kv_tokens']} tokens = {c['kv_fraction']:.2f} of {w['footprint_tokens']}")
+    head = (f"{'system':<13} {'class':<8} {'turns':>5} {'TTFT p50':>9} {'TTFT p99':>9} {'p99 burst':>9} "
+            f"{'out tok/s':>9} {'hit rate':>8}")
+    print(head)
+    print("-" * len(head))
+    for name, s in report["systems"].items():
+        for klass, m in s["classes"].items():
+            print(f"{name:<13} {klass:<8} {m['num_turns']:>5} {fmt_s(m['ttft_p50_s'])} {fmt_s(m['ttft_p99_s'])} "
+                  f"{fmt_s(m['ttft_p99_burst_s'])} {m['output_tok_s']:>9.1f} {m['hit_rate']:>8.1%}")
+        print(f"{name:<13} {'all':<8} {s['num_turns']:>5} {fmt_s(s['ttft_p50_s'])} {fmt_s(s['ttft_p99_s'])} "
+              f"{fmt_s(s['quiet_ttft_p99_burst_s'])} {s['output_tok_s']:>9.1f} {s['hit_rate']:>8.1%}"
+              "   (p99 burst of the quiet tenants)")
+    for name, s in report["systems"].items():
+        f = s["fairness"]
+        print(f"{name}: Jain {fmt_x(f['jain'], '.3f')} over {f['num_windows']} of {f['num_windows_total']} "
+              f"windows with 2+ backlogged tenants, largest service gap {fmt_x(f['max_service_gap'], '.0f')}; "
+              f"burst served {s['burst_period_s'][0]:.0f}-{s['burst_period_s'][1]:.0f} s; "
+              f"{len(s['pinned_bots'])} bots pinned; makespan {s['makespan_s']:.0f} s")
+    print(f"{'goal':<22} {'value':>8} {'target':>8}  met")
+    for key, g in report["goals"].items():
+        print(f"{key:<22} {fmt_x(g['value']):>8} {g['target']:>8}  {'yes' if g['met'] else 'NO'}")
+    print(f"jain_baseline {fmt_x(report['jain_baseline'], '.3f')}, hit rate {fmt_x(report['hit_rate_fair'], '.1%')} "
+          f"(streamengine) vs {fmt_x(report['hit_rate_baseline'], '.1%')} (baseline)")
+
+
+COLORS = {"noisy": "#d62728", "popular": "#1f77b4", "rare": "#2ca02c"}
+
+
+def write_png(report: dict, path: Path) -> None:
+    from common import pyplot, save_figure
+
+    plt = pyplot()
+    systems = report["systems"]
+    fig, axes = plt.subplots(1, len(systems) + 1, figsize=(5 * len(systems) + 4, 4),
+                             gridspec_kw={"width_ratios": [3] * len(systems) + [2]})
+    classes = class_of_bots(report)
+    burst = report["workload"]["burst_s"]
+    for ax, (name, s) in zip(axes, systems.items(), strict=False):
+        for k in CLASSES:
+            pts = [(x, y) for bot, x, y in s["turns"] if classes[bot] == k]
+            if pts:
+                ax.scatter(*zip(*pts, strict=True), s=6, alpha=0.6, color=COLORS[k], label=k)
+        ax.axvspan(*burst, color="#999999", alpha=0.25, label="burst starts")
+        ax.axvspan(burst[1], s["burst_period_s"][1], color="#999999", alpha=0.1, label="burst served")
+        ax.set_yscale("log")
+        ax.set_xlabel("submitted at (s)")
+        ax.set_ylabel("TTFT (s)")
+        ax.set_title(f"{name}: quiet p99 in burst {fmt_x(s['quiet_ttft_p99_burst_s'])} s")
+        ax.grid(True, which="both", alpha=0.3)
+        ax.legend(fontsize=7, markerscale=2)
+    ax = axes[-1]
+    width = 0.8 / len(systems)
+    for i, (name, s) in enumerate(systems.items()):
+        xs = np.arange(len(CLASSES)) + i * width
+        ax.bar(xs, [100 * s["classes"][k]["hit_rate"] for k in CLASSES], width, label=name)
+    ax.set_xticks(np.arange(len(CLASSES)) + width * (len(systems) - 1) / 2, CLASSES)
+    ax.set_ylabel("prefix hit rate (% of prompt tokens)")
+    ax.set_title("hit rate by tenant class")
+    ax.legend(fontsize=8)
+    save_figure(fig, path)
+
+
+def class_of_bots(report: dict) -> list[str]:
+    w = report["workload"]
+    names = [f"bot{i:02d}" for i in range(w["num_bots"])]
+    return ["noisy" if n == w["noisy_bot"] else "popular" if n in w["popular_bots"] else "rare" for n in names]
+
+
+# -- main -----------------------------------------------------------------------------------
+
+
+QUICK = {"duration": 60.0, "rate": 0.75, "scale": 0.3, "window": 2.0}
+FULL = {"duration": 240.0, "rate": 0.16, "scale": 1.0, "window": 4.0}
+
+
+def int_range(text: str) -> tuple[int, int]:
+    lo, _, hi = text.partition("-")
+    try:
+        bounds = int(lo), int(hi or lo)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected LO-HI, got {text!r}") from None
+    if not 1 <= bounds[0] <= bounds[1]:
+        raise argparse.ArgumentTypeError(f"expected 1 <= LO <= HI, got {text!r}")
+    return bounds
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--quick", action="store_true", help="same shape, lengths x0.3, 60 s of arrivals (< 5 min)")
+    p.add_argument("--model", help="Hugging Face model folder (default: SmolLM2-135M-Instruct)")
+    p.add_argument("--device", default="cpu", help="torch device of both systems")
+    p.add_argument("--systems", default=",".join(SYSTEMS), help="comma-separated subset of " + ",".join(SYSTEMS))
+    p.add_argument("--bots", type=int, default=16)
+    p.add_argument("--zipf", type=float, default=1.1, help="Zipf exponent of bot popularity")
+    p.add_argument("--noisy-rank", type=int, default=1, help="popularity rank (1 = most) of the noisy bot")
+    p.add_argument("--popular", type=int, default=4, help="top ranks counted as popular (the noisy bot aside)")
+    p.add_argument("--burst-factor", type=float, default=10.0, help="noisy bot's share multiplier in the burst")
+    p.add_argument("--rate", type=float, help="conversation starts per second (0.75 quick, 0.16 full)")
+    p.add_argument("--duration", type=float, help="seconds of arrivals (60 quick, 240 full)")
+    p.add_argument("--scale", type=float, help="multiplies every length range (0.3 quick, 1 full)")
+    p.add_argument("--system-len", type=int_range, default=(300, 1500), help="system prompt tokens LO-HI")
+    p.add_argument("--user-len", type=int_range, default=(20, 80), help="user turn tokens LO-HI")
+    p.add_argument("--answer-len", type=int_range, default=(16, 64), help="answer tokens LO-HI")
+    p.add_argument("--turns", type=int_range, default=(3, 6), help="turns per conversation LO-HI")
+    p.add_argument("--kv-fraction", type=float, default=1 / 3, help="KV pool / tokens the run ever holds")
+    p.add_argument("--window", type=float, help="fairness window, seconds (2 quick, 4 full)")
+    p.add_argument("--sample-period", type=float, default=0.25, help="seconds between tenant-stats samples")
+    p.add_argument("--max-num-seqs", type=int, default=128)
+    p.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    # One thread by default: on a machine shared with other busy processes two OpenMP threads on
+    # two cores wait for each other at every parallel region (bench/README.md, throughput.py).
+    p.add_argument("--threads", type=int, default=1, help="torch threads of both systems")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--json", type=Path)
+    p.add_argument("--png", type=Path)
+    p.add_argument("--no-png", action="store_true")
+    args = p.parse_args(argv)
+    return check_args(p, args)
+
+
+def check_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> argparse.Namespace:
+    for key, value in (QUICK if args.quick else FULL).items():
+        if getattr(args, key) is None:
+            setattr(args, key, value)
+    suffix = "_quick" if args.quick else ""
+    args.json = args.json or RESULTS_DIR / f"multitenant{suffix}.json"
+    args.png = args.png or RESULTS_DIR / f"multitenant{suffix}.png"
+    args.systems = [s.strip() for s in args.systems.split(",") if s.strip()]
+    if not args.systems or any(s not in SYSTEMS for s in args.systems):
+        p.error(f"--systems must name some of {', '.join(SYSTEMS)}")
+    if args.bots < 2 or not 1 <= args.noisy_rank <= args.bots:
+        p.error("--bots must be >= 2 and --noisy-rank in 1..bots")
+    if min(args.rate, args.duration, args.scale, args.window, args.kv_fraction, args.zipf, args.sample_period) <= 0:
+        p.error("--rate, --duration, --scale, --window, --kv-fraction, --zipf and --sample-period must be > 0")
+    if args.burst_factor < 1 or args.threads < 1 or args.max_num_seqs < 1 or args.max_num_batched_tokens < 1:
+        p.error("--burst-factor, --threads, --max-num-seqs and --max-num-batched-tokens must be >= 1")
+    return args
+
+
+def size_pool(args, workload: Workload, block_bytes: int) -> None:
+    """`kv_fraction` of the run's footprint, at least the longest turn plus its answer."""
+    tokens = max(round(workload.footprint_tokens * args.kv_fraction), workload.longest_turn_tokens + BLOCK_SIZE)
+    blocks = -(-tokens // BLOCK_SIZE)
+    args.kv_tokens, args.kv_bytes = blocks * BLOCK_SIZE, blocks * block_bytes
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    torch.set_num_threads(args.threads)
+    quiet_transformers()
+    from streamengine.kv_cache import kv_bytes_per_block
+    from streamengine.models import load_model
+
+    args.folder = model_folder(args.model)
+    loaded = load_model(str(args.folder), "float32", args.device)
+    workload = make_workload(args, normal_token_ids(loaded.tokenizer, loaded.model.config.vocab_size))
+    size_pool(args, workload, kv_bytes_per_block(loaded.model.config, BLOCK_SIZE, torch.float32))
+    systems = {}
+    for system in args.systems:
+        began = time.perf_counter()
+        run = asyncio.run(run_system(loaded, args, workload, system))
+        systems[system] = summarize(run, workload, args.window)
+        systems[system]["wall_s"] = time.perf_counter() - began
+    report = build_report(args, workload, systems)
+    print_table(report)
+    args.json.parent.mkdir(parents=True, exist_ok=True)
+    args.json.write_text(json.dumps(report, indent=2, default=list) + "\n")
+    print(f"wrote {args.json}", file=sys.stderr)
+    if not args.no_png:
+        write_png(report, args.png)
+        print(f"wrote {args.png}", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
