@@ -30,6 +30,14 @@ order) before it is admitted next regardless: no starvation, and its extra wait 
 8 admissions of its own tenant. The gain of hits-first comes from starting a burst of turns
 that re-send one cached history together; 8 covers the turns a bot's users send in one short
 window while keeping the bound far below a queue's usual length."""
+FAIRNESS_SLACK = 1024.0
+"""Weighted tokens a running tenant must be ahead of the least-served waiting one before its
+sequences give way to it: about one request's service, so tenants within a request of each
+other never preempt each other, and a tenant that was just made room for must be served a
+whole slack further before the other can take its room back."""
+MAX_YIELDS_PER_STEP = 4
+"""Running sequences preempted per step to make room for an under-served tenant: room comes
+over a few steps rather than by emptying the batch at once."""
 LOOKAHEAD = 32
 """Cache-aware order looks at this many of a tenant's waiting sequences (in arrival order), so
 one admission costs a bounded number of prefix-cache lookups however long the queue is."""

@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 
 from streamengine.block_manager import BlockManager, KVBlock
 from streamengine.config import SCHEDULING_POLICIES
-from streamengine.fair_share import LOOKAHEAD, FairShare
+from streamengine.fair_share import FAIRNESS_SLACK, LOOKAHEAD, MAX_YIELDS_PER_STEP, FairShare
 from streamengine.sequence import Sequence, SequenceStatus
 from streamengine.tenants import Tenants
 
@@ -156,10 +156,13 @@ class Scheduler:
 
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
+        self._yield_to_underserved(out)
+        num_yielded = len(out.preempted)
         budget = self._schedule_running(out, self.max_num_batched_tokens)
-        if not out.preempted:
+        pressed = len(out.preempted) > num_yielded  # memory pressure: admit nobody this step
+        if not pressed:
             budget = self._schedule_swapped(out, budget)
-        if not out.preempted and not self.swapped:
+        if not pressed and not self.swapped:
             self._schedule_waiting(out, budget)
         while not out.scheduled and self.running and (self.waiting or self.swapped):
             # Every running sequence is idle (beams waiting for a sibling's logits) while the
@@ -216,6 +219,44 @@ class Scheduler:
             out.preempted.append(victim)
             if victim is seq:
                 return False
+
+    def _yield_to_underserved(self, out: SchedulerOutput) -> None:
+        """"fair": when the next sequence of the least-served waiting tenant cannot get its
+        blocks (or a running slot) while a running tenant is more than FAIRNESS_SLACK ahead of
+        it, that tenant's newest sequences give way, up to MAX_YIELDS_PER_STEP. Recompute
+        preemption: their full blocks stay in the prefix cache, so they resume mostly on hits.
+        Without this a tenant that filled the pool keeps it until its requests end."""
+        if self.policy != "fair" or not self.waiting or self.swapped:
+            return
+        head = self._underserved_head()
+        if head is None:
+            return
+        tenant, need = head
+        behind = self.share.usage_of(tenant).virtual_time + FAIRNESS_SLACK
+        for _ in range(MAX_YIELDS_PER_STEP):
+            if self.block_manager.num_free_blocks >= need and len(self.running) < self.max_num_seqs:
+                return
+            ahead = [s for s in self.running if s.group_size == 1 and self.share.usage_of(s.tenant).virtual_time > behind]
+            if not ahead:
+                return
+            victim = self.share.pick_victim(ahead)
+            self.running.remove(victim)
+            self._preempt(victim)
+            out.preempted.append(victim)
+
+    def _underserved_head(self) -> tuple[str, int] | None:
+        """The least-served waiting tenant and the free blocks its next sequence needs to
+        start (with the watermark), if it may start at all (quota, no prefix in flight)."""
+        bm = self.block_manager
+        queues = self._waiting_by_tenant()
+        tenant = self.share.least_served(queues)
+        seq = queues[tenant][0]
+        cached = bm.find_cached_blocks(seq)
+        if self._waits_for_prefix(seq, len(cached), self._blocks_in_flight()) or not self._may_admit(seq, cached):
+            return None
+        start = len(cached) * bm.block_size
+        n = self._num_new_tokens(seq, start, self.max_num_batched_tokens)
+        return tenant, bm.blocks_needed(start + n) - len(cached) + self.watermark_blocks
 
     def _take_victim(self, out: SchedulerOutput, tenant: str | None = None) -> Sequence:
         """Takes out of `running` the sequence to preempt: the newest ("fcfs"), or the newest of

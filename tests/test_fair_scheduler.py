@@ -11,7 +11,7 @@ import pytest
 from test_scheduler import Sim as BaseSim
 
 from streamengine.block_manager import BlockManager
-from streamengine.fair_share import CACHE_AWARE_MIN_WAITING, MAX_PASS_OVERS
+from streamengine.fair_share import CACHE_AWARE_MIN_WAITING, FAIRNESS_SLACK, MAX_PASS_OVERS
 from streamengine.scheduler import Scheduler, SchedulerOutput
 from streamengine.sequence import Sequence, SequenceStatus
 from streamengine.tenants import TenantConfig, Tenants
@@ -249,6 +249,38 @@ def test_the_victim_comes_from_the_tenant_furthest_over_its_share(policy: str) -
     assert [i.seq for i in out.scheduled] == ([a0, b0] if policy == "fair" else [a0, a1])
     sim.run()
     assert all(s.num_output_tokens == 10 for s in (a0, a1, b0))
+
+
+@pytest.mark.parametrize("policy", ["fair", "fcfs"])
+def test_a_tenant_holding_the_pool_gives_way_to_an_under_served_one(policy: str) -> None:
+    """A's two requests fill the pool; B's request arrives and cannot fit. B starts level with
+    A (no banked credit), but while it waits A keeps being served; under "fair", once A is
+    FAIRNESS_SLACK ahead (its small weight makes each token count 100 times) A's newest
+    sequence yields (recompute) and B runs before A's requests end. Under "fcfs" B waits."""
+    sim = Sim(10, tenants=[TenantConfig("a", weight=0.01), TenantConfig("b")], policy=policy, prefix_caching=False)
+    a = [sim.add("a", tokens(8, 100 * i), max_tokens=12) for i in range(2)]  # 5 blocks each at the end
+    while sim.bm.num_free_blocks >= 4:
+        sim.step()
+    b0 = sim.add("b", tokens(14, 900), max_tokens=2)  # 4 blocks
+    sim.run()
+    assert all(s.num_output_tokens == 12 for s in a)  # the one that yielded resumed and completed
+    if policy == "fair":
+        assert a[1].num_preemptions == 1 and a[0].num_preemptions == 0
+        assert sim.finished.index(b0) < sim.finished.index(a[1])
+    else:
+        assert a[0].num_preemptions == a[1].num_preemptions == 0
+        assert sim.finished.index(b0) == 2
+
+
+def test_tenants_within_the_slack_do_not_preempt_each_other() -> None:
+    sim = Sim(8, tenants=[TenantConfig("a"), TenantConfig("b")], prefix_caching=False)
+    a = [sim.add("a", tokens(6, 100 * i), max_tokens=10) for i in range(2)]
+    while sim.bm.num_free_blocks > 0:
+        sim.step()
+    assert sim.stat("a", "virtual_time") < FAIRNESS_SLACK
+    sim.add("b", tokens(6, 900), max_tokens=2)
+    sim.run()
+    assert a[0].num_preemptions == a[1].num_preemptions == 0
 
 
 # -- cache-aware order inside a tenant -----------------------------------------------------
