@@ -5,13 +5,19 @@ Imports are lazy: bench/serving.py's client side and bench/memory.py run without
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import platform
+import sys
 import warnings
+from collections.abc import Callable
 from pathlib import Path
 
-__all__ = ["default_model_folder", "model_folder", "pyplot", "quiet_transformers", "save_figure", "software"]
+__all__ = [
+    "default_model_folder", "model_folder", "pyplot", "quiet_transformers", "save_figure", "software",
+    "write_report",
+]
 
 
 def default_model_folder() -> Path:
@@ -67,3 +73,13 @@ def save_figure(fig, path: Path, dpi: int = 120) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=dpi)
     pyplot().close(fig)
+
+
+def write_report(report: dict, json_path: Path, png_path: Path | None, plot: Callable[[dict, Path], None]) -> None:
+    """Writes the report's JSON and, unless `png_path` is None, its plot; says where on stderr."""
+    json_path.parent.mkdir(parents=True, exist_ok=True)
+    json_path.write_text(json.dumps(report, indent=2, default=list) + "\n")
+    print(f"wrote {json_path}", file=sys.stderr)
+    if png_path is not None:
+        plot(report, png_path)
+        print(f"wrote {png_path}", file=sys.stderr)

@@ -42,7 +42,6 @@ import argparse
 import asyncio
 import bisect
 import gc
-import json
 import os
 import random
 import sys
@@ -56,7 +55,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))  # run as a script: ben
 
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
-from common import model_folder, quiet_transformers, software  # noqa: E402
+from common import model_folder, quiet_transformers, software, write_report  # noqa: E402
 from tqdm import tqdm  # noqa: E402
 from traces import normal_token_ids  # noqa: E402
 
@@ -679,12 +678,7 @@ def main(argv: list[str] | None = None) -> int:
         systems[system]["wall_s"] = time.perf_counter() - began
     report = build_report(args, workload, systems)
     print_table(report)
-    args.json.parent.mkdir(parents=True, exist_ok=True)
-    args.json.write_text(json.dumps(report, indent=2, default=list) + "\n")
-    print(f"wrote {args.json}", file=sys.stderr)
-    if not args.no_png:
-        write_png(report, args.png)
-        print(f"wrote {args.png}", file=sys.stderr)
+    write_report(report, args.json, None if args.no_png else args.png, write_png)
     return 0
 
 

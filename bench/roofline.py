@@ -32,7 +32,6 @@ from __future__ import annotations
 
 import argparse
 import gc
-import json
 import math
 import os
 import random
@@ -47,7 +46,7 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # run as a script: bench/ is not a package
 
 import torch  # noqa: E402
-from common import model_folder, quiet_transformers, software  # noqa: E402
+from common import model_folder, quiet_transformers, software, write_report  # noqa: E402
 from tqdm import tqdm  # noqa: E402
 from traces import normal_token_ids  # noqa: E402
 
@@ -439,12 +438,7 @@ def main(argv: list[str] | None = None) -> int:
     for b, tok_s in baseline.items():
         ours = report["decode_tok_s_by_batch"][b]
         print(f"batch {b}: transformers' modules + PyTorch attention {tok_s:.1f} tok/s; this engine {ours / tok_s:.2f}x")
-    args.json.parent.mkdir(parents=True, exist_ok=True)
-    args.json.write_text(json.dumps(report, indent=2) + "\n")
-    print(f"wrote {args.json}", file=sys.stderr)
-    if not args.no_png:
-        write_png(report, args.png)
-        print(f"wrote {args.png}", file=sys.stderr)
+    write_report(report, args.json, None if args.no_png else args.png, write_png)
     return 0
 
 

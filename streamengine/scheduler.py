@@ -228,14 +228,14 @@ class Scheduler:
         Without this a tenant that filled the pool keeps it until its requests end."""
         if self.policy != "fair" or not self.waiting or self.swapped:
             return
-        head = self._underserved_head()
-        if head is None:
-            return
-        tenant, need = head
+        tenant, seq, cached, need = self._underserved_head()
+        if self._has_room(need):
+            return  # the common case, decided before any hashing of prefixes in flight
         behind = self.share.usage_of(tenant).virtual_time + FAIRNESS_SLACK
+        waits = self._waits_for_prefix(seq, len(cached), self._blocks_in_flight())
+        if waits or not self._may_admit(seq, cached):
+            return  # it could not start this step anyway
         for _ in range(MAX_YIELDS_PER_STEP):
-            if self.block_manager.num_free_blocks >= need and len(self.running) < self.max_num_seqs:
-                return
             ahead = [s for s in self.running if s.group_size == 1 and self.share.usage_of(s.tenant).virtual_time > behind]
             if not ahead:
                 return
@@ -243,20 +243,23 @@ class Scheduler:
             self.running.remove(victim)
             self._preempt(victim)
             out.preempted.append(victim)
+            if self._has_room(need):
+                return
 
-    def _underserved_head(self) -> tuple[str, int] | None:
-        """The least-served waiting tenant and the free blocks its next sequence needs to
-        start (with the watermark), if it may start at all (quota, no prefix in flight)."""
+    def _underserved_head(self) -> tuple[str, Sequence, list[KVBlock], int]:
+        """The least-served waiting tenant, its next sequence with that sequence's cache hits,
+        and the free blocks it needs to start (with the watermark)."""
         bm = self.block_manager
         queues = self._waiting_by_tenant()
         tenant = self.share.least_served(queues)
         seq = queues[tenant][0]
         cached = bm.find_cached_blocks(seq)
-        if self._waits_for_prefix(seq, len(cached), self._blocks_in_flight()) or not self._may_admit(seq, cached):
-            return None
         start = len(cached) * bm.block_size
         n = self._num_new_tokens(seq, start, self.max_num_batched_tokens)
-        return tenant, bm.blocks_needed(start + n) - len(cached) + self.watermark_blocks
+        return tenant, seq, cached, bm.blocks_needed(start + n) - len(cached) + self.watermark_blocks
+
+    def _has_room(self, need: int) -> bool:
+        return self.block_manager.num_free_blocks >= need and len(self.running) < self.max_num_seqs
 
     def _take_victim(self, out: SchedulerOutput, tenant: str | None = None) -> Sequence:
         """Takes out of `running` the sequence to preempt: the newest ("fcfs"), or the newest of

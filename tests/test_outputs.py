@@ -75,9 +75,10 @@ async def test_a_slow_consumer_gets_merged_deltas_and_loses_nothing(engine, monk
     params = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True, output_kind="delta")
     fast = await collect(engine, "Slow reader", params)
     outs = []
-    async for out in engine.generate("Slow reader", params):
+    async for out in engine.generate("Slow reader", params, request_id="slow"):
         outs.append(out)
-        await asyncio.sleep(0.15)  # several steps pass between reads
+        while "slow" in engine.core.requests:  # the reader stalls until the request has ended,
+            await asyncio.sleep(0.01)  # however fast or slow the machine runs the steps
     assert len(outs) < len(fast)  # steps were folded together
     assert joined(outs)[0].token_ids == joined(fast)[0].token_ids
     assert joined(outs)[0].text == joined(fast)[0].text
