@@ -38,6 +38,13 @@ whole slack further before the other can take its room back."""
 MAX_YIELDS_PER_STEP = 4
 """Running sequences preempted per step to make room for an under-served tenant: room comes
 over a few steps rather than by emptying the batch at once."""
+TENANT_PREFILL_CHUNKS = 4
+"""Under "fair" a tenant's prompts in flight share this many prefill chunks per step (each
+prompt still gets at least one). A quiet tenant's lone cold prompt, such as a bot's system
+prompt that fell out of the cache, prefills in a quarter of the steps while a busy tenant's
+many prompts keep one chunk each: a step grows by at most three chunks per quiet tenant,
+and the time to first token of the tenants with little in flight stops depending on how
+many prompts a noisy one sends."""
 LOOKAHEAD = 32
 """Cache-aware order looks at this many of a tenant's waiting sequences (in arrival order), so
 one admission costs a bounded number of prefix-cache lookups however long the queue is."""
@@ -128,6 +135,11 @@ class FairShare:
         """The tenant owed the most service; ties go to the one listed first (arrival order)."""
         return min(tenants, key=lambda name: self.usage_of(name).virtual_time)
 
+    def service_order(self, seqs: list[Sequence]) -> list[Sequence]:
+        """`seqs` with the least-served tenants' first (stable: arrival order within a tenant),
+        the order in which a step's token budget is handed out."""
+        return sorted(seqs, key=lambda s: self.usage_of(s.tenant).virtual_time)
+
     def pick(self, candidates: list[tuple[Sequence, int]], num_waiting: int) -> int:
         """Index of the candidate (sequence, cached blocks), in the tenant's arrival order, to
         admit next: one passed over MAX_PASS_OVERS times, else with a long queue the longest
@@ -151,6 +163,21 @@ class FairShare:
     def pick_victim(self, candidates: list[Sequence]) -> Sequence:
         """The newest sequence of the candidates' tenant furthest over its share."""
         return max(candidates, key=lambda s: (self.usage_of(s.tenant).virtual_time, s.arrival_time, s.seq_id))
+
+    def over_block_share(self, running: list[Sequence], waiting: Iterable[Sequence], pool_size: int) -> set[str]:
+        """Tenants running two or more sequences whose blocks exceed their weight's share of
+        the pool among the tenants with sequences in the scheduler (blocks shared inside a
+        tenant counted once). As with quotas, a tenant's only sequence is never counted over:
+        one request larger than a share must not be preempted over and over."""
+        held: dict[str, set[int]] = {}
+        count: dict[str, int] = {}
+        for seq in running:
+            held.setdefault(seq.tenant, set()).update(seq.block_table)
+            count[seq.tenant] = count.get(seq.tenant, 0) + 1
+        active = {seq.tenant for seq in waiting} | held.keys()
+        total = sum(self.tenants.get(name).weight for name in active)
+        return {name for name, blocks in held.items()
+                if count[name] > 1 and len(blocks) > pool_size * self.tenants.get(name).weight / total}
 
     # -- quotas ---------------------------------------------------------------------------
 

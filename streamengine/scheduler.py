@@ -16,12 +16,19 @@ tenant owed the most service, within its quotas, and inside a tenant prefers cac
 from __future__ import annotations
 
 import bisect
+import itertools
 from collections import deque
 from dataclasses import dataclass, field
 
 from streamengine.block_manager import BlockManager, KVBlock
 from streamengine.config import SCHEDULING_POLICIES
-from streamengine.fair_share import FAIRNESS_SLACK, LOOKAHEAD, MAX_YIELDS_PER_STEP, FairShare
+from streamengine.fair_share import (
+    FAIRNESS_SLACK,
+    LOOKAHEAD,
+    MAX_YIELDS_PER_STEP,
+    TENANT_PREFILL_CHUNKS,
+    FairShare,
+)
 from streamengine.sequence import Sequence, SequenceStatus
 from streamengine.tenants import Tenants
 
@@ -116,6 +123,8 @@ class Scheduler:
         # Admission keeps ~1% of the pool free so a new prompt does not force the very next
         # decode step to preempt (the same watermark vLLM uses).
         self.watermark_blocks = block_manager.num_blocks // 100
+        # "fair": each tenant's prompts in flight or waiting this step, for its chunk size.
+        self._prefills: dict[str, int] = {}
 
     def add(self, seq: Sequence) -> None:
         seq.status = SequenceStatus.WAITING
@@ -156,6 +165,7 @@ class Scheduler:
 
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
+        self._count_prefills()
         self._yield_to_underserved(out)
         num_yielded = len(out.preempted)
         budget = self._schedule_running(out, self.max_num_batched_tokens)
@@ -180,7 +190,23 @@ class Scheduler:
     def _num_new_tokens(self, seq: Sequence, num_computed: int, budget: int) -> int:
         """How many of `seq`'s tokens past `num_computed` to compute this step."""
         n = min(seq.num_tokens - num_computed, budget)
-        return n if self.max_prefill_chunk is None else min(n, self.max_prefill_chunk)
+        return n if self.max_prefill_chunk is None else min(n, self._prefill_chunk(seq))
+
+    def _prefill_chunk(self, seq: Sequence) -> int:
+        """max_prefill_chunk; under "fair", the tenant's TENANT_PREFILL_CHUNKS shared by its
+        prompts in flight or waiting (`seq` among them), never less than one chunk each."""
+        chunk = self.max_prefill_chunk
+        if self.policy != "fair":
+            return chunk
+        return max(chunk, TENANT_PREFILL_CHUNKS * chunk // max(1, self._prefills.get(seq.tenant, 0)))
+
+    def _count_prefills(self) -> None:
+        self._prefills.clear()
+        if self.policy != "fair" or self.max_prefill_chunk is None:
+            return
+        for seq in itertools.chain(self.running, self.waiting):
+            if seq.num_tokens - seq.num_computed_tokens > 1:
+                self._prefills[seq.tenant] = self._prefills.get(seq.tenant, 0) + 1
 
     def _append(self, out: SchedulerOutput, seq: Sequence, n: int) -> None:
         item = ScheduledSeq.of(seq, n)
@@ -190,7 +216,10 @@ class Scheduler:
         self.block_manager.cache_full_blocks(seq, seq.num_computed_tokens + n)
 
     def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:
-        for seq in list(self.running):
+        """Oldest first ("fcfs"); least-served tenant first ("fair"), so when prompts in
+        flight exceed the budget, the tenants owed service get theirs computed."""
+        order = self.share.service_order(self.running) if self.policy == "fair" else list(self.running)
+        for seq in order:
             if budget <= 0:
                 break
             if seq.status is not SequenceStatus.RUNNING:
@@ -222,21 +251,22 @@ class Scheduler:
 
     def _yield_to_underserved(self, out: SchedulerOutput) -> None:
         """"fair": when the next sequence of the least-served waiting tenant cannot get its
-        blocks (or a running slot) while a running tenant is more than FAIRNESS_SLACK ahead of
-        it, that tenant's newest sequences give way, up to MAX_YIELDS_PER_STEP. Recompute
+        blocks (or a running slot), running tenants give way to it, their newest sequences
+        first, up to MAX_YIELDS_PER_STEP: those more than FAIRNESS_SLACK ahead of it and, if it
+        has nothing running, those holding more than their share of the pool. Recompute
         preemption: their full blocks stay in the prefix cache, so they resume mostly on hits.
-        Without this a tenant that filled the pool keeps it until its requests end."""
+        Without this a tenant that filled the pool keeps it until its requests end, and a
+        quiet tenant's first token waits for a busy one's requests to finish."""
         if self.policy != "fair" or not self.waiting or self.swapped:
             return
         tenant, seq, cached, need = self._underserved_head()
         if self._has_room(need):
             return  # the common case, decided before any hashing of prefixes in flight
-        behind = self.share.usage_of(tenant).virtual_time + FAIRNESS_SLACK
         waits = self._waits_for_prefix(seq, len(cached), self._blocks_in_flight())
         if waits or not self._may_admit(seq, cached):
             return  # it could not start this step anyway
         for _ in range(MAX_YIELDS_PER_STEP):
-            ahead = [s for s in self.running if s.group_size == 1 and self.share.usage_of(s.tenant).virtual_time > behind]
+            ahead = self._owing(tenant)
             if not ahead:
                 return
             victim = self.share.pick_victim(ahead)
@@ -245,6 +275,15 @@ class Scheduler:
             out.preempted.append(victim)
             if self._has_room(need):
                 return
+
+    def _owing(self, tenant: str) -> list[Sequence]:
+        """The running sequences (no beams or samples of a group) that owe `tenant` room."""
+        behind = self.share.usage_of(tenant).virtual_time + FAIRNESS_SLACK
+        over_share = set()
+        if all(s.tenant != tenant for s in self.running):
+            over_share = self.share.over_block_share(self.running, self.waiting, self.block_manager.num_blocks)
+        return [s for s in self.running if s.group_size == 1 and (
+            s.tenant in over_share or self.share.usage_of(s.tenant).virtual_time > behind)]
 
     def _underserved_head(self) -> tuple[str, Sequence, list[KVBlock], int]:
         """The least-served waiting tenant, its next sequence with that sequence's cache hits,

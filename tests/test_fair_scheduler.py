@@ -11,7 +11,12 @@ import pytest
 from test_scheduler import Sim as BaseSim
 
 from streamengine.block_manager import BlockManager
-from streamengine.fair_share import CACHE_AWARE_MIN_WAITING, FAIRNESS_SLACK, MAX_PASS_OVERS
+from streamengine.fair_share import (
+    CACHE_AWARE_MIN_WAITING,
+    FAIRNESS_SLACK,
+    MAX_PASS_OVERS,
+    TENANT_PREFILL_CHUNKS,
+)
 from streamengine.scheduler import Scheduler, SchedulerOutput
 from streamengine.sequence import Sequence, SequenceStatus
 from streamengine.tenants import TenantConfig, Tenants
@@ -244,9 +249,10 @@ def test_the_victim_comes_from_the_tenant_furthest_over_its_share(policy: str) -
         if out.preempted:
             break
     assert sim.stat("a", "virtual_time") > sim.stat("b", "virtual_time")
-    # fair: A's newest yields, though B's sequence is newer; fcfs: the newest, whoever owns it
+    # fair: A's newest yields, though B's sequence is newer, and B (least served) is scheduled
+    # first; fcfs: the newest yields, whoever owns it, and the oldest go first
     assert out.preempted == ([a1] if policy == "fair" else [b0])
-    assert [i.seq for i in out.scheduled] == ([a0, b0] if policy == "fair" else [a0, a1])
+    assert [i.seq for i in out.scheduled] == ([b0, a0] if policy == "fair" else [a0, a1])
     sim.run()
     assert all(s.num_output_tokens == 10 for s in (a0, a1, b0))
 
@@ -272,12 +278,32 @@ def test_a_tenant_holding_the_pool_gives_way_to_an_under_served_one(policy: str)
         assert sim.finished.index(b0) == 2
 
 
-def test_tenants_within_the_slack_do_not_preempt_each_other() -> None:
+def test_a_tenant_over_its_pool_share_gives_way_to_one_with_nothing_running() -> None:
+    """A (within the slack) holds the whole pool with two requests; B, with nothing running,
+    waits for it: A's newest yields at once, although A is not FAIRNESS_SLACK ahead."""
     sim = Sim(8, tenants=[TenantConfig("a"), TenantConfig("b")], prefix_caching=False)
     a = [sim.add("a", tokens(6, 100 * i), max_tokens=10) for i in range(2)]
     while sim.bm.num_free_blocks > 0:
         sim.step()
     assert sim.stat("a", "virtual_time") < FAIRNESS_SLACK
+    b0 = sim.add("b", tokens(6, 900), max_tokens=2)
+    out = sim.step()
+    assert out.preempted == [a[1]] and b0 in [i.seq for i in out.scheduled]
+    sim.run()
+    assert a[0].num_preemptions == 0 and a[1].num_preemptions == 1
+    assert all(s.num_output_tokens == 10 for s in a)
+
+
+def test_tenants_within_the_slack_do_not_preempt_each_other() -> None:
+    """B already runs a request, so the pool-share rule does not apply; A is within the slack
+    of B: B's second request waits for room instead of preempting A."""
+    sim = Sim(9, tenants=[TenantConfig("a"), TenantConfig("b")], prefix_caching=False)
+    b_run = sim.add("b", tokens(2, 500), max_tokens=10)  # 3 blocks at the end, as A's
+    a = [sim.add("a", tokens(6, 100 * i), max_tokens=6) for i in range(2)]
+    while sim.bm.num_free_blocks >= 2:  # B's second request needs 2
+        sim.step()
+    assert b_run.status is SequenceStatus.RUNNING
+    assert sim.stat("a", "virtual_time") < sim.stat("b", "virtual_time") + FAIRNESS_SLACK
     sim.add("b", tokens(6, 900), max_tokens=2)
     sim.run()
     assert a[0].num_preemptions == a[1].num_preemptions == 0
@@ -365,12 +391,26 @@ def test_a_prompt_still_waits_for_a_shared_prefix_in_flight() -> None:
     other = sim.add("b", tokens(6, 300), max_tokens=1)
     out = sim.step()
     assert [i.seq for i in out.scheduled] == [first, other]
-    for _ in range(4):
-        assert follower.status is SequenceStatus.WAITING
-        sim.step()
-    out = sim.step()  # the first schedules the last shared block: the follower starts on hits
+    while follower.status is SequenceStatus.WAITING:
+        assert first.num_computed_tokens < len(prefix)  # its shared blocks are still in flight
+        out = sim.step()
+    # it started in the step after the first scheduled the last shared block, on hits
     assert follower in [i.seq for i in out.scheduled]
     assert follower.num_cached_tokens == 24
+
+
+def test_a_tenants_prompts_in_flight_share_its_prefill_chunks() -> None:
+    """A tenant with one prompt in flight (or waiting) prefills TENANT_PREFILL_CHUNKS chunks a step; one with
+    many gets one chunk per prompt (never less), so a quiet tenant's cold prompt is not slowed
+    by how many prompts a busy one sends. fcfs: one chunk per prompt for everyone."""
+    for policy, lone in (("fair", TENANT_PREFILL_CHUNKS * 4), ("fcfs", 4)):
+        sim = Sim(64, tenants=[TenantConfig("busy"), TenantConfig("quiet")], chunk=4, policy=policy,
+                  prefix_caching=False)
+        busy = [sim.add("busy", tokens(40, 100 * k), max_tokens=1) for k in range(1, 5)]
+        quiet = sim.add("quiet", tokens(40, 900), max_tokens=1)
+        sim.step()
+        assert [s.num_computed_tokens for s in busy] == [4] * 4
+        assert quiet.num_computed_tokens == lone
 
 
 # -- fcfs and the policy switch ------------------------------------------------------------
