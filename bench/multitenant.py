@@ -13,10 +13,12 @@ all tokens the run ever holds (every system prompt plus every conversation's ful
 
 Two systems, same weights, same KV pool, same arrivals, one after the other:
 
-  baseline      scheduling_policy="fcfs", nothing pinned: plain LRU eviction, each bot's salt
-                isolating its cache (what vLLM does with a per-bot cache_salt)
-  streamengine  scheduling_policy="fair" (virtual token counter, cache-aware admission) and
-                each bot's system prompt pinned (most popular first, up to max_pinned_fraction)
+  baseline      scheduling_policy="fcfs", nothing pinned, retain_waiting_prefixes=False: plain
+                LRU eviction, each bot's salt isolating its cache (what vLLM does with a
+                per-bot cache_salt)
+  streamengine  scheduling_policy="fair" (virtual token counter, cache-aware admission), each
+                bot's system prompt pinned (most popular first, up to max_pinned_fraction), and
+                waiting requests' cached prefixes evicted last (the defaults)
 
 Both start warm in the same way: each bot's system prompt is computed once before the clock
 starts (pinned by streamengine, a one-token request for the baseline). Measured per tenant class
@@ -281,6 +283,7 @@ def engine_config(args, workload: Workload, system: str):
         kv_cache_bytes=args.kv_bytes, max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens, num_threads=args.threads, seed=args.seed,
         scheduling_policy=POLICIES[system], tenants=tuple(TenantConfig(b.name) for b in workload.bots),
+        retain_waiting_prefixes=system == "streamengine",  # the baseline evicts by plain LRU
     )
 
 

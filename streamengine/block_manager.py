@@ -7,7 +7,10 @@ bytes. Invariants (checked by tests/test_block_manager.py and tests/test_prefix_
 - a block's refcount equals the number of block-table entries that point at it plus its pins;
 - a block holding a hash is reachable from `cached` under that hash (until it is evicted);
 - a free cached block's cached parent, if free too, is behind it in the queue: eviction takes
-  a chain's tail first, never stranding a cached child behind an evicted parent.
+  a chain's tail first, never stranding a cached child behind an evicted parent;
+- free blocks that a waiting sequence's prefix will hit (`want`) sit in a second queue, taken
+  only when the first is empty: a request queued behind others keeps the history it re-sends,
+  instead of losing it to the churn of the requests it waits for.
 
 Salts and isolation
 -------------------
@@ -69,6 +72,7 @@ class KVBlock:
     holders: dict[str, int] = field(default_factory=dict)  # tenant -> block-table entries
     pins: int = 0
     pin_owner: str | None = None  # shown by block_tenants() while no sequence holds it
+    queue: FreeBlockQueue | None = None  # the free queue it is in, while its refcount is 0
 
 
 class FreeBlockQueue:
@@ -101,10 +105,11 @@ class FreeBlockQueue:
 
     def remove(self, block: KVBlock) -> None:
         block.prev.next, block.next.prev = block.next, block.prev
-        block.prev = block.next = None
+        block.prev = block.next = block.queue = None
         self.num_free -= 1
 
     def _insert_after(self, anchor: KVBlock, block: KVBlock) -> None:
+        block.queue = self
         block.prev, block.next = anchor, anchor.next
         anchor.next.prev = block
         anchor.next = block
@@ -151,7 +156,10 @@ class BlockManager:
         self.enable_prefix_caching = enable_prefix_caching
         self.blocks = [KVBlock(i) for i in range(num_blocks)]
         self.free_queue = FreeBlockQueue(self.blocks)
+        self.wanted_queue = FreeBlockQueue(())  # free blocks a waiting sequence will hit
         self.cached: dict[bytes, KVBlock] = {}
+        self._wanted: Counter[bytes] = Counter()  # hash -> waiting sequences that will hit it
+        self._wants: dict[int, list[bytes]] = {}  # seq_id -> the hashes it wants
         self.stats = PrefixCacheStats()
         # (src, dst) block copies the runner must do before the next forward (copy-on-write)
         self.pending_copies: list[tuple[int, int]] = []
@@ -164,7 +172,11 @@ class BlockManager:
 
     @property
     def num_free_blocks(self) -> int:
-        return self.free_queue.num_free
+        return self.free_queue.num_free + self.wanted_queue.num_free
+
+    def free_blocks(self) -> list[KVBlock]:
+        """The free blocks in eviction order."""
+        return [*self.free_queue, *self.wanted_queue]
 
     def usage(self) -> float:
         return 1.0 - self.num_free_blocks / self.num_blocks
@@ -275,14 +287,15 @@ class BlockManager:
             raise ValueError("prefix-cache hits can only start an empty block table")
         for block in cached:
             if block.ref_cnt == 0:
-                self.free_queue.remove(block)
+                block.queue.remove(block)
             _hold(block, seq.tenant)
             seq.block_table.append(block.block_id)
         seq.num_computed_tokens = len(cached) * self.block_size
         seq.num_cached_blocks = len(cached)
 
     def _pop_free(self, tenant: str) -> KVBlock:
-        block = self.free_queue.popleft()
+        queue = self.free_queue if self.free_queue.num_free else self.wanted_queue
+        block = queue.popleft()
         if block.block_hash is not None:  # lazy eviction: forget the content only now
             if self.cached.get(block.block_hash) is block:
                 del self.cached[block.block_hash]
@@ -317,7 +330,44 @@ class BlockManager:
         if block.block_hash is None:
             self.free_queue.appendleft(block)
         else:
-            self.free_queue.append(block)
+            self._queue_of(block).append(block)
+
+    def _queue_of(self, block: KVBlock) -> FreeBlockQueue:
+        """The queue a free block is in (or goes to)."""
+        wanted = block.block_hash is not None and block.block_hash in self._wanted
+        return self.wanted_queue if wanted else self.free_queue
+
+    # -- prefixes of waiting sequences --------------------------------------------------------
+
+    def want(self, seq: Sequence) -> None:
+        """`seq` waits to be admitted: the free blocks its prefix would hit (and any that get
+        cached under its hashes meanwhile) are evicted only after every other free block."""
+        if not self.enable_prefix_caching or seq.seq_id in self._wants:
+            return
+        hashes = self.compute_block_hashes(seq)[: (seq.num_tokens - 1) // self.block_size]
+        self._wants[seq.seq_id] = hashes
+        self._wanted.update(hashes)
+        self._requeue(hashes)
+
+    def unwant(self, seq: Sequence) -> None:
+        """`seq` stopped waiting (admitted or removed); idempotent."""
+        hashes = self._wants.pop(seq.seq_id, None)
+        if not hashes:
+            return
+        self._wanted.subtract(hashes)
+        for block_hash in hashes:
+            if self._wanted[block_hash] <= 0:
+                del self._wanted[block_hash]
+        self._requeue(hashes)
+
+    def _requeue(self, hashes: list[bytes]) -> None:
+        """Moves the free cached blocks of a chain to the back of the queue they now belong
+        in, deepest first, so each parent stays behind its children."""
+        for block_hash in reversed(hashes):
+            block = self.cached.get(block_hash)
+            if block is not None and block.ref_cnt == 0:
+                block.queue.remove(block)
+                self._queue_of(block).append(block)
 
     def _touch_free_cached(self, block_hash: bytes) -> None:
         """The sequence being freed held a duplicate of a cached block (both computed at
@@ -326,8 +376,9 @@ class BlockManager:
         first."""
         block = self.cached.get(block_hash)
         if block is not None and block.ref_cnt == 0:
-            self.free_queue.remove(block)
-            self.free_queue.append(block)
+            queue = block.queue
+            queue.remove(block)
+            queue.append(block)
 
     # -- swapping -------------------------------------------------------------------------
 
@@ -389,6 +440,9 @@ class BlockManager:
                 block.block_hash = None
         self.cached.clear()
         self.cached.update(kept)
+        for block in list(self.wanted_queue):  # no content left to keep for anyone
+            self.wanted_queue.remove(block)
+            self.free_queue.appendleft(block)
 
     # -- pins ------------------------------------------------------------------------------
 
@@ -431,7 +485,7 @@ class BlockManager:
                 self._num_pinned += 1
             block.pin_owner = _either(block.pin_owner, owner or _owner_of(block.holders))
             if block.ref_cnt == 0:
-                self.free_queue.remove(block)
+                block.queue.remove(block)
             block.pins += 1
             block.ref_cnt += 1
 

@@ -71,6 +71,8 @@ class EngineConfig:
     max_model_len: int | None = _option(
         None, "longest sequence; None: the model's context, capped by the pool", minimum=1)
     enable_prefix_caching: bool = _option(True, "reuse the KV blocks of prompts' shared prefixes")
+    retain_waiting_prefixes: bool = _option(
+        True, "evict last the cached blocks that a waiting request's prefix will hit (False: plain LRU)")
     attention_backend: str = _option("auto", "paged attention implementation", choices=ATTENTION_BACKENDS)
     model_impl: str = _option(
         "auto",

@@ -102,6 +102,7 @@ class EngineCore:
             policy=config.scheduling_policy, tenants=self.tenants,
             prompt_token_weight=config.fair_prompt_token_weight,
             output_token_weight=config.fair_output_token_weight,
+            retain_waiting_prefixes=config.retain_waiting_prefixes,
         )
         return block_manager, scheduler
 

@@ -105,6 +105,7 @@ class Scheduler:
         tenants: Tenants | None = None,
         prompt_token_weight: float = 1.0,
         output_token_weight: float = 2.0,
+        retain_waiting_prefixes: bool = True,
     ) -> None:
         if policy not in SCHEDULING_POLICIES:
             raise ValueError(f"scheduling policy must be one of {SCHEDULING_POLICIES}, got {policy!r}")
@@ -114,6 +115,8 @@ class Scheduler:
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_prefill_chunk = max_prefill_chunk  # None: a sequence may take the whole budget
+        # Waiting sequences' cached prefixes are evicted last (BlockManager.want).
+        self.retain_waiting_prefixes = retain_waiting_prefixes
         self.preemption = preemption or PreemptionPolicy()
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
@@ -130,6 +133,7 @@ class Scheduler:
         seq.status = SequenceStatus.WAITING
         self.share.on_arrival(seq)
         self.waiting.append(seq)
+        self._want(seq)
 
     def add_running(self, seq: Sequence) -> None:
         """A sequence that starts with computed blocks already (a fork of a running one)."""
@@ -143,6 +147,11 @@ class Scheduler:
         seq.num_computed_tokens = 0
         self.share.on_arrival(seq, charged_upto=seq.num_tokens)  # a beam whose parent paid for them
         self.waiting.appendleft(seq)
+        self._want(seq)
+
+    def _want(self, seq: Sequence) -> None:
+        if self.retain_waiting_prefixes:
+            self.block_manager.want(seq)
 
     def has_work(self) -> bool:
         return bool(self.waiting or self.running or self.swapped)
@@ -155,6 +164,7 @@ class Scheduler:
             self.swapped.remove(seq)
         elif seq in self.waiting:
             self.waiting.remove(seq)
+        self.block_manager.unwant(seq)
         self.block_manager.free(seq)
         self.share.on_leave(seq)
         seq.status = SequenceStatus.FINISHED
@@ -328,6 +338,7 @@ class Scheduler:
         seq.num_preemptions += 1
         self.num_preemptions += 1
         (self.waiting.appendleft if front else self.waiting.append)(seq)
+        self._want(seq)  # its blocks, just freed, are what it resumes on
 
     def _swap_out(self, seq: Sequence, out: SchedulerOutput) -> None:
         """Swap preemption: the blocks go to the host pool; the sequence keeps its computed
@@ -448,6 +459,7 @@ class Scheduler:
             self.share.count_admission(seq, num_hit_tokens)
             seq.num_cached_tokens = num_hit_tokens
         seq.status = SequenceStatus.RUNNING
+        bm.unwant(seq)
         # Running stays in arrival order: preemption takes the newest (least work lost),
         # so a re-admitted old request is not the next victim again (no thrash).
         bisect.insort(self.running, seq, key=_arrival)

@@ -38,7 +38,7 @@ def make_seq(seq_id: int, tokens: list[int], salt: str | None = None) -> Sequenc
 
 
 def free_ids(bm: BlockManager) -> list[int]:
-    return [b.block_id for b in bm.free_queue]
+    return [b.block_id for b in bm.free_blocks()]
 
 
 def refs(bm: BlockManager) -> list[int]:
@@ -398,6 +398,38 @@ def test_reset_prefix_cache() -> None:
 # -- fork and copy-on-write --------------------------------------------------------------
 
 
+def test_blocks_a_waiting_sequence_will_hit_are_evicted_last() -> None:
+    bm = BlockManager(8, BS)
+    a, b = make_seq(0, list(range(9))), make_seq(1, list(range(100, 109)))
+    prefill(bm, a)
+    prefill(bm, b)
+    bm.free(a)
+    bm.free(b)
+    assert free_ids(bm) == [5, 2, 6, 7, 1, 0, 4, 3]  # LRU: a's chain would go first
+    waiting = make_seq(2, list(range(9)) + [7])  # re-sends a's history: hits blocks 0 and 1
+    bm.want(waiting)
+    assert free_ids(bm) == [5, 2, 6, 7, 4, 3, 1, 0]  # a's chain behind, still tail first
+    big = make_seq(3, [99] * 24)  # 6 blocks: b's chain is evicted, a's is kept
+    assert bm.allocate_slots(big, 24)
+    assert [blk.block_id for blk in bm.find_cached_blocks(waiting)] == [0, 1]
+    bm.unwant(waiting)
+    bm.unwant(waiting)  # idempotent
+    assert free_ids(bm) == [1, 0] and bm.wanted_queue.num_free == 0  # plain LRU again
+
+
+def test_a_wanted_hash_cached_later_goes_to_the_wanted_queue() -> None:
+    """A waiting sequence wants its whole prefix, also blocks a running one computes later."""
+    bm = BlockManager(6, BS)
+    waiting = make_seq(0, list(range(9)))
+    bm.want(waiting)
+    running = make_seq(1, list(range(9)))
+    prefill(bm, running)
+    bm.free(running)
+    assert bm.wanted_queue.num_free == 2 and free_ids(bm)[-2:] == [1, 0]
+    bm.reset_prefix_cache()  # no content is kept for anyone: they are plain free blocks
+    assert bm.wanted_queue.num_free == 0 and sorted(free_ids(bm)) == list(range(6))
+
+
 def test_fork_shares_all_blocks_and_copies_on_write() -> None:
     bm = BlockManager(8, BS)
     parent = make_seq(0, list(range(6)))  # one full block + a partial one
@@ -609,6 +641,7 @@ class BlockManagerMachine(RuleBasedStateMachine):
         self.bm: BlockManager | None = None
         self.live: list[Sequence] = []
         self.swapped: list[Sequence] = []
+        self.waiting: list[Sequence] = []  # wanted their prefixes (BlockManager.want)
         self.store: dict[int, list[object]] = {}
         self.cpu_store: dict[int, list[object]] = {}
         self.next_id = 0
@@ -694,6 +727,24 @@ class BlockManagerMachine(RuleBasedStateMachine):
         self.bm.fork(parent, child)
         assert child.block_table == parent.block_table
         self.live.append(child)
+
+    @rule(tokens=st.lists(VOCAB, min_size=1, max_size=12), salt=st.sampled_from([None, "a"]))
+    def want(self, tokens: list[int], salt: str | None) -> None:
+        seq = Sequence(self.next_id, f"r{self.next_id}", tokens, cache_salt=salt)
+        self.next_id += 1
+        self.bm.want(seq)
+        self.waiting.append(seq)
+
+    @precondition(lambda self: self.waiting)
+    @rule(data=st.data())
+    def unwant(self, data: st.DataObject) -> None:
+        seq = data.draw(st.sampled_from(self.waiting))
+        self.waiting.remove(seq)
+        self.bm.unwant(seq)
+
+    @rule()
+    def reset_prefix_cache(self) -> None:
+        self.bm.reset_prefix_cache()
 
     @precondition(lambda self: self.live or self.swapped)
     @rule(data=st.data())
@@ -814,6 +865,9 @@ class BlockManagerMachine(RuleBasedStateMachine):
             return
         for seq in self.live + self.swapped:
             self.bm.free(seq)
+        for seq in self.waiting:
+            self.bm.unwant(seq)
+        assert self.bm.wanted_queue.num_free == 0  # nothing is wanted any more
         # no leak: every block is back, exactly once
         assert sorted(self.bm.cpu_free) == list(range(self.bm.num_cpu_blocks))
         assert self.bm.num_free_blocks == self.bm.num_blocks

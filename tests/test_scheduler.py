@@ -558,3 +558,22 @@ def test_idle_running_sequences_yield_blocks_to_a_waiting_one() -> None:
     assert plan.preempted == [idle]
     assert [s.seq for s in plan.scheduled] == [sibling]
     assert idle.status is SequenceStatus.WAITING and idle.num_computed_tokens == 0
+
+
+@pytest.mark.parametrize("retain", [True, False])
+def test_a_waiting_request_keeps_the_history_it_will_hit(retain: bool) -> None:
+    """Two histories are cached, then a long request holds the only running slot and grows
+    into the pool while a turn re-sending the older history waits. Retained, its blocks are
+    evicted after the other history's; plain LRU evicts the older history first."""
+    sim = Sim(10, max_num_seqs=1)
+    sim.sched.retain_waiting_prefixes = retain
+    history, other = tokens(12), tokens(12, 500)  # 3 full blocks each
+    for prompt in (history, other):
+        sim.add(prompt, max_tokens=1)
+        sim.run()
+    long = sim.add(tokens(16, 900), max_tokens=8)  # grows to 6 blocks: 4 free + 2 evicted
+    sim.step()
+    turn = sim.add(history + [7], max_tokens=1)
+    sim.run()
+    assert long.num_output_tokens == 8
+    assert turn.num_cached_tokens == (12 if retain else 4)
