@@ -81,21 +81,27 @@ class FairShare:
 
     # -- counters -------------------------------------------------------------------------
 
-    def on_arrival(self, seq: Sequence, charged_upto: int = 0) -> None:
-        """`seq` enters the scheduler; its first `charged_upto` positions were paid for."""
+    def on_arrival(self, seq: Sequence, charged_upto: int = 0, waiting: Iterable[str] = ()) -> None:
+        """`seq` enters the scheduler; its first `charged_upto` positions were paid for.
+        `waiting` are the tenants with sequences waiting for admission."""
         if seq in self._charged:
             return
         usage = self.usage_of(seq.tenant)
         if usage.num_seqs == 0:
-            usage.virtual_time = max(usage.virtual_time, self._frontier())
+            usage.virtual_time = max(usage.virtual_time, self._frontier(waiting))
         usage.num_seqs += 1
         self._charged[seq] = charged_upto
         self._passed[seq] = 0
 
-    def _frontier(self) -> float:
-        """Where a returning tenant starts: the least counter among backlogged tenants; with
-        none backlogged, the furthest any counter got (those who come later start there too,
-        so nobody gains from the time the engine served others or stood idle)."""
+    def _frontier(self, waiting: Iterable[str]) -> float:
+        """Where a returning tenant starts: the least counter among the tenants waiting for
+        admission (as in the paper: it then competes level with them, not ahead of them);
+        with none waiting, the least among tenants with sequences running; with none at all,
+        the furthest any counter got (those who come later start there too, so nobody gains
+        from the time the engine served others or stood idle)."""
+        backlogged = [self.usage_of(name).virtual_time for name in set(waiting)]
+        if backlogged:
+            return min(backlogged)
         active = [u.virtual_time for u in self.usage.values() if u.num_seqs]
         if active:
             return min(active)

@@ -131,7 +131,7 @@ class Scheduler:
 
     def add(self, seq: Sequence) -> None:
         seq.status = SequenceStatus.WAITING
-        self.share.on_arrival(seq)
+        self.share.on_arrival(seq, waiting=(s.tenant for s in self.waiting))
         self.waiting.append(seq)
         self._want(seq)
 

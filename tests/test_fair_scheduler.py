@@ -119,6 +119,22 @@ def test_an_idle_tenant_banks_no_credit() -> None:
     assert all(s in sim.admitted for s in b_seqs[:6])
 
 
+def test_a_returning_tenant_starts_level_with_the_waiting_not_the_running() -> None:
+    """Q runs one long request and has the least counter, but nothing waiting; A, far ahead,
+    keeps a queue. C arrives: it starts at A's counter (the least among the tenants waiting)
+    and competes level with A, instead of at Q's and taking every admission from A."""
+    sim = Sim(256, tenants=[TenantConfig(t) for t in "aqc"], max_num_seqs=2)
+    sim.add("q", tokens(2, 5000), max_tokens=200)
+    for _ in range(30):
+        while sum(1 for s in sim.sched.waiting if s.tenant == "a") < 3:
+            sim.add("a", tokens(8, 100 * sim.next_id), max_tokens=2)
+        sim.step()
+    q_time, a_time = sim.stat("q", "virtual_time"), sim.stat("a", "virtual_time")
+    assert q_time < a_time and sim.stat("q", "num_running") == 1
+    sim.add("c", tokens(8, 9000), max_tokens=1)
+    assert sim.stat("c", "virtual_time") == a_time
+
+
 def test_a_tenant_returning_to_an_empty_engine_starts_where_service_got_to() -> None:
     sim = Sim(64, tenants=[TenantConfig("a"), TenantConfig("b")])
     for _ in range(5):
