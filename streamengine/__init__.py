@@ -11,15 +11,22 @@ from typing import TYPE_CHECKING
 
 __all__ = [
     "AsyncEngine",
+    "Choice",
     "CompletionOutput",
     "EngineConfig",
     "EngineDeadError",
     "EngineError",
     "EngineOverloadedError",
+    "Grammar",
+    "GrammarError",
+    "JsonObject",
+    "JsonSchema",
     "LimitExceededError",
+    "Regex",
     "RequestFailedError",
     "RequestOutput",
     "SamplingParams",
+    "StructuredOutput",
 ]
 __version__ = "0.1.0"
 
@@ -28,12 +35,19 @@ _WHERE = {
     "EngineDeadError": "streamengine.errors",
     "EngineError": "streamengine.errors",
     "EngineOverloadedError": "streamengine.errors",
+    "GrammarError": "streamengine.errors",
     "LimitExceededError": "streamengine.errors",
     "RequestFailedError": "streamengine.errors",
     "EngineConfig": "streamengine.config",
     "CompletionOutput": "streamengine.outputs",
     "RequestOutput": "streamengine.outputs",
     "SamplingParams": "streamengine.sampling_params",
+    "Choice": "streamengine.structured_params",
+    "Grammar": "streamengine.structured_params",
+    "JsonObject": "streamengine.structured_params",
+    "JsonSchema": "streamengine.structured_params",
+    "Regex": "streamengine.structured_params",
+    "StructuredOutput": "streamengine.structured_params",
 }
 
 if TYPE_CHECKING:
@@ -43,11 +57,20 @@ if TYPE_CHECKING:
         EngineDeadError,
         EngineError,
         EngineOverloadedError,
+        GrammarError,
         LimitExceededError,
         RequestFailedError,
     )
     from streamengine.outputs import CompletionOutput, RequestOutput
     from streamengine.sampling_params import SamplingParams
+    from streamengine.structured_params import (
+        Choice,
+        Grammar,
+        JsonObject,
+        JsonSchema,
+        Regex,
+        StructuredOutput,
+    )
 
 
 def __getattr__(name: str):

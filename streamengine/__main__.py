@@ -24,6 +24,7 @@ from streamengine.server.state import (
 )
 from streamengine.server.tenants_file import TenantsFile, TenantsFileError, load_tenants_file
 from streamengine.tenants import TenantConfig
+from streamengine.tool_calls import TOOL_PARSERS
 
 # Spellings the CLI had before its options were generated; the field's own name works too.
 _OPTION_NAMES = {
@@ -141,6 +142,10 @@ def _serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--allowed-host", action="append", default=[], metavar="NAME",
                    help="repeatable; Host name to answer besides the loopback ones (*.example.com, * = any)")
     p.add_argument("--max-prompt-tokens", type=int, default=None)
+    p.add_argument("--tool-parser", default="hermes", choices=sorted(TOOL_PARSERS),
+                   help="how tool calls are read from the model's output (default hermes: "
+                        "<tool_call>{...}</tool_call>, the format tools are rendered in for "
+                        "templates that cannot render them)")
     p.add_argument("--max-connections", type=int, default=DEFAULT_MAX_CONNECTIONS,
                    help=f"open WebSockets at once; more get 503 (default {DEFAULT_MAX_CONNECTIONS})")
     p.add_argument("--request-timeout", type=float, default=None, metavar="SECONDS",
@@ -172,6 +177,7 @@ def server_options(a: argparse.Namespace, environ: Mapping[str, str] | None = No
         "max_prompt_tokens": a.max_prompt_tokens, "max_connections": a.max_connections,
         "request_timeout": a.request_timeout, "stall_timeout": a.stall_timeout,
         "shutdown_timeout": a.shutdown_timeout, "tenants": tenants_of(a),
+        "tool_parser": a.tool_parser,
     }
 
 

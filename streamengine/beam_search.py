@@ -13,10 +13,14 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 
 from streamengine.sequence import Sequence
+
+if TYPE_CHECKING:
+    from streamengine.grammar import GrammarMatcher
 
 _NEG = -1.0e9  # transformers' "impossible" score
 _FLOOR = _NEG / 2  # a finite score for what an extreme length penalty would make -inf or nan
@@ -127,14 +131,26 @@ class BeamSearch:
     Each step every live beam's next-token log-probs arrive (`add_logprobs`); once all have,
     `advance` extends the survivors, forking a beam that more than one survivor extends (the
     fork shares the parent's blocks) and dropping beams no survivor extends. The core supplies
-    `fork` and `drop`, since only it owns sequences and blocks.
+    `fork` and `drop`, since only it owns sequences and blocks. With a grammar, each live beam
+    has its own matcher: a forked beam starts from a copy of its parent's, and each beam's
+    matcher takes the token the beam appends. Its log-probs arrive masked by it, and a mask
+    always allows at least the end of sequence (a stop token with a grammar), so each of the
+    `width` beams has a finite candidate and every surviving continuation is an allowed one,
+    even when the grammar leaves fewer allowed tokens than beams.
     """
 
-    def __init__(self, state: BeamSearchState, first: Sequence, num_results: int) -> None:
+    def __init__(
+        self, state: BeamSearchState, first: Sequence, num_results: int, matcher: GrammarMatcher | None = None,
+    ) -> None:
         self.state = state
         self.seqs: list[Sequence] = [first]  # live beams
         self.num_results = num_results
         self._pending: dict[int, torch.Tensor] = {}  # seq_id -> [vocab] log-probs
+        self._matchers: dict[int, GrammarMatcher] = {first.seq_id: matcher} if matcher is not None else {}
+
+    def matcher(self, seq: Sequence) -> GrammarMatcher | None:
+        """The grammar matcher of live beam `seq` (None without a grammar)."""
+        return self._matchers.get(seq.seq_id)
 
     def add_logprobs(self, seq: Sequence, logprobs: torch.Tensor) -> None:
         """Records one beam's log-probs (a beam recomputed after preemption may report twice:
@@ -158,19 +174,32 @@ class BeamSearch:
         step = self.state.step([s.output_token_ids for s in live], logprobs)
         if step.done:
             return self._results()
+        # Before the first step the `width` starting beams are all the one live beam.
+        parents = step.parents if len(live) > 1 else [0] * len(step.parents)
         first_use: set[int] = set()
         new_beams: list[Sequence] = []
-        for parent_index in step.parents:  # forks first: they copy the parent as it is
+        for parent_index in parents:  # forks first: they copy the parent as it is
             parent = live[parent_index]
-            new_beams.append(fork(parent) if parent_index in first_use else parent)
+            new_beams.append(self._fork(fork, parent) if parent_index in first_use else parent)
             first_use.add(parent_index)  # the first child continues in place
         for seq, token in zip(new_beams, step.tokens, strict=True):
             seq.token_ids.append(token)
+            matcher = self._matchers.get(seq.seq_id)
+            if matcher is not None:
+                matcher.accept(token)
         for index, seq in enumerate(live):
             if index not in first_use:  # a dropped beam frees its blocks
+                self._matchers.pop(seq.seq_id, None)
                 drop(seq)
         self.seqs = new_beams
         return None
+
+    def _fork(self, fork: Callable[[Sequence], Sequence], parent: Sequence) -> Sequence:
+        child = fork(parent)
+        matcher = self._matchers.get(parent.seq_id)
+        if matcher is not None:
+            self._matchers[child.seq_id] = matcher.fork()
+        return child
 
     def _results(self) -> list[BeamResult]:
         stops = self.state.stop_token_ids

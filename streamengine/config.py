@@ -111,6 +111,14 @@ class EngineConfig:
         2.0, "service one generated token counts for, in fair scheduling", minimum=0.0)
     max_pinned_fraction: float = _option(
         0.5, "largest fraction of the KV pool pinned prefixes may hold", minimum=0.0, maximum=1.0)
+    grammar_compile_timeout_s: float = _option(
+        10.0,
+        "Longest wait for a structured-output spec to compile; past it the request fails with "
+        "GrammarError (a hostile schema cannot hold the engine) and the result is not cached.",
+        minimum=0.001)
+    grammar_cache_size: int = _option(
+        256, "compiled structured-output specs (and failures) kept, least recently used dropped first",
+        minimum=1)
 
     def __post_init__(self) -> None:
         for f in fields(self):

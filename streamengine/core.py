@@ -22,6 +22,7 @@ from streamengine.beam_search import BeamSearch, BeamSearchState
 from streamengine.block_manager import BlockManager
 from streamengine.config import EngineConfig
 from streamengine.detokenizer import IncrementalDetokenizer
+from streamengine.grammar import CompiledGrammar, GrammarCompiler, GrammarMatcher
 from streamengine.intake import Intake
 from streamengine.kv_cache import plan_kv_cache
 from streamengine.model_runner import ModelRunner
@@ -54,6 +55,7 @@ class StepPlan:
     rows: list[SamplingRow] = field(default_factory=list)
     row_sources: list[int] = field(default_factory=list)  # logits row of each sampling row
     beam_sources: list[int] = field(default_factory=list)  # logits rows of beam-search beams
+    beam_matchers: list[GrammarMatcher | None] = field(default_factory=list)  # each beam's grammar
     num_logits: int = 0
 
 
@@ -81,6 +83,9 @@ class EngineCore:
         pool = f"{self.kv_spec.num_blocks} blocks x {config.block_size}"
         self.intake = Intake(self.tokenizer, self.vocab_size, self.max_model_len, config.max_tokens_cap, pool)
         self.stop_rules = StopRules(frozenset(self.eos_token_ids), self.max_model_len)
+        self.grammars = GrammarCompiler(
+            self.tokenizer, self.vocab_size, config.grammar_compile_timeout_s, config.grammar_cache_size
+        )
         self.pins = Pins(config.block_size)
         self.requests: dict[str, Request] = {}
         # Every live sequence's request, and its sample (None for a beam of a beam search).
@@ -140,17 +145,21 @@ class EngineCore:
     def add_request(
         self, request_id: str, prompt: str | list[int], params: SamplingParams,
         cache_salt: str | None = None, tenant: str | None = None, pin: Pin | None = None,
+        grammar: CompiledGrammar | None = None,
     ) -> Request:
         """Queues a request of `tenant` (None: the default tenant); `cache_salt` is a per-user
         salt for what follows the tenant's pinned prefixes. A `pin` request pins its prompt's
-        full blocks when it ends. Raises ValueError (LimitExceededError) for a bad request,
-        TenantRateLimitError past the tenant's tokens per minute."""
+        full blocks when it ends. `grammar` is `params.structured` compiled (compiled here,
+        blocking, when not given). Raises ValueError (LimitExceededError, GrammarError) for a
+        bad request, TenantRateLimitError past the tenant's tokens per minute."""
         if request_id in self.requests:
             raise ValueError(f"request_id {request_id!r} is already in use")
         tenant = tenant if tenant is not None else DEFAULT_TENANT
         self.tenants.check_rate(tenant)
         prompt_ids = self.intake.prompt_ids(prompt)
         self.intake.check_length(len(prompt_ids), params)
+        if params.structured is not None and grammar is None:
+            grammar = self.grammars.compile(params.structured)
         req = Request(
             request_id, prompt_ids, params, samples=[], arrival_time=time.monotonic(),
             max_tokens=self.intake.max_tokens(len(prompt_ids), params),
@@ -158,9 +167,9 @@ class EngineCore:
             salt_segments=self._salt_segments(prompt_ids, tenant, cache_salt, pin),
         )
         if params.use_beam_search:
-            self._start_beam_search(req)
+            self._start_beam_search(req, grammar)
         else:
-            self._start_samples(req)
+            self._start_samples(req, grammar)
         self.requests[request_id] = req
         self.scheduler.add(req.seqs[0])
         self.tenants.record(tenant, len(prompt_ids))
@@ -171,7 +180,7 @@ class EngineCore:
             return ((0, None),)  # a shared prefix: hashed without any salt
         return self.pins.segments(prompt_ids, tenant, self.tenants.get(tenant).salt, user_salt)
 
-    def _start_samples(self, req: Request) -> None:
+    def _start_samples(self, req: Request, grammar: CompiledGrammar | None) -> None:
         params, prompt_ids = req.params, req.prompt_token_ids
         for i in range(params.n):
             seq = self._new_seq(req, group_size=params.n)
@@ -180,16 +189,21 @@ class EngineCore:
                 logprobs=[] if params.logprobs is not None else None,
             )
             # The row reads the sample's own token list, so penalties never need a copy.
-            sample.row = SamplingRow(params, sample_generator(params, i), prompt_ids, sample.token_ids)
+            sample.row = SamplingRow(
+                params, sample_generator(params, i), prompt_ids, sample.token_ids,
+                matcher=grammar.matcher() if grammar is not None else None,
+            )
             req.samples.append(sample)
             self._owner[seq.seq_id] = (req, sample)
         req.pending_children = req.samples[1:]  # forked from sample 0 once its prompt is computed
 
-    def _start_beam_search(self, req: Request) -> None:
+    def _start_beam_search(self, req: Request, grammar: CompiledGrammar | None) -> None:
         params = req.params
         req.samples = [Sample(i) for i in range(params.n)]  # filled when the search ends
         first = self._new_seq(req, group_size=params.beam_width)
-        stops = req.stop_ids if params.ignore_eos else req.stop_ids | self.eos_token_ids
+        # A complete grammar allows only the end of sequence, so with one it always ends a beam.
+        eos_stops = not params.ignore_eos or grammar is not None
+        stops = req.stop_ids | self.eos_token_ids if eos_stops else req.stop_ids
         prompt_len = len(req.prompt_token_ids)
         state = BeamSearchState(
             width=params.beam_width,
@@ -199,7 +213,7 @@ class EngineCore:
             length_penalty=params.length_penalty,
             early_stopping=params.early_stopping,
         )
-        req.beam = BeamSearch(state, first, params.n)
+        req.beam = BeamSearch(state, first, params.n, grammar.matcher() if grammar is not None else None)
         self._owner[first.seq_id] = (req, None)
 
     def _new_seq(self, req: Request, group_size: int, token_ids: list[int] | None = None) -> Sequence:
@@ -315,6 +329,7 @@ class EngineCore:
         req, sample = self._owner[seq.seq_id]
         if sample is None:
             step.beam_sources.append(source)
+            step.beam_matchers.append(req.beam.matcher(seq))
             return
         for s in (sample, *self._drawing_children(req, sample)):
             step.rows.append(s.row)
@@ -325,7 +340,7 @@ class EngineCore:
         return req.pending_children if sample.index == 0 else []
 
     def execute(self, step: StepPlan) -> StepResult:
-        return self.runner.execute(step.plan, step.rows, step.row_sources, step.beam_sources)
+        return self.runner.execute(step.plan, step.rows, step.row_sources, step.beam_sources, step.beam_matchers)
 
     def process(self, step: StepPlan, result: StepResult) -> list[RequestOutput]:
         """Appends the step's tokens and returns the outputs of the requests it advanced.
@@ -381,6 +396,8 @@ class EngineCore:
         seq = sample.seq
         seq.token_ids.append(token)
         sample.token_ids.append(token)
+        if sample.matcher is not None:
+            sample.matcher.accept(token)  # GrammarError (fails this request) if it refuses
         if sample.logprobs is not None:
             sample.logprobs.append(logprobs)
         stop_str = sample.detok.add_tokens([token])

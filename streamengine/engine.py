@@ -33,6 +33,7 @@ from streamengine.errors import (
     LimitExceededError,
     RequestFailedError,
 )
+from streamengine.grammar import CompiledGrammar
 from streamengine.models import LoadedModel
 from streamengine.output_stream import RequestStream
 from streamengine.outputs import RequestOutput
@@ -128,6 +129,7 @@ class AsyncEngine:
         if self._executor is not None:
             await asyncio.to_thread(self._executor.shutdown, True)
             self._executor = None
+        self.core.grammars.shutdown()
         self._in_flight = False
         if self._state != "stopped":
             self._state, self._reason = "stopped", "stopped"
@@ -182,10 +184,14 @@ class AsyncEngine:
 
         `tenant` (None: "default") is whose share the request counts against and whose cache
         blocks it may share; `cache_salt` is a per-user salt for what follows the tenant's
-        pinned prefixes. Raises ValueError for a bad request, EngineOverloadedError when
+        pinned prefixes. `params.structured` is compiled first, in the engine's compile threads
+        (the loop keeps serving), within `EngineConfig.grammar_compile_timeout_s`.
+        Raises ValueError for a bad request (GrammarError for a spec that does not compile or
+        times out), EngineOverloadedError when
         `max_waiting` requests already wait (TenantRateLimitError past the tenant's tokens per
         minute), RequestFailedError if the engine fails it, EngineDeadError if it stops."""
-        request_id, stream = self._submit(prompt, params, request_id, cache_salt, tenant)
+        grammar = await self._compile(params)
+        request_id, stream = self._submit(prompt, params, request_id, cache_salt, tenant, grammar=grammar)
         finished = False
         try:
             while not finished:
@@ -197,9 +203,16 @@ class AsyncEngine:
             if not finished:
                 self._abort(request_id)
 
+    async def _compile(self, params: SamplingParams | None) -> CompiledGrammar | None:
+        if not isinstance(params, SamplingParams) or params.structured is None:
+            return None  # _submit refuses what is not SamplingParams
+        self._check_admission()  # no compile for an engine that would refuse the request
+        return await self.core.grammars.compile_async(params.structured)
+
     def _submit(
         self, prompt: str | list[int], params: SamplingParams | None, request_id: str | None,
         cache_salt: str | None, tenant: str | None, pin: Pin | None = None,
+        grammar: CompiledGrammar | None = None,
     ) -> tuple[str, RequestStream]:
         self._check_admission()
         params = params if params is not None else SamplingParams()
@@ -208,7 +221,7 @@ class AsyncEngine:
         request_id = request_id if request_id is not None else uuid.uuid4().hex
         if not self.core.has_work():  # progress is measured from when work arrives
             self._last_progress = time.monotonic()
-        self.core.add_request(request_id, prompt, params, cache_salt, tenant, pin)  # raises ValueError
+        self.core.add_request(request_id, prompt, params, cache_salt, tenant, pin, grammar)  # raises ValueError
         stream = self._streams[request_id] = RequestStream(delta=params.output_kind == "delta")
         self._wakeup.set()
         return request_id, stream

@@ -19,6 +19,12 @@ class LimitExceededError(ValueError):
         self.limit = limit
 
 
+class GrammarError(ValueError):
+    """A structured-output spec that cannot be used: it does not compile, it did not compile
+    within the engine's timeout (the message names it), or the model's vocabulary cannot carry
+    it. Also raised for a sampled token its grammar refuses (a bug: it fails that request)."""
+
+
 class EngineError(RuntimeError):
     """The engine could not serve a request that was itself valid."""
 

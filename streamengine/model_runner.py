@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 import torch
 
 from streamengine.config import EngineConfig
+from streamengine.grammar import GrammarMatcher, TokenMasker
 from streamengine.kv_cache import AttentionShape, KVCacheSpec
 from streamengine.models.attention import (
     AttentionBackend,
@@ -134,17 +135,19 @@ class ModelRunner:
         self.decoder = self.model.get_decoder()
         self.lm_head = self.model.get_output_embeddings()
         self.native = select_native(config.model_impl, self.model, device, self.backend)
-        self.sampler = Sampler()
+        self.masker = TokenMasker()  # grammar masks, of sampled rows and of beams alike
+        self.sampler = Sampler(self.masker)
         self.generator = torch.Generator().manual_seed(config.seed)
 
     @torch.inference_mode()
     def execute(
         self, plan: SchedulerOutput, rows: list[SamplingRow], row_sources: list[int],
-        beam_sources: list[int] = (),
+        beam_sources: list[int] = (), beam_matchers: list[GrammarMatcher | None] = (),
     ) -> tuple[SamplerOutput, torch.Tensor | None]:
         """Runs one step. The scheduled sequences that sample give one logits row each, in
         plan order; sampling row j draws from logits row `row_sources[j]`; beam-search rows
-        get their full log-softmax back instead of a sampled token."""
+        get their full log-softmax back instead of a sampled token, masked first by their
+        beam's grammar matcher where `beam_matchers` has one."""
         self._move_blocks(plan)
         batch = pack_batch(plan, self.block_size)
         hidden = self._forward(batch)  # [T, hidden]
@@ -154,7 +157,8 @@ class ModelRunner:
         logits = self._logits(hidden[logits_indices]).float()  # [num_samplers, vocab]
         beam = None
         if beam_sources:
-            beam = torch.log_softmax(logits[list(beam_sources)], dim=-1).cpu()  # [beams, vocab]
+            beam_logits = self.masker.apply(logits[list(beam_sources)], beam_matchers or [])  # [beams, vocab]
+            beam = torch.log_softmax(beam_logits, dim=-1).cpu()
         if not rows:
             return SamplerOutput([], []), beam
         if row_sources != list(range(len(batch.logits_indices))):

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 
 from streamengine.beam_search import BeamSearch
 from streamengine.detokenizer import IncrementalDetokenizer
+from streamengine.grammar import GrammarMatcher
 from streamengine.pinning import Pin
 from streamengine.sampler import SamplingRow
 from streamengine.sampling_params import SamplingParams
@@ -41,6 +42,11 @@ class Sample:
     def text(self) -> str:
         """The text that may be shown now (it never shrinks)."""
         return self.detok.text if self.detok is not None else self.final_text
+
+    @property
+    def matcher(self) -> GrammarMatcher | None:
+        """Where the sample stands in its grammar (structured outputs), on its sampling row."""
+        return self.row.matcher if self.row is not None else None
 
     def text_since(self, offset: int) -> str:
         """`text[offset:]`, without copying the whole text."""

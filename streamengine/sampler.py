@@ -8,12 +8,14 @@ what makes a seeded request reproducible whatever requests it shares a batch wit
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from itertools import chain
 
 import numpy as np
 import torch
 
+from .grammar import GrammarMatcher, TokenMasker
 from .sampling_params import SamplingParams
 
 _UINT64_MASK = 0xFFFF_FFFF_FFFF_FFFF
@@ -30,12 +32,14 @@ def sample_generator(params: SamplingParams, index: int) -> torch.Generator | No
 
 @dataclass(slots=True)
 class SamplingRow:
-    """One row of the logits: the request's params, its own generator (when seeded), its tokens."""
+    """One row of the logits: the request's params, its own generator (when seeded), its
+    tokens, and its grammar matcher (structured outputs only)."""
 
     params: SamplingParams
     generator: torch.Generator | None
     prompt_token_ids: list[int]
     output_token_ids: list[int]
+    matcher: GrammarMatcher | None = None
 
 
 @dataclass(slots=True)
@@ -45,14 +49,19 @@ class SamplerOutput:
 
 
 class Sampler:
-    """Penalties -> temperature -> top-k -> top-p -> min-p -> sample, for a batch of rows.
+    """Grammar mask -> penalties -> temperature -> top-k -> top-p -> min-p -> sample, for a batch.
 
     `logits` is never modified. Greedy rows take the argmax of their penalized logits. Random
     rows run an exponential race (the Gumbel-max trick): argmax(p / q), q ~ Exp(1) made from
     uniform noise of shape [V] drawn from the row's own generator (or `default_generator` when
     the row has none), so a seeded row's token depends only on its logits and its generator,
-    never on its batch mates. Logprobs are of the raw logits (before penalties/temperature).
+    never on its batch mates. Rows with a grammar matcher first have every token their grammar
+    forbids set to -inf (one bitmask for all of them, `masker`); rows without one are untouched.
+    Logprobs are of these logits (masked where constrained), before penalties and temperature.
     """
+
+    def __init__(self, masker: TokenMasker | None = None) -> None:
+        self.masker = masker if masker is not None else TokenMasker()
 
     def __call__(
         self,
@@ -65,6 +74,8 @@ class Sampler:
                 f"logits must be [num_rows={len(rows)}, vocab], got {tuple(logits.shape)}"
             )
         logits = logits.float()  # no copy when already float32
+        if any(row.matcher is not None for row in rows):
+            logits = self.masker.apply(logits, [row.matcher for row in rows])  # a masked copy
         params = [row.params for row in rows]
         want_logprobs = any(p.logprobs is not None for p in params)
         if not want_logprobs and all(p.greedy and not p.has_penalties for p in params):
@@ -293,7 +304,8 @@ def _gather_logprobs(
     result: list[dict[int, float] | None] = [None] * len(params)
     for j, (i, token) in enumerate(zip(chosen, sampled.tolist(), strict=True)):
         k = params[i].logprobs or 0
-        entry = dict(zip(top_ids[j][:k], top_lp[j][:k], strict=True))
+        # A constrained row may allow fewer than k tokens: the forbidden ones (-inf) are left out.
+        entry = {t: lp for t, lp in zip(top_ids[j][:k], top_lp[j][:k], strict=True) if lp != -math.inf}
         entry.setdefault(token, sampled_lp[j])
         result[i] = entry
     return result

@@ -19,6 +19,7 @@ from msgspec import Meta
 
 from .errors import LimitExceededError
 from .stop_strings import StopAutomaton, build_automaton
+from .structured_params import StructuredOutput, as_structured
 
 MAX_N = 128
 MAX_LOGPROBS = 20
@@ -54,6 +55,15 @@ class SamplingParams(msgspec.Struct, kw_only=True, forbid_unknown_fields=True, d
     `stop` may be given as one string. `seed` may be any integer torch accepts,
     -2**63 .. 2**64-1 (negative seeds are mapped to 64 bits by torch). `dict=True` leaves room
     for the cached stop automaton, which is not a field: never encoded nor compared.
+
+    `structured` (a spec of structured_params.py, or the same as a dict with its "type")
+    constrains every sample, or every beam, to the spec: each step only the tokens the grammar
+    allows can be drawn, and logprobs are of that masked distribution. A sample ends with
+    finish_reason "stop" as soon as its grammar is complete and allows nothing but the end of
+    sequence, or when it draws that end of sequence in a state where the grammar may end; this
+    holds whatever `min_tokens` and `ignore_eos` say (a finished grammar has nothing left to
+    add). Stop strings, stop token ids and `max_tokens` still end it early ("length" for
+    `max_tokens`), leaving an incomplete output. A spec that does not compile is a GrammarError.
     """
 
     n: Annotated[int, _limited(1, MAX_N, "max_n")] = 1
@@ -81,6 +91,8 @@ class SamplingParams(msgspec.Struct, kw_only=True, forbid_unknown_fields=True, d
     # What each output of the request's stream carries: everything so far, or only what is new
     # since the previous output (vLLM's RequestOutputKind).
     output_kind: Literal["cumulative", "delta"] = "cumulative"
+    # Constrained decoding: the output must match this spec (structured_params.py).
+    structured: StructuredOutput | None = None
 
     def __post_init__(self) -> None:
         # msgspec checks the annotations on decode but not on direct construction: check them
@@ -93,6 +105,8 @@ class SamplingParams(msgspec.Struct, kw_only=True, forbid_unknown_fields=True, d
         self._check_beam()
         self._check_stop()
         self._check_stop_token_ids()
+        if self.structured is not None:
+            self.structured = as_structured(self.structured)  # a dict is converted here
 
     def _check_seed_and_lengths(self) -> None:
         if self.seed is not None:

@@ -1,7 +1,9 @@
 """When a sample stops: end of sequence, a stop token, a stop string, or a length limit.
 
 Checked once per generated token, in this order; the first rule that fires gives the finish
-reason ("stop" or "length") and, for stop tokens and stop strings, the stop reason.
+reason ("stop" or "length") and, for stop tokens and stop strings, the stop reason. A
+structured output's grammar that is complete (its matcher stopped) ends the sample with "stop"
+whatever min_tokens and ignore_eos say: nothing but the end of sequence could follow.
 """
 
 from __future__ import annotations
@@ -28,6 +30,8 @@ class StopRules:
             return "stop", token
         if stop_str is not None:
             return "stop", stop_str
+        if sample.matcher is not None and sample.matcher.is_stopped:
+            return "stop", None
         if num_out >= req.max_tokens or seq.num_tokens >= self.max_model_len:
             return "length", None
         return None, None

@@ -117,3 +117,33 @@ def test_beam_search_under_memory_pressure(tiny_llama_dir, tiny_core, mode):
     s = small.stats()
     assert s["num_preemptions"] > 0
     assert s["num_free_blocks"] == s["num_total_blocks"] and s["num_swap_blocks_free"] == s["num_swap_blocks"]
+
+
+def test_beams_with_fewer_allowed_tokens_than_beams_take_only_allowed_ones():
+    """A grammar may leave fewer allowed continuations than beams: then the first step keeps
+    continuations of the starting beams that stand for the one live beam (forks of it), and
+    every hypothesis is made of allowed tokens."""
+    from streamengine.beam_search import BeamSearch, BeamSearchState
+    from streamengine.sequence import Sequence
+
+    state = BeamSearchState(width=3, prompt_len=1, max_length=10, stop_token_ids=frozenset({2}))
+    seqs = iter(range(1, 10))
+    beam = BeamSearch(state, Sequence(0, "r", [5], None, 0.0, group_size=3), num_results=3)
+
+    def fork(parent: Sequence) -> Sequence:
+        return Sequence(next(seqs), "r", [5], None, 0.0, token_ids=list(parent.token_ids), group_size=3)
+
+    only_token_3 = torch.full((6,), float("-inf"))
+    only_token_3[3] = 0.0
+    beam.add_logprobs(beam.seqs[0], only_token_3)
+    assert beam.advance(fork, drop=lambda seq: None) is None
+    assert len(beam.seqs) == 3  # forks of the one live beam, not of beams that do not exist
+    assert torch.isfinite(state.running_scores).tolist() == [True, True, True]  # dummies ~ -1e9
+    only_eos = torch.full((3, 6), float("-inf"))
+    only_eos[:, 2] = 0.0
+    for seq, row in zip(beam.seqs, only_eos, strict=True):
+        beam.add_logprobs(seq, row)
+    results = beam.advance(fork, drop=lambda seq: None)
+    assert results is not None
+    finished = [r.token_ids for r in results if r.finish_reason == "stop"]
+    assert finished and all(tokens == [3, 2] for tokens in finished)

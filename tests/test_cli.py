@@ -51,6 +51,13 @@ def test_server_option_defaults():
     assert set(opts) <= set(params)
 
 
+def test_tool_parser_option_names_a_registered_parser():
+    assert cli.server_options(serve_args())["tool_parser"] == "hermes"
+    assert cli.server_options(serve_args("--tool-parser", "llama3_json"))["tool_parser"] == "llama3_json"
+    with pytest.raises(SystemExit):
+        serve_args("--tool-parser", "nonesuch")
+
+
 @pytest.mark.parametrize("host", ["0.0.0.0", "::", "", "192.168.1.7", "example.com"])
 def test_open_bind_without_a_key_is_refused(host):
     from streamengine.server.security import check_exposure

@@ -17,6 +17,7 @@ from streamengine.server.state import (
     DEFAULT_MAX_CONNECTIONS,
     DEFAULT_SHUTDOWN_TIMEOUT_S,
     DEFAULT_STALL_TIMEOUT_S,
+    DEFAULT_TOOL_PARSER,
 )
 from streamengine.server.tenants_file import TenantsFile
 
@@ -42,6 +43,7 @@ def run_server(
     request_timeout: float | None = None,
     max_connections: int = DEFAULT_MAX_CONNECTIONS,
     tenants: TenantsFile | None = None,
+    tool_parser: str = DEFAULT_TOOL_PARSER,
 ) -> None:
     """Loads the model, serves until SIGINT/SIGTERM, drains, then shuts down.
 
@@ -50,7 +52,8 @@ def run_server(
     answered are the loopback ones, `host` itself when it is a specific address, and
     `allowed_hosts`; on a wildcard address with no `allowed_hosts`, any. Runs on uvloop when
     it is installed. `tenants` (a parsed `--tenants` file): keys that run requests as their
-    tenant, registered with the engine and their prompts pinned before serving.
+    tenant, registered with the engine and their prompts pinned before serving. `tool_parser`
+    reads tool calls out of outputs with tool_choice "auto" (tool_calls.TOOL_PARSERS).
     """
     has_keys = bool(api_key) or bool(admin_keys) or bool(tenants is not None and tenants.keys)
     check_exposure(host, has_keys=has_keys, allow_unauthenticated=allow_unauthenticated)
@@ -64,7 +67,7 @@ def run_server(
         engine, api_key=api_key, admin_keys=list(admin_keys), allowed_origins=list(allowed_origins),
         allowed_hosts=hosts_for_bind(host, list(allowed_hosts)), max_prompt_tokens=max_prompt_tokens,
         model_name=engine.model_name, stall_timeout=stall_timeout, request_timeout=request_timeout,
-        max_connections=max_connections, tenants=tenants,
+        max_connections=max_connections, tenants=tenants, tool_parser=tool_parser,
     )
     _run(_serve(app, host, port, engine.model_name, shutdown_timeout))
 

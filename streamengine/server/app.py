@@ -30,6 +30,7 @@ from streamengine.server.state import (
     DEFAULT_MAX_MESSAGE_BYTES,
     DEFAULT_MAX_PENDING_BYTES,
     DEFAULT_STALL_TIMEOUT_S,
+    DEFAULT_TOOL_PARSER,
     DRAIN_RETRY_AFTER_S,
     STATE_KEY,
     TENANT_KEY,
@@ -39,6 +40,7 @@ from streamengine.server.state import (
 from streamengine.server.tenancy import apply_tenants_file, tenants_route
 from streamengine.server.tenants_file import TenantsFile
 from streamengine.server.websocket import stream_handler
+from streamengine.tool_calls import get_tool_parser
 
 if TYPE_CHECKING:
     from streamengine.engine import AsyncEngine
@@ -85,6 +87,7 @@ def create_app(
     stall_timeout: float = DEFAULT_STALL_TIMEOUT_S,
     web_dir: Path | str | None = None,
     tenants: TenantsFile | None = None,
+    tool_parser: str = DEFAULT_TOOL_PARSER,
 ) -> web.Application:
     """The server for `engine`, started and stopped with the app (unless already running).
 
@@ -98,9 +101,11 @@ def create_app(
     error. `model_name`: the id reported by /v1/models and required (when given) in OpenAI
     requests; default `engine.model_name`. `tenants`: a parsed tenants file: its keys run
     requests as their tenant, and its tenants are registered and their prompts pinned when
-    the engine starts (see tenants_file.py).
+    the engine starts (see tenants_file.py). `tool_parser`: how calls are read out of outputs
+    with tool_choice "auto" (a name in tool_calls.TOOL_PARSERS).
     """
     _check_options(max_prompt_tokens, max_message_bytes, max_body_bytes, stall_timeout)
+    get_tool_parser(tool_parser)  # an unknown name fails here, not in the first request
     state = ServerState(
         engine=engine,
         model_name=model_name or engine.model_name,
@@ -116,6 +121,7 @@ def create_app(
         hosts=HostPolicy(allowed_hosts or ()),
         stall_timeout=stall_timeout,
         tenants=tenants,
+        tool_parser=tool_parser,
     )
     return _build_app(state, max_body_bytes, Path(web_dir) if web_dir is not None else WEB_DIR)
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from streamengine.errors import EngineError, EngineOverloadedError, LimitExceededError
+from streamengine.errors import EngineError, EngineOverloadedError, GrammarError, LimitExceededError
 from streamengine.server import protocol as p
 from streamengine.server.state import PromptTooLong
 from streamengine.server.streaming import RequestTimeoutError
@@ -26,11 +26,12 @@ class Failure:
     retry_after: float | None = None  # with OVERLOADED: seconds to wait before retrying
 
 
-# First match wins: subclasses before their bases (PromptTooLong and LimitExceededError are
-# ValueErrors, the "your request is wrong" family; the others are the engine's).
+# First match wins: subclasses before their bases (PromptTooLong, LimitExceededError and
+# GrammarError are ValueErrors, the "your request is wrong" family; the others are the engine's).
 _RULES: tuple[tuple[type[Exception], str, int, str | None], ...] = (
     (PromptTooLong, p.PROMPT_TOO_LONG, 400, "context_length_exceeded"),
     (LimitExceededError, p.LIMIT_EXCEEDED, 400, "limit_exceeded"),
+    (GrammarError, p.INVALID_GRAMMAR, 400, "invalid_grammar"),
     (ValueError, p.BAD_PARAMS, 400, None),
     (TenantRateLimitError, p.OVERLOADED, 429, "rate_limit_exceeded"),
     (EngineOverloadedError, p.OVERLOADED, 429, "overloaded"),

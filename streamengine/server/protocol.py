@@ -4,7 +4,11 @@ Client -> server: `auth`, `generate`, `abort`, `kv_state`.
 Server -> client: `ready`, `delta`, `done`, `error`, `kv_state`.
 
 Sampling parameters travel as a plain object and are converted into the engine's own
-`SamplingParams`, so every knob the engine accepts is available here with its own validation.
+`SamplingParams`, so every knob the engine accepts is available here with its own validation
+(structured outputs too: `params.structured`, e.g. `{"type": "json_schema", "schema": {...}}`).
+`generate` with `messages` may offer `tools` and a `tool_choice` as OpenAI's chat does
+(server/tools.py); calls then come in `delta.tool_calls`, each whole, and are left out of
+`delta.text`, and a sample that made calls finishes with "tool_calls".
 Request ids are at most `MAX_ID_CHARS` characters: errors echo them, so a long id must not be
 able to multiply what the server holds for a client.
 
@@ -16,7 +20,7 @@ deltas), 1009 (a frame over 4x the message limit, refused by aiohttp), 4001 (una
 
 from __future__ import annotations
 
-from typing import Annotated, Any
+from typing import Annotated, Any, Literal
 
 import msgspec
 
@@ -25,6 +29,7 @@ BAD_JSON = "bad_json"  # not JSON (or not UTF-8)
 TOO_DEEP = "too_deep"  # JSON nested deeper than the decoder goes (about 1,000 levels)
 BAD_MESSAGE = "bad_message"  # JSON of the wrong shape (unknown type or field, id too long, ...)
 BAD_PARAMS = "invalid_params"
+INVALID_GRAMMAR = "invalid_grammar"  # a structured output that does not compile (or not in time)
 DUPLICATE_ID = "duplicate_id"
 UNKNOWN_ID = "unknown_id"
 MESSAGE_TOO_LARGE = "message_too_large"  # over max_message_bytes, counted in UTF-8 bytes
@@ -50,9 +55,45 @@ RequestId = Annotated[str, msgspec.Meta(max_length=MAX_ID_CHARS)]
 UserId = Annotated[str, msgspec.Meta(max_length=MAX_ID_CHARS)]
 
 
+class FunctionCall(msgspec.Struct, forbid_unknown_fields=True):
+    name: str
+    arguments: str  # JSON text
+
+
+class ToolCall(msgspec.Struct, forbid_unknown_fields=True):
+    """A call, as OpenAI's chat shows one: in an earlier message, or in a `delta`."""
+
+    id: str
+    function: FunctionCall
+    type: str = "function"
+
+
 class ChatMessage(msgspec.Struct, forbid_unknown_fields=True):
     role: str
-    content: str
+    content: str | None = None  # None only for an assistant message that made tool calls
+    tool_calls: list[ToolCall] | None = None
+    tool_call_id: str | None = None  # role "tool": the call this is the result of
+
+
+class FunctionDefinition(msgspec.Struct, forbid_unknown_fields=True):
+    name: str
+    description: str | None = None
+    parameters: dict[str, Any] | None = None  # a JSON schema of the arguments object
+    strict: bool | None = None
+
+
+class Tool(msgspec.Struct, forbid_unknown_fields=True):
+    function: FunctionDefinition
+    type: Literal["function"] = "function"
+
+
+class FunctionName(msgspec.Struct, forbid_unknown_fields=True):
+    name: str
+
+
+class NamedToolChoice(msgspec.Struct, forbid_unknown_fields=True):
+    function: FunctionName
+    type: Literal["function"] = "function"
 
 
 # ---- client -> server ---------------------------------------------------------------------
@@ -70,6 +111,10 @@ class Generate(msgspec.Struct, tag="generate", tag_field="type", forbid_unknown_
     # The end user (or session) this request is for, as OpenAI's `user`: its private blocks
     # are salted per user, so users of one key share only the key's pinned prefixes.
     user: UserId | None = None
+    # with `messages`: OpenAI's tools and tool_choice ("none", "auto", "required" or named)
+    tools: list[Tool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool = False  # true: a forced call may be several calls (else exactly one)
 
 
 class Abort(msgspec.Struct, tag="abort", tag_field="type", forbid_unknown_fields=True):
@@ -106,6 +151,8 @@ class Delta(msgspec.Struct, tag="delta", tag_field="type", omit_defaults=True):
     token_ids: list[int]
     # One dict per new token: token id -> logprob (the sampled token plus the top-k).
     logprobs: list[dict[int, float]] | None = None
+    # With tools: the calls completed since the last delta (their text is not in `text`).
+    tool_calls: list[ToolCall] | None = None
 
 
 class Usage(msgspec.Struct):

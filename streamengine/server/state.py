@@ -15,6 +15,12 @@ from aiohttp import web
 from streamengine.server.metrics import ServerMetrics
 from streamengine.server.security import HostPolicy, KeyRing, OriginPolicy, Tenant
 from streamengine.server.tenants_file import TenantsFile
+from streamengine.tool_prompt import (
+    needs_tools_template,
+    render_messages,
+    template_messages,
+    template_renders_tools,
+)
 
 if TYPE_CHECKING:  # the engine loads torch and the model code: the server's modules do not need it
     from streamengine.engine import AsyncEngine
@@ -40,6 +46,8 @@ DEFAULT_SHUTDOWN_TIMEOUT_S = 30.0
 """How long a drain lets requests in flight finish before it aborts them."""
 DRAIN_RETRY_AFTER_S = 5
 """Retry-After sent with the 503 of requests refused during a drain."""
+DEFAULT_TOOL_PARSER = "hermes"
+"""The format tools are rendered in for templates that cannot render them (tool_prompt.py)."""
 
 
 class PromptTooLong(ValueError):
@@ -62,6 +70,7 @@ class ServerState:
     hosts: HostPolicy = field(default_factory=HostPolicy)
     stall_timeout: float = DEFAULT_STALL_TIMEOUT_S
     tenants: TenantsFile | None = None  # registered and pinned when the engine starts
+    tool_parser: str = DEFAULT_TOOL_PARSER  # reads calls out of outputs with tool_choice "auto"
     created: int = field(default_factory=lambda: int(time.time()))
     connections: set[Connection] = field(default_factory=set)
     # Engine request ids of HTTP requests in flight, aborted on shutdown so handlers end fast.
@@ -104,10 +113,24 @@ class ServerState:
             )
         return ids
 
-    def chat_prompt(self, messages: Sequence[dict[str, str]]) -> str:
+    def chat_prompt(self, messages: Sequence[dict[str, Any]], functions: list[dict[str, Any]] | None = None) -> str:
+        """The prompt of chat `messages` (OpenAI's shapes, content as text), with `functions`
+        (the tools' function definitions) when the request offers tools (see tool_prompt.py)."""
         if not messages:
             raise ValueError("messages must not be empty")
-        return self.engine.apply_chat_template(list(messages))
+        messages = list(messages)
+        template = getattr(self.engine.tokenizer, "chat_template", None)
+        if template_renders_tools(template) and needs_tools_template(messages, functions):
+            return self._template_with_tools(messages, functions)
+        return self.engine.apply_chat_template(render_messages(messages, functions))
+
+    def _template_with_tools(self, messages: list[dict[str, Any]], functions: list[dict[str, Any]] | None) -> str:
+        tools = [{"type": "function", "function": f} for f in functions] if functions else None
+        try:
+            return self.engine.tokenizer.apply_chat_template(
+                template_messages(messages), tools=tools, tokenize=False, add_generation_prompt=True)
+        except Exception as exc:  # noqa: BLE001 - a template's own error (jinja raises its own types)
+            raise ValueError(f"the chat template cannot render these messages: {exc}") from None
 
 
 STATE_KEY = web.AppKey("streamengine_state", ServerState)

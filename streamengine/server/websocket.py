@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import socket
 from collections import OrderedDict
@@ -54,6 +55,7 @@ from streamengine.server.state import (
     new_request_id,
 )
 from streamengine.server.streaming import SampleDelta, StepUpdate, stream_request
+from streamengine.server.tools import NO_TOOLS, ToolPlan, ToolStreams, finish_reason, plan_tools
 from streamengine.tenants import DEFAULT_TENANT
 
 log = logging.getLogger(__name__)
@@ -81,9 +83,10 @@ class _PendingDelta:
     token_ids: list[int]
     logprobs: list[dict[int, float]] | None
     nbytes: int = ITEM_OVERHEAD
+    tool_calls: list[p.ToolCall] | None = None
 
-    def merge(self, delta: SampleDelta) -> int:
-        """Appends `delta`; returns the bytes it adds to the estimate."""
+    def merge(self, delta: SampleDelta, tool_calls: list[p.ToolCall] | None = None) -> int:
+        """Appends `delta` (and calls completed with it); returns the bytes it adds to the estimate."""
         self.text.append(delta.text)
         self.token_ids.extend(delta.token_ids)
         if delta.logprobs is not None:
@@ -91,11 +94,15 @@ class _PendingDelta:
                 self.logprobs = []
             self.logprobs.extend(delta.logprobs)
         added = _delta_bytes(delta)
+        if tool_calls:
+            self.tool_calls = (self.tool_calls or []) + tool_calls
+            added += sum(ITEM_OVERHEAD + len(c.function.name) + len(c.function.arguments) for c in tool_calls)
         self.nbytes += added
         return added
 
     def message(self) -> p.Delta:
-        return p.Delta(self.request_id, self.index, "".join(self.text), self.token_ids, self.logprobs)
+        return p.Delta(self.request_id, self.index, "".join(self.text), self.token_ids, self.logprobs,
+                       self.tool_calls)
 
 
 def _delta_bytes(delta: SampleDelta) -> int:
@@ -124,7 +131,7 @@ class Outbox:
         self.overflowed = False
         self.num_coalesced = 0  # deltas merged into an unsent one (observable by tests)
 
-    def push_delta(self, request_id: str, delta: SampleDelta) -> None:
+    def push_delta(self, request_id: str, delta: SampleDelta, tool_calls: list[p.ToolCall] | None = None) -> None:
         if self.overflowed:
             return
         key = ("delta", request_id, delta.index)
@@ -136,7 +143,7 @@ class Outbox:
             self._items[key] = pending
             self._grow(pending.nbytes)
             self._ready.set()
-        self._grow(pending.merge(delta))  # type: ignore[union-attr]
+        self._grow(pending.merge(delta, tool_calls))  # type: ignore[union-attr]
 
     def push(self, message: p.ServerMessage, *, replace_key: str | None = None) -> None:
         """Queue a non-delta message; with `replace_key`, a newer one replaces an unsent one."""
@@ -369,7 +376,7 @@ class Connection:
             self._error(msg.id, p.TOO_MANY_REQUESTS, f"at most {MAX_LIVE_REQUESTS} live requests per socket")
             return
         try:
-            params = self._check(msg)
+            params, plan = self._check(msg)
         except RecursionError:
             self._error(msg.id, p.TOO_DEEP, "params nested too deeply")
             return
@@ -378,28 +385,35 @@ class Connection:
             return
         live = _Live(new_request_id("ws"))
         self.live[msg.id] = live
-        live.task = asyncio.create_task(self._run(msg, live, params), name="ws-request")
+        live.task = asyncio.create_task(self._run(msg, live, params, plan), name="ws-request")
 
-    @staticmethod
-    def _check(msg: p.Generate) -> SamplingParams:
+    def _check(self, msg: p.Generate) -> tuple[SamplingParams, ToolPlan]:
         if (msg.prompt is None) == (msg.messages is None):
             raise ValueError("give exactly one of `prompt` and `messages`")
-        return SamplingParams.from_dict(msg.params)
+        plan = _tool_plan(msg, self.state.tool_parser)
+        fields = dict(msg.params)
+        if plan.structured is not None:
+            if fields.get("structured") is not None:
+                raise ValueError("give either params.structured or a forced tool call (tool_choice required "
+                                 "or named), not both")
+            fields["structured"] = plan.structured
+        return SamplingParams.from_dict(fields), plan
 
-    async def _prompt_ids(self, msg: p.Generate) -> list[int]:
+    async def _prompt_ids(self, msg: p.Generate, plan: ToolPlan) -> list[int]:
         if msg.messages is not None:
-            chat = [{"role": m.role, "content": m.content} for m in msg.messages]
-            return await self.state.tokenize_async(self.state.chat_prompt(chat))
+            chat = [msgspec.to_builtins(m) for m in msg.messages]
+            return await self.state.tokenize_async(self.state.chat_prompt(chat, plan.functions))
         return await self.state.tokenize_async(msg.prompt)  # type: ignore[arg-type]
 
-    async def _run(self, msg: p.Generate, live: _Live, params: SamplingParams) -> None:
+    async def _run(self, msg: p.Generate, live: _Live, params: SamplingParams, plan: ToolPlan) -> None:
         client_id = msg.id
         last: StepUpdate | None = None
+        tools = ToolStreams(plan.parser) if plan.parser is not None else None
         try:
-            prompt_ids = await self._prompt_ids(msg)
+            prompt_ids = await self._prompt_ids(msg, plan)
             if not live.aborted:  # an abort may arrive before generation starts
-                last = await self._pump(client_id, live, prompt_ids, params, msg.user)
-            self.outbox.push(_done(client_id, last, params.n))
+                last = await self._pump(client_id, live, prompt_ids, params, msg.user, tools)
+            self.outbox.push(_done(client_id, last, params.n, tools))
         except asyncio.CancelledError:
             raise
         except Exception as exc:  # one request failing must not take the socket down
@@ -409,7 +423,8 @@ class Connection:
                 del self.live[client_id]
 
     async def _pump(
-        self, client_id: str, live: _Live, prompt_ids: list[int], params: SamplingParams, user: str | None
+        self, client_id: str, live: _Live, prompt_ids: list[int], params: SamplingParams, user: str | None,
+        tools: ToolStreams | None,
     ) -> StepUpdate | None:
         last: StepUpdate | None = None
         engine_tenant = self.tenant.engine_tenant if self.tenant else None
@@ -425,11 +440,20 @@ class Connection:
             async for update in updates:
                 last = update
                 for delta in update.deltas:
-                    if delta.token_ids or delta.text:
+                    if tools is not None:
+                        self._push_parsed(client_id, delta, tools)
+                    elif delta.token_ids or delta.text:
                         self.outbox.push_delta(client_id, delta)
                 if live.aborted:
                     break  # closing the stream aborts the request in the engine
         return last
+
+    def _push_parsed(self, client_id: str, delta: SampleDelta, tools: ToolStreams) -> None:
+        """A delta whose text went through the tool parser: content as text, calls apart."""
+        parsed = tools.feed(delta.index, delta.text, last=delta.finish_reason is not None)
+        calls = [p.ToolCall(c.id, p.FunctionCall(c.name, c.arguments)) for c in parsed.calls]
+        if delta.token_ids or parsed.content or calls:
+            self.outbox.push_delta(client_id, dataclasses.replace(delta, text=parsed.content), calls or None)
 
     async def _on_abort(self, client_id: str) -> None:
         live = self.live.get(client_id)
@@ -461,12 +485,21 @@ def _failure(client_id: str, engine_id: str, exc: Exception) -> p.Error:
                    retry_after=failure.retry_after)
 
 
-def _done(client_id: str, last: StepUpdate | None, num_samples: int) -> p.Done:
+def _tool_plan(msg: p.Generate, parser_name: str) -> ToolPlan:
+    if msg.tools is None and msg.tool_choice is None:
+        return NO_TOOLS
+    if msg.messages is None:
+        raise ValueError("`tools` and `tool_choice` need `messages`")
+    return plan_tools(msg.tools or (), msg.tool_choice, parallel=msg.parallel_tool_calls, parser_name=parser_name)
+
+
+def _done(client_id: str, last: StepUpdate | None, num_samples: int, tools: ToolStreams | None = None) -> p.Done:
     """`done` with one finish reason per sample, also for a request aborted before output."""
     if last is None:
         return p.Done(client_id, "abort", p.Usage(0, 0, 0), ["abort"] * num_samples)
     # A stream that ended without a finish reason was cut short by an abort.
-    reasons = [r or "abort" for r in last.finish_reasons]
+    reasons = [finish_reason(r, tools is not None and tools.called(i)) or "abort"
+               for i, r in enumerate(last.finish_reasons)]
     reasons += ["abort"] * (num_samples - len(reasons))
     usage = p.Usage(last.prompt_tokens, last.completion_tokens, last.cached_tokens)
     return p.Done(client_id, reasons[0], usage, reasons)

@@ -17,6 +17,11 @@ but no user's messages are a cache hit for another, so `usage.prompt_tokens_deta
 cached_tokens` cannot reveal what someone else asked. Requests without `user` share blocks
 across the whole key, as before.
 
+`response_format` (json_object, json_schema) and the `structured` extension constrain the
+output (400 `invalid_grammar` for a spec that does not compile); `tools` / `tool_choice` are
+planned in server/tools.py, rendered by tool_prompt.py and read back by tool_calls.py into
+`message.tool_calls` / `delta.tool_calls` with finish_reason "tool_calls".
+
 schemas.py holds the bodies, endpoints.py what differs between the two endpoints (one object
 each), format.py builds response bodies from stream updates, routes.py the handlers.
 """

@@ -10,6 +10,7 @@ from msgspec import UNSET, UnsetType
 from streamengine.server.openai import schemas as s
 from streamengine.server.openai.endpoints import Job, LogprobEntry
 from streamengine.server.streaming import SampleDelta, StepUpdate
+from streamengine.server.tools import ToolStreams, finish_reason
 
 
 def usage_of(update: StepUpdate | None) -> s.Usage:
@@ -45,6 +46,7 @@ class ResponseFormat:
     token_text: Callable[[int], str]
     # characters streamed so far per sample: completions' logprobs give text offsets
     _streamed_chars: dict[int, int] = field(default_factory=dict)
+    _tool_streams: ToolStreams | None = None
 
     def completion(self, choices: dict[int, CollectedChoice], last: StepUpdate | None) -> s.Completion:
         job = self.job
@@ -75,7 +77,12 @@ class ResponseFormat:
         logprobs = None
         if self.job.top_logprobs is not None:
             logprobs = self._logprobs(choice.token_ids, choice.logprobs, 0)
-        return self.job.endpoint.choice(index, "".join(choice.text), logprobs, choice.finish_reason)
+        text: str | None = "".join(choice.text)
+        if self.job.tool_parser is None:
+            return self.job.endpoint.choice(index, text, logprobs, choice.finish_reason)
+        text, calls = self.job.tool_parser.parse(text or "")
+        return self.job.endpoint.choice(index, text, logprobs, finish_reason(choice.finish_reason, bool(calls)),
+                                        calls)
 
     def _delta_choice(self, delta: SampleDelta) -> s.Choice:
         start = self._streamed_chars.get(delta.index, 0)
@@ -84,7 +91,13 @@ class ResponseFormat:
             logprobs = self._logprobs(delta.token_ids, delta.logprobs, start)
         self._streamed_chars[delta.index] = start + len(delta.text)
         # "abort"/"error" (not OpenAI's) only reach a client on shutdown or failure
-        return self.job.endpoint.delta_choice(delta.index, delta.text, logprobs, delta.finish_reason)
+        if self.job.tool_parser is None:
+            return self.job.endpoint.delta_choice(delta.index, delta.text, logprobs, delta.finish_reason)
+        if self._tool_streams is None:
+            self._tool_streams = ToolStreams(self.job.tool_parser)
+        parsed = self._tool_streams.feed(delta.index, delta.text, last=delta.finish_reason is not None)
+        reason = finish_reason(delta.finish_reason, self._tool_streams.called(delta.index))
+        return self.job.endpoint.delta_choice(delta.index, parsed.content, logprobs, reason, parsed.calls)
 
     def _logprobs(self, token_ids: list[int], logprobs: list[dict[int, float]], offset: int) -> s.Logprobs:
         k = self.job.top_logprobs or 0

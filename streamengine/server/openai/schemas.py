@@ -7,7 +7,7 @@ are: a field that OpenAI sends as null is None here, and the chunks' `usage` is 
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Literal
 
 import msgspec
 from msgspec import UNSET, UnsetType
@@ -24,9 +24,60 @@ class ContentPart(msgspec.Struct):
     text: str | None = None
 
 
+class FunctionCall(msgspec.Struct):
+    name: str
+    arguments: str  # JSON text, as OpenAI sends it
+
+
+class ToolCall(msgspec.Struct):
+    """A call made by the assistant: in an earlier message of a request, or in a response."""
+
+    id: str
+    function: FunctionCall
+    type: str = "function"
+
+
 class ChatMessage(msgspec.Struct):
     role: str
     content: str | list[ContentPart] | None = None
+    tool_calls: list[ToolCall] | None = None  # an assistant's earlier calls
+    tool_call_id: str | None = None  # role "tool": the call this is the result of
+
+
+class FunctionDefinition(msgspec.Struct):
+    name: str
+    description: str | None = None
+    parameters: dict[str, Any] | None = None  # a JSON schema of the arguments object
+    strict: bool | None = None  # accepted; arguments are always held to the schema when forced
+
+
+class Tool(msgspec.Struct):
+    function: FunctionDefinition
+    type: Literal["function"] = "function"
+
+
+class FunctionName(msgspec.Struct):
+    name: str
+
+
+class NamedToolChoice(msgspec.Struct):
+    function: FunctionName
+    type: Literal["function"] = "function"
+
+
+ToolChoice = Literal["none", "auto", "required"] | NamedToolChoice
+
+
+class JsonSchemaFormat(msgspec.Struct):
+    name: str | None = None
+    schema: dict[str, Any] | bool | None = None
+    strict: bool | None = None  # accepted; the output always follows the schema
+    description: str | None = None
+
+
+class ResponseFormat(msgspec.Struct):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
 
 
 class RequestBase(msgspec.Struct, kw_only=True):
@@ -52,6 +103,8 @@ class RequestBase(msgspec.Struct, kw_only=True):
     stop_token_ids: list[int] | None = None
     skip_special_tokens: bool | None = None
     include_stop_str_in_output: bool | None = None
+    # the engine's structured output as a tagged object ({"type": "regex", "pattern": ...}, ...)
+    structured: dict[str, Any] | None = None
 
     @property
     def include_usage(self) -> bool:
@@ -71,6 +124,10 @@ class ChatCompletionRequest(RequestBase, kw_only=True):
     max_completion_tokens: int | None = None
     logprobs: bool = False
     top_logprobs: int | None = None
+    response_format: ResponseFormat | None = None
+    tools: list[Tool] | None = None
+    tool_choice: ToolChoice | None = None
+    parallel_tool_calls: bool | None = None
 
 
 # ---- responses ------------------------------------------------------------------------------
@@ -122,7 +179,8 @@ class ChatLogprobs(msgspec.Struct):
 
 class AssistantMessage(msgspec.Struct):
     role: str
-    content: str
+    content: str | None
+    tool_calls: list[ToolCall] | UnsetType = UNSET  # left out unless the output called tools
 
 
 class ChatChoice(msgspec.Struct):
@@ -132,9 +190,24 @@ class ChatChoice(msgspec.Struct):
     finish_reason: str | None
 
 
+class DeltaFunctionCall(msgspec.Struct):
+    name: str
+    arguments: str
+
+
+class DeltaToolCall(msgspec.Struct):
+    """One call in a stream: it comes whole, in one chunk, once the model has finished it."""
+
+    index: int
+    id: str
+    function: DeltaFunctionCall
+    type: str = "function"
+
+
 class ChatDelta(msgspec.Struct, omit_defaults=True):
     role: str | None = None
     content: str | None = None
+    tool_calls: list[DeltaToolCall] | None = None
 
 
 class ChatChunkChoice(msgspec.Struct):

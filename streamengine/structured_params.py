@@ -1,0 +1,97 @@
+"""What a constrained request's output must match: a msgspec tagged union, one Struct per kind.
+
+No torch and no llguidance here: the server validates a client's spec with this module alone;
+streamengine/grammar.py compiles it. A spec is given as `SamplingParams.structured`, as a
+Struct or as a JSON-like dict whose `"type"` names the kind:
+
+    {"type": "json_schema", "schema": {...}}        any JSON Schema (or true / false)
+    {"type": "json_object"}                         any JSON object
+    {"type": "regex", "pattern": "\\d+"}            the whole output matches the pattern
+    {"type": "choice", "choices": ["yes", "no"]}    the output is one of the strings
+    {"type": "grammar", "grammar": "start: ...", "syntax": "lark"}   Lark, or "ebnf" (GBNF)
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+import msgspec
+
+from .errors import LimitExceededError
+
+MAX_STRUCTURED_BYTES = 64 * 1024
+"""Largest spec, as JSON: bounds what one request can make the grammar compiler read."""
+MAX_CHOICES = 1024
+
+
+class _Spec(msgspec.Struct, tag_field="type", forbid_unknown_fields=True, frozen=True):
+    pass
+
+
+class JsonSchema(_Spec, tag="json_schema"):
+    schema: dict[str, Any] | bool
+
+
+class JsonObject(_Spec, tag="json_object"):
+    """Any JSON object."""
+
+
+class Regex(_Spec, tag="regex"):
+    pattern: str
+
+
+class Choice(_Spec, tag="choice"):
+    choices: list[str]
+
+
+class Grammar(_Spec, tag="grammar"):
+    grammar: str
+    syntax: Literal["lark", "ebnf"] = "lark"
+
+
+StructuredOutput = JsonSchema | JsonObject | Regex | Choice | Grammar
+_KINDS = (JsonSchema, JsonObject, Regex, Choice, Grammar)
+
+
+def structured_key(spec: StructuredOutput) -> bytes:
+    """The spec as canonical JSON bytes: equal specs give equal keys (the compile cache's key)."""
+    return msgspec.json.encode(spec, order="deterministic")
+
+
+def as_structured(value: object) -> StructuredOutput:
+    """`value` (a spec Struct, or a dict naming its "type") as a checked spec; ValueError naming
+    what is wrong, LimitExceededError("max_structured_bytes") for a spec that is too large."""
+    if isinstance(value, _KINDS):
+        check_size(value)
+        value = msgspec.to_builtins(value)  # a Struct built directly was never type-checked
+    elif not isinstance(value, dict):
+        raise ValueError(f"SamplingParams.structured must be a structured-output spec or None, got {value!r}")
+    try:
+        spec = msgspec.convert(value, StructuredOutput)
+    except msgspec.ValidationError as exc:
+        raise ValueError(f"SamplingParams.structured: {exc}") from None
+    check_size(spec)
+    if isinstance(spec, Choice):
+        _check_choices(spec.choices)
+    if isinstance(spec, Regex) and not spec.pattern or isinstance(spec, Grammar) and not spec.grammar:
+        raise ValueError(f"SamplingParams.structured: a {type(spec).__name__.lower()} must not be empty")
+    return spec
+
+
+def check_size(spec: StructuredOutput) -> None:
+    size = len(structured_key(spec))
+    if size > MAX_STRUCTURED_BYTES:
+        raise LimitExceededError(
+            "max_structured_bytes",
+            f"SamplingParams.structured is {size} bytes as JSON, more than the maximum of {MAX_STRUCTURED_BYTES}",
+        )
+
+
+def _check_choices(choices: list[str]) -> None:
+    if not 1 <= len(choices) <= MAX_CHOICES:
+        message = f"SamplingParams.structured.choices must hold 1 to {MAX_CHOICES} strings, got {len(choices)}"
+        if len(choices) > MAX_CHOICES:
+            raise LimitExceededError("max_choices", message)
+        raise ValueError(message)
+    if "" in choices:
+        raise ValueError("SamplingParams.structured.choices must hold non-empty strings")

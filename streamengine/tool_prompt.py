@@ -1,0 +1,146 @@
+"""Tools in the prompt, and the grammar that forces a tool call.
+
+A chat template that knows tools (its text mentions `tools`) renders them itself. One that
+does not, such as the default SmolLM2's (role and content only), gets them Hermes-style from
+here: the function signatures in the system message, earlier calls of the assistant as
+`<tool_call>` blocks in its content, and tool results as `<tool_response>` blocks in a user
+turn. The model is asked to answer in the same `<tool_call>` form, which the "hermes" parser
+(tool_calls.py) reads back.
+
+`tool_call_lark` is the Lark grammar (llguidance's, with inline `%json` schemas) that limits
+an output to such a call: of one named function, or of any of the tools (tool_choice
+"required"). The server wraps it into the `grammar` structured output.
+
+Functions here take OpenAI's shapes as plain dicts: a tool's function is `{"name",
+"description", "parameters"}`; a message may carry `tool_calls` (`[{"id", "function": {"name",
+"arguments"}}]`, arguments as JSON text) or, for role "tool", `tool_call_id`.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from streamengine.tool_calls import HERMES_CLOSE, HERMES_OPEN
+
+Message = dict[str, Any]
+
+_TOOLS_PREAMBLE = (
+    "You can call functions to answer the user. Their signatures, as JSON, are inside <tools></tools>:\n"
+)
+_TOOLS_INSTRUCTIONS = (
+    "To call a function, reply with a JSON object of its name and arguments inside "
+    f"{HERMES_OPEN}{HERMES_CLOSE} tags, like this:\n"
+    f'{HERMES_OPEN}\n{{"name": "<function name>", "arguments": {{<arguments as JSON>}}}}\n{HERMES_CLOSE}'
+)
+_ANY_OBJECT: dict[str, Any] = {"type": "object"}
+# llguidance's JSON layout options: the forced call is written on one line, spaced as the
+# prompt's example (a small model otherwise pretty-prints it, at twice the tokens)
+_CALL_LAYOUT = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+
+
+def template_renders_tools(chat_template: str | None) -> bool:
+    """Whether a chat template renders `tools` itself (it refers to them)."""
+    return chat_template is not None and "tools" in chat_template
+
+
+def tools_system_text(functions: list[dict[str, Any]]) -> str:
+    """The system-message block that lists the tools and says how to call them."""
+    lines = [json.dumps({"type": "function", "function": f}, ensure_ascii=False) for f in functions]
+    return _TOOLS_PREAMBLE + "<tools>\n" + "\n".join(lines) + "\n</tools>\n" + _TOOLS_INSTRUCTIONS
+
+
+def needs_tools_template(messages: list[Message], functions: list[dict[str, Any]] | None) -> bool:
+    """Whether rendering involves tools at all: tools given, earlier calls or tool results."""
+    return bool(functions) or any(m["role"] == "tool" or m.get("tool_calls") for m in messages)
+
+
+def template_messages(messages: list[Message]) -> list[Message]:
+    """Messages for a template that renders tools: as OpenAI's, but each call's arguments
+    decoded (templates write them with `tojson`)."""
+    return [{**m, "tool_calls": [_template_call(c) for c in m["tool_calls"]]} if m.get("tool_calls") else m
+            for m in messages]
+
+
+def _template_call(call: dict[str, Any]) -> dict[str, Any]:
+    function = call.get("function") or {}
+    return {**call, "function": {**function, "arguments": _arguments(call)}}
+
+
+def render_messages(messages: list[Message], functions: list[dict[str, Any]] | None) -> list[dict[str, str]]:
+    """Role-and-content messages for a template that knows no tools (see the module doc).
+
+    `functions` None or empty: no tools block (tool_choice "none", or no tools given); earlier
+    calls and tool results are still rendered so a follow-up request is understood.
+    """
+    rendered: list[dict[str, str]] = []
+    after_tool = False  # the previous message was a tool result: results of one turn share a user turn
+    for message in messages:
+        role, content = message["role"], message.get("content") or ""
+        if role == "tool":
+            block = f"<tool_response>\n{content}\n</tool_response>"
+            if after_tool:
+                rendered[-1]["content"] += "\n" + block
+            else:
+                rendered.append({"role": "user", "content": block})
+            after_tool = True
+            continue
+        if role == "assistant" and message.get("tool_calls"):
+            blocks = [_call_block(call) for call in message["tool_calls"]]
+            content = "\n".join([content, *blocks] if content else blocks)
+        rendered.append({"role": role, "content": content})
+        after_tool = False
+    return _with_tools(rendered, functions) if functions else rendered
+
+
+def _call_block(call: dict[str, Any]) -> str:
+    name = (call.get("function") or {}).get("name")
+    body = json.dumps({"name": name, "arguments": _arguments(call)}, ensure_ascii=False)
+    return f"{HERMES_OPEN}\n{body}\n{HERMES_CLOSE}"
+
+
+def _arguments(call: dict[str, Any]) -> Any:
+    try:
+        return json.loads((call.get("function") or {}).get("arguments") or "{}")
+    except ValueError:
+        raise ValueError(f"tool call {call.get('id')!r}: arguments are not valid JSON") from None
+
+
+def _with_tools(messages: list[dict[str, str]], functions: list[dict[str, Any]]) -> list[dict[str, str]]:
+    """The tools block appended to the system message (one is added first if there is none)."""
+    block = tools_system_text(functions)
+    if messages and messages[0]["role"] == "system":
+        head = messages[0]["content"]
+        return [{"role": "system", "content": f"{head}\n\n{block}" if head else block}, *messages[1:]]
+    return [{"role": "system", "content": block}, *messages]
+
+
+def tool_call_lark(functions: list[dict[str, Any]], *, parallel: bool = False) -> str:
+    """Lark grammar of `<tool_call>` blocks calling one of `functions` with valid arguments.
+
+    One call, or with `parallel` one or more separated by newlines. A named tool_choice passes
+    that one function.
+    """
+    if not functions:
+        raise ValueError("a forced tool call needs at least one tool")
+    alternatives = [f"call_{i}" for i in range(len(functions))]
+    block = f'"{HERMES_OPEN}\\n" call "\\n{HERMES_CLOSE}"'
+    lines = [
+        'start: block ("\\n" block)*' if parallel else "start: block",
+        f"block: {block}",
+        "call: " + " | ".join(alternatives),
+    ]
+    lines += [f"{alt}: %json {json.dumps(_call_schema(f), ensure_ascii=False)}"
+              for alt, f in zip(alternatives, functions, strict=True)]
+    return "\n".join(lines) + "\n"
+
+
+def _call_schema(function: dict[str, Any]) -> dict[str, Any]:
+    parameters = function.get("parameters") or _ANY_OBJECT
+    return {
+        "type": "object",
+        "properties": {"name": {"const": function["name"]}, "arguments": parameters},
+        "required": ["name", "arguments"],
+        "additionalProperties": False,
+        "x-guidance": _CALL_LAYOUT,
+    }
