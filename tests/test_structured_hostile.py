@@ -1,0 +1,166 @@
+"""Hostile structured-output specs cost their sender an error, never the engine its service.
+
+What llguidance does with them (checked with llguidance 1.9.1 on SmolLM2's tokenizer): it
+bounds its own work, so no small hostile spec found keeps it busy for long. Nested `oneOf` is
+refused outright (llguidance does not implement it exactly); an `allOf` of several wide
+`anyOf`s, whose intersection is the product of their branches, is refused ("schema too large",
+"fuel exhausted", or an internal limit) once its fuel runs out; a huge enum and a huge regex
+repetition compile at once (the lexer is lazy) and simply constrain (timings:
+docs/performance.md, "Structured outputs"). So the slowest hostile spec found may end either
+way within the short timeout set here, by the compiler's refusal or by the timeout, and the
+timeout path itself is proven with a compile slowed on purpose (a patched `grammar_text` that
+sleeps for one marked spec).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import re
+import time
+import uuid
+
+import pytest
+
+import streamengine.grammar
+from streamengine import AsyncEngine, EngineConfig, SamplingParams
+from streamengine.errors import GrammarError, LimitExceededError
+from streamengine.structured_params import MAX_STRUCTURED_BYTES, JsonSchema, Regex
+
+TIMEOUT_S = 0.5
+SMALL = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"], "additionalProperties": False}
+
+
+def allof_product(groups: int, branches: int) -> dict:
+    """An object that must match one of `branches` shapes in each of `groups` anyOfs: the
+    compiler has to intersect branches ** groups combinations."""
+    return {"allOf": [
+        {"anyOf": [{"type": "object", "properties": {f"p{g}_{b}": {"type": "integer"}}, "required": [f"p{g}_{b}"]}
+                   for b in range(branches)]}
+        for g in range(groups)
+    ]}
+
+
+def nested_one_of(depth: int) -> dict:
+    """`depth` levels of a two-way oneOf, each level a $ref to the one below (small on the wire)."""
+    defs = {"L0": {"type": "integer"}}
+    for i in range(1, depth + 1):
+        below = {"$ref": f"#/$defs/L{i - 1}"}
+        defs[f"L{i}"] = {"oneOf": [{"type": "object", "properties": {k: below}, "required": [k]} for k in ("a", "b")]}
+    return {"$defs": defs, "$ref": f"#/$defs/L{depth}"}
+
+
+def huge_enum(size: int) -> dict:
+    return {"enum": [f"value_number_{i}" for i in range(size)]}
+
+
+SLOWEST = allof_product(3, 22)  # the slowest small spec found: llguidance refuses it, late
+SLEEPY = Regex(pattern="compiles (slowly)")  # the patched compile sleeps for this one
+FAST_FAILURES = {"nested_one_of": nested_one_of(30), "too_large_product": allof_product(4, 10)}
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_llama_dir):
+    config = EngineConfig(model=str(tiny_llama_dir), num_gpu_blocks=64, grammar_compile_timeout_s=TIMEOUT_S)
+    engine = AsyncEngine(config)
+    warm_compiler(engine)
+    return engine
+
+
+def warm_compiler(engine: AsyncEngine) -> None:
+    """The first compile of an engine also builds llguidance's view of the tokenizer, inside
+    the timeout: done here, so that each test's timing is the spec's alone. That compile may
+    itself time out under load; its thread finishes the tokenizer anyway."""
+    for _ in range(20):
+        try:
+            engine.core.grammars.compile(JsonSchema(schema=SMALL))
+            return
+        except GrammarError:
+            time.sleep(TIMEOUT_S)
+    raise AssertionError("the grammar compiler never warmed up")
+
+
+async def final_output(engine: AsyncEngine, prompt: str, params: SamplingParams):
+    final = None
+    async for out in engine.generate(prompt, params):
+        final = out
+    return final.outputs[0]
+
+
+async def served(engine: AsyncEngine) -> None:
+    """A new constrained request right now compiles (a spec never seen: no cache hit) and completes."""
+    schema = {**SMALL, "title": uuid.uuid4().hex}
+    params = SamplingParams(temperature=1.0, seed=1, max_tokens=32, structured=JsonSchema(schema=schema))
+    out = await final_output(engine, "Is it ok?", params)
+    assert out.finish_reason == "stop" and json.loads(out.text) in ({"ok": True}, {"ok": False}), out.text
+
+
+def test_the_hostile_specs_fit_the_size_limit():
+    for schema in (SLOWEST, *FAST_FAILURES.values(), huge_enum(3000)):
+        assert len(json.dumps(schema)) < MAX_STRUCTURED_BYTES
+
+
+async def hostile_beside_normal(engine: AsyncEngine, spec) -> GrammarError:
+    """`spec` fails with GrammarError within the timeout (and a second for a loaded machine)
+    while a request submitted before it decodes to its end; the engine then serves anew."""
+    normal = asyncio.create_task(final_output(
+        engine, "Tell me a story", SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)))
+    await asyncio.sleep(0)  # submitted first: it is decoding while the hostile spec compiles
+    began = time.monotonic()
+    with pytest.raises(GrammarError) as failure:
+        await final_output(engine, "Hi", SamplingParams(max_tokens=8, structured=spec))
+    assert time.monotonic() - began < TIMEOUT_S + 1.0  # the caller never waits for the compile
+    out = await normal
+    assert out.finish_reason == "length" and len(out.token_ids) == 24
+    await served(engine)  # while the hostile compile may still hold one compile thread
+    return failure.value
+
+
+async def test_slowest_hostile_schema_fails_in_time_while_a_normal_request_completes(engine):
+    async with engine:
+        await hostile_beside_normal(engine, JsonSchema(schema=SLOWEST))
+
+
+async def test_compile_past_the_timeout_fails_with_the_timeout_error(engine, monkeypatch):
+    grammar_text = streamengine.grammar.grammar_text
+
+    def sleepy(spec):
+        if spec == SLEEPY:
+            time.sleep(TIMEOUT_S + 2.0)
+        return grammar_text(spec)
+
+    monkeypatch.setattr(streamengine.grammar, "grammar_text", sleepy)
+    async with engine:
+        error = await hostile_beside_normal(engine, SLEEPY)
+        assert f"did not compile within {TIMEOUT_S:g} s" in str(error)
+
+
+@pytest.mark.parametrize("name", FAST_FAILURES)
+async def test_refused_schema_fails_fast_with_the_compilers_reason(engine, name):
+    async with engine:
+        with pytest.raises(GrammarError) as failure:
+            await final_output(engine, "Hi", SamplingParams(structured=JsonSchema(schema=FAST_FAILURES[name])))
+        # The compiler's own refusal, not the timeout: it came before TIMEOUT_S.
+        assert "did not compile within" not in str(failure.value), failure.value
+        await served(engine)
+
+
+async def test_huge_enum_over_the_size_limit_is_refused_before_compiling():
+    schema = huge_enum(5000)
+    assert len(json.dumps(schema)) > MAX_STRUCTURED_BYTES
+    with pytest.raises(LimitExceededError) as failure:
+        SamplingParams(structured=JsonSchema(schema=schema))
+    assert failure.value.limit == "max_structured_bytes"
+
+
+async def test_huge_enum_and_huge_repetition_compile_and_constrain(engine):
+    enum = huge_enum(3000)
+    async with engine:
+        out = await final_output(engine, "Pick one", SamplingParams(
+            temperature=1.0, seed=3, max_tokens=32, structured=JsonSchema(schema=enum)))
+        assert out.finish_reason == "stop" and json.loads(out.text) in enum["enum"], out.text
+        # 100,000 repetitions are not unrolled: the spec compiles at once, and max_tokens ends it.
+        out = await final_output(engine, "Scream", SamplingParams(
+            temperature=1.0, seed=4, max_tokens=12, structured=Regex(pattern="a{100000}")))
+        assert out.finish_reason == "length" and re.fullmatch("a+", out.text), out.text
+        await served(engine)
