@@ -66,7 +66,9 @@ class EngineConfig:
         DEFAULT_MAX_PREFILL_CHUNK,
         "At most this many tokens of one sequence per step (vLLM: long_prefill_token_threshold). "
         "Why: a step's time grows with its prefill tokens times their context, and every decode "
-        "stream batched with a long prompt waits for the whole step. None: up to the full budget.",
+        "stream batched with a long prompt waits for the whole step. None: up to the full budget. "
+        "Under scheduling_policy='fair' a tenant's prompts share 4 chunks a step (each at least one): "
+        "a lone prompt of a quiet tenant takes up to 4x this.",
         minimum=1)
     max_model_len: int | None = _option(
         None, "longest sequence; None: the model's context, capped by the pool", minimum=1)
@@ -114,7 +116,7 @@ class EngineConfig:
     grammar_compile_timeout_s: float = _option(
         10.0,
         "Longest wait for a structured-output spec to compile; past it the request fails with "
-        "GrammarError (a hostile schema cannot hold the engine) and the result is not cached.",
+        "GrammarError (a hostile schema cannot hold the engine); the compile finishes in its thread.",
         minimum=0.001)
     grammar_cache_size: int = _option(
         256, "compiled structured-output specs (and failures) kept, least recently used dropped first",

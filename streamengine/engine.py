@@ -190,7 +190,7 @@ class AsyncEngine:
         times out), EngineOverloadedError when
         `max_waiting` requests already wait (TenantRateLimitError past the tenant's tokens per
         minute), RequestFailedError if the engine fails it, EngineDeadError if it stops."""
-        grammar = await self._compile(params)
+        grammar = await self._compile(params, tenant)
         request_id, stream = self._submit(prompt, params, request_id, cache_salt, tenant, grammar=grammar)
         finished = False
         try:
@@ -203,10 +203,12 @@ class AsyncEngine:
             if not finished:
                 self._abort(request_id)
 
-    async def _compile(self, params: SamplingParams | None) -> CompiledGrammar | None:
+    async def _compile(self, params: SamplingParams | None, tenant: str | None) -> CompiledGrammar | None:
         if not isinstance(params, SamplingParams) or params.structured is None:
             return None  # _submit refuses what is not SamplingParams
-        self._check_admission()  # no compile for an engine that would refuse the request
+        # No compile for a request the engine or the tenant's rate would refuse anyway.
+        self._check_admission()
+        self.core.tenants.check_rate(tenant if tenant is not None else DEFAULT_TENANT)
         return await self.core.grammars.compile_async(params.structured)
 
     def _submit(

@@ -93,7 +93,8 @@ class CompiledGrammar:
 class GrammarCompiler:
     """Compiles specs for one tokenizer with a `timeout_s` bound on how long a caller waits,
     keeping the last `cache_size` results. Failures are cached too (a known-bad spec fails
-    fast); a timed-out compile is not (it may only have met a busy machine)."""
+    fast). A compile past the timeout goes on in its thread (llguidance bounds its work) and
+    caches what it finds, so the spec sent again does not start over."""
 
     def __init__(self, tokenizer: Any, vocab_size: int, timeout_s: float, cache_size: int) -> None:
         self.tokenizer = tokenizer
@@ -111,12 +112,14 @@ class GrammarCompiler:
         cached = self._lookup(key)
         if cached is not None:
             return cached
-        future = self._executor().submit(self._build, spec)
+        self._tokenizer()  # once per engine, outside the timeout: it bounds the spec's work only
+        future = self._executor().submit(self._build_and_store, key, spec)
         try:
             result = future.result(timeout=self.timeout_s)
         except concurrent.futures.TimeoutError:
+            future.cancel()  # still queued: never starts; running: finishes and caches alone
             raise self._timeout_error() from None
-        return self._store(key, result)
+        return _unwrap(result)
 
     async def compile_async(self, spec: StructuredOutput) -> CompiledGrammar:
         """`compile` without blocking the event loop: the compile runs in this compiler's
@@ -126,11 +129,15 @@ class GrammarCompiler:
         if cached is not None:
             return cached
         loop = asyncio.get_running_loop()
+        if self._lltok is None:  # once per engine, outside the timeout: it bounds the spec's work only
+            await loop.run_in_executor(self._executor(), self._tokenizer)
         try:
-            result = await asyncio.wait_for(loop.run_in_executor(self._executor(), self._build, spec), self.timeout_s)
+            result = await asyncio.wait_for(
+                loop.run_in_executor(self._executor(), self._build_and_store, key, spec), self.timeout_s
+            )
         except TimeoutError:
             raise self._timeout_error() from None
-        return self._store(key, result)
+        return _unwrap(result)
 
     def shutdown(self) -> None:
         """Stops the compile threads (a compile still running finishes on its own); a later
@@ -157,14 +164,15 @@ class GrammarCompiler:
             raise GrammarError(cached)
         return cached
 
-    def _store(self, key: bytes, result: CompiledGrammar | str) -> CompiledGrammar:
+    def _build_and_store(self, key: bytes, spec: StructuredOutput) -> CompiledGrammar | str:
+        """Compiles and caches the result, also when the caller stopped waiting: a spec sent
+        again after its compile finished then hits the cache (grammar or error) at once."""
+        result = self._build(spec)
         with self._lock:
             self._cache[key] = result
             self._cache.move_to_end(key)
             while len(self._cache) > self.cache_size:
                 self._cache.popitem(last=False)
-        if isinstance(result, str):
-            raise GrammarError(result)
         return result
 
     def _build(self, spec: StructuredOutput) -> CompiledGrammar | str:
@@ -189,6 +197,12 @@ class GrammarCompiler:
                     )
                 self._lltok = llguidance.hf.from_tokenizer(self.tokenizer, n_vocab=self.vocab_size)
             return self._lltok
+
+
+def _unwrap(result: CompiledGrammar | str) -> CompiledGrammar:
+    if isinstance(result, str):
+        raise GrammarError(result)
+    return result
 
 
 def grammar_text(spec: StructuredOutput) -> str:

@@ -176,9 +176,9 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
         self._count_prefills()
-        self._yield_to_underserved(out)
+        budget = self.max_num_batched_tokens - self._serve_underserved(out)
         num_yielded = len(out.preempted)
-        budget = self._schedule_running(out, self.max_num_batched_tokens)
+        budget = self._schedule_running(out, budget)
         pressed = len(out.preempted) > num_yielded  # memory pressure: admit nobody this step
         if not pressed:
             budget = self._schedule_swapped(out, budget)
@@ -228,8 +228,11 @@ class Scheduler:
     def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:
         """Oldest first ("fcfs"); least-served tenant first ("fair"), so when prompts in
         flight exceed the budget, the tenants owed service get theirs computed."""
+        admitted = {item.seq for item in out.scheduled}  # this step's, scheduled already
         order = self.share.service_order(self.running) if self.policy == "fair" else list(self.running)
         for seq in order:
+            if seq in admitted:
+                continue
             if budget <= 0:
                 break
             if seq.status is not SequenceStatus.RUNNING:
@@ -259,32 +262,57 @@ class Scheduler:
             if victim is seq:
                 return False
 
-    def _yield_to_underserved(self, out: SchedulerOutput) -> None:
-        """"fair": when the next sequence of the least-served waiting tenant cannot get its
-        blocks (or a running slot), running tenants give way to it, their newest sequences
-        first, up to MAX_YIELDS_PER_STEP: those more than FAIRNESS_SLACK ahead of it and, if it
-        has nothing running, those holding more than their share of the pool. Recompute
-        preemption: their full blocks stay in the prefix cache, so they resume mostly on hits.
-        Without this a tenant that filled the pool keeps it until its requests end, and a
-        quiet tenant's first token waits for a busy one's requests to finish."""
-        if self.policy != "fair" or not self.waiting or self.swapped:
-            return
-        tenant, seq, cached, need = self._underserved_head()
-        if self._has_room(need):
-            return  # the common case, decided before any hashing of prefixes in flight
-        waits = self._waits_for_prefix(seq, len(cached), self._blocks_in_flight())
-        if waits or not self._may_admit(seq, cached):
-            return  # it could not start this step anyway
+    def _serve_underserved(self, out: SchedulerOutput) -> int:
+        """"fair": the least-served waiting tenant (on a tie, one with nothing running) is made
+        room for when its next sequence cannot get its blocks (or a running slot): running
+        tenants give way, their newest sequences first, up to MAX_YIELDS_PER_STEP: those more
+        than FAIRNESS_SLACK ahead of it and, if it has nothing running, those holding more
+        than their share of the pool. A tenant with nothing running is then admitted at once,
+        before the running sequences grow into the room. Returns the tokens it scheduled.
+
+        Recompute preemption: the victims' full blocks stay in the prefix cache, so they
+        resume mostly on hits. Without this a tenant that filled the pool keeps it until its
+        requests end, and a quiet tenant's first token waits for a busy one's requests."""
+        if self.policy != "fair" or not self.waiting or self.swapped or not self.running:
+            return 0
+        running = {s.tenant for s in self.running}
+        tenant, seq, cached, need = self._underserved_head(running)
+        idle = tenant not in running
+        if not idle and self._has_room(need):
+            return 0  # the common case, decided before any hashing of prefixes in flight
+        in_flight = self._blocks_in_flight()
+        if idle:  # it starts now: its choice of request is the one admission would make
+            choice = self._pick_in_tenant(self._waiting_by_tenant()[tenant], in_flight)
+            if choice is None:
+                return 0
+            seq, cached, ahead = choice
+            need = self._blocks_to_start(seq, cached)
+        elif self._waits_for_prefix(seq, len(cached), in_flight):
+            return 0  # it could not start this step anyway
+        if not self._may_admit(seq, cached):
+            return 0
         for _ in range(MAX_YIELDS_PER_STEP):
-            ahead = self._owing(tenant)
-            if not ahead:
-                return
-            victim = self.share.pick_victim(ahead)
+            victims = [] if self._has_room(need) else self._owing(tenant)
+            if not victims:
+                break
+            victim = self.share.pick_victim(victims)
             self.running.remove(victim)
             self._preempt(victim)
             out.preempted.append(victim)
-            if self._has_room(need):
-                return
+        if not idle or not self._has_room(need):
+            return 0
+        self.share.passed_over(ahead)
+        return self._admit_now(out, seq, cached)
+
+    def _admit_now(self, out: SchedulerOutput, seq: Sequence, cached: list[KVBlock]) -> int:
+        bm = self.block_manager
+        start = len(cached) * bm.block_size
+        n = self._num_new_tokens(seq, start, self.max_num_batched_tokens)
+        if not bm.allocate_slots(seq, n, cached, reserve=self.watermark_blocks if self.running else 0):
+            return 0
+        self.waiting.remove(seq)
+        self._admit(out, seq, n, start)
+        return n
 
     def _owing(self, tenant: str) -> list[Sequence]:
         """The running sequences (no beams or samples of a group) that owe `tenant` room."""
@@ -295,17 +323,23 @@ class Scheduler:
         return [s for s in self.running if s.group_size == 1 and (
             s.tenant in over_share or self.share.usage_of(s.tenant).virtual_time > behind)]
 
-    def _underserved_head(self) -> tuple[str, Sequence, list[KVBlock], int]:
-        """The least-served waiting tenant, its next sequence with that sequence's cache hits,
-        and the free blocks it needs to start (with the watermark)."""
+    def _underserved_head(self, running: set[str]) -> tuple[str, Sequence, list[KVBlock], int]:
+        """The least-served waiting tenant (on a tie, one not in `running`), its next sequence
+        with that sequence's cache hits, and the free blocks it needs to start (with the
+        watermark)."""
         bm = self.block_manager
         queues = self._waiting_by_tenant()
-        tenant = self.share.least_served(queues)
+        tenant = min(queues, key=lambda t: (self.share.usage_of(t).virtual_time, t in running))
         seq = queues[tenant][0]
         cached = bm.find_cached_blocks(seq)
+        return tenant, seq, cached, self._blocks_to_start(seq, cached)
+
+    def _blocks_to_start(self, seq: Sequence, cached: list[KVBlock]) -> int:
+        """Free blocks `seq` needs for its first step (with the watermark)."""
+        bm = self.block_manager
         start = len(cached) * bm.block_size
         n = self._num_new_tokens(seq, start, self.max_num_batched_tokens)
-        return tenant, seq, cached, bm.blocks_needed(start + n) - len(cached) + self.watermark_blocks
+        return bm.blocks_needed(start + n) - len(cached) + self.watermark_blocks
 
     def _has_room(self, need: int) -> bool:
         return self.block_manager.num_free_blocks >= need and len(self.running) < self.max_num_seqs

@@ -54,8 +54,10 @@ _KINDS = (JsonSchema, JsonObject, Regex, Choice, Grammar)
 
 
 def structured_key(spec: StructuredOutput) -> bytes:
-    """The spec as canonical JSON bytes: equal specs give equal keys (the compile cache's key)."""
-    return msgspec.json.encode(spec, order="deterministic")
+    """The spec as JSON bytes, the compile cache's key. Key order is kept, not sorted: a
+    schema's properties are generated in the order it lists them (a schema may put
+    "reasoning" before "answer" on purpose), so two orders are two grammars."""
+    return msgspec.json.encode(spec)
 
 
 def as_structured(value: object) -> StructuredOutput:

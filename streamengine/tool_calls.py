@@ -231,7 +231,10 @@ def _llama3_calls(text: str) -> tuple[list[ToolCall], int]:
             obj, end = _DECODER.raw_decode(text, pos)
         except ValueError:
             return calls, pos
-        call = call_from_json(obj, "parameters" if isinstance(obj, dict) and "parameters" in obj else "arguments")
+        # A bare JSON answer such as {"name": "Bob", "age": 3} is content, not a call: the
+        # format always carries its arguments.
+        key = next((k for k in ("parameters", "arguments") if isinstance(obj, dict) and k in obj), None)
+        call = call_from_json(obj, key) if key is not None else None
         if call is None:
             return calls, pos
         calls.append(call)

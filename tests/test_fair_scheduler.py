@@ -310,6 +310,24 @@ def test_a_tenant_over_its_pool_share_gives_way_to_one_with_nothing_running() ->
     assert all(s.num_output_tokens == 10 for s in a)
 
 
+def test_on_a_tie_the_tenant_with_nothing_running_is_made_room_for() -> None:
+    """A fills the pool and also has a request waiting; B arrives and is lifted to A's counter
+    (the least among the waiting). The tie goes to B, which runs nothing: A's newest yields
+    and B starts in that very step, A's waiting one after."""
+    sim = Sim(8, tenants=[TenantConfig("a"), TenantConfig("b")], prefix_caching=False)
+    a = [sim.add("a", tokens(6, 100 * i), max_tokens=10) for i in range(2)]
+    while sim.bm.num_free_blocks > 0:
+        sim.step()
+    a_waiting = sim.add("a", tokens(6, 300), max_tokens=2)
+    b0 = sim.add("b", tokens(6, 900), max_tokens=2)
+    assert sim.stat("b", "virtual_time") == sim.stat("a", "virtual_time")
+    out = sim.step()
+    assert out.preempted == [a[1]] and b0 in [i.seq for i in out.scheduled]
+    assert a_waiting.status is SequenceStatus.WAITING
+    sim.run()
+    assert all(s.num_output_tokens == 10 for s in a)
+
+
 def test_tenants_within_the_slack_do_not_preempt_each_other() -> None:
     """B already runs a request, so the pool-share rule does not apply; A is within the slack
     of B: B's second request waits for room instead of preempting A."""

@@ -6,7 +6,9 @@ from __future__ import annotations
 import asyncio
 import re
 import threading
+import time
 
+import llguidance.hf
 import msgspec
 import pytest
 import torch
@@ -170,7 +172,9 @@ def test_cache_returns_the_same_grammar_and_drops_the_least_recent(shared, monke
     assert compiler.compile(Regex("b")) is not b
 
 
-async def test_a_compile_past_the_timeout_fails_and_is_not_cached(shared, monkeypatch):
+async def test_a_compile_past_the_timeout_fails_then_caches_its_result(shared, monkeypatch):
+    """The caller gets GrammarError at the timeout; the compile goes on in its thread and
+    caches what it found, so the same spec sent again does not compile again."""
     compiler = fresh(shared, timeout_s=0.05)
     release = threading.Event()
     build = compiler._build
@@ -182,16 +186,20 @@ async def test_a_compile_past_the_timeout_fails_and_is_not_cached(shared, monkey
         return build(spec)
 
     monkeypatch.setattr(compiler, "_build", slow_build)
+    spec = Regex("[0-9]+")
     try:
         with pytest.raises(GrammarError, match=r"did not compile within 0\.05 s"):
-            await compiler.compile_async(Regex("[0-9]+"))
+            await compiler.compile_async(spec)
         with pytest.raises(GrammarError, match="did not compile within"):
-            compiler.compile(Regex("[0-9]+"))
+            compiler.compile(spec)
     finally:
         release.set()
-    compiler.timeout_s = 30.0
-    await compiler.compile_async(Regex("[0-9]+"))  # compiled again: the timeouts cached nothing
-    assert len(calls) == 3
+    deadline = time.monotonic() + 30
+    while compiler._lookup(structured_key(spec)) is None:  # the background compiles finish
+        assert time.monotonic() < deadline, "a timed-out compile never finished"
+        await asyncio.sleep(0.01)
+    grammar = await compiler.compile_async(spec)
+    assert grammar.matcher() is not None and len(calls) == 2  # a cache hit: no third compile
     compiler.shutdown()
 
 
@@ -213,6 +221,24 @@ async def test_compile_async_runs_off_the_event_loop(shared, monkeypatch):
     assert (await task).matcher() is not None
     compiler.shutdown()
     compiler.compile(Regex("y"))  # a compile after shutdown starts new threads
+
+
+async def test_building_the_tokenizer_view_is_outside_the_timeout(tokenizer, monkeypatch):
+    """The first compile of an engine builds llguidance's tokenizer view; however long that
+    takes, the spec's own timeout starts after it."""
+    real = llguidance.hf.from_tokenizer
+
+    def slow(*args, **kwargs):
+        time.sleep(0.3)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(llguidance.hf, "from_tokenizer", slow)
+    for compile_with in ("sync", "async"):
+        compiler = GrammarCompiler(tokenizer, 49152, timeout_s=0.2, cache_size=4)
+        spec = Regex(pattern="[0-9]+")
+        grammar = compiler.compile(spec) if compile_with == "sync" else await compiler.compile_async(spec)
+        assert grammar.matcher().is_accepting is False
+        compiler.shutdown()
 
 
 def test_logits_narrower_than_the_tokenizer_are_refused(tokenizer):
@@ -306,3 +332,13 @@ def test_regex_outputs_fullmatch_when_drawn_at_temperature_one(shared, tokenizer
             tokens.append(token)
         text = tokenizer.decode(tokens, skip_special_tokens=True)
         assert re.fullmatch(pattern, text), text
+
+
+def test_property_order_is_part_of_the_cache_key(shared):
+    """llguidance generates properties in the order a schema lists them, so a schema with its
+    keys in another order is another grammar, not a cache hit on the first."""
+    first = {"type": "object", "properties": {"reasoning": {"type": "string"}, "answer": {"type": "integer"}}}
+    second = {"type": "object", "properties": {"answer": {"type": "integer"}, "reasoning": {"type": "string"}}}
+    assert structured_key(JsonSchema(first)) != structured_key(JsonSchema(second))
+    assert structured_key(JsonSchema(first)) == structured_key(JsonSchema(dict(first)))
+    assert shared.compile(JsonSchema(first)) is not shared.compile(JsonSchema(second))

@@ -36,6 +36,7 @@ LLAMA3_CASES = [
     ('{"name": "a", "arguments": {"y": 2}} and then text', "and then text", [("a", {"y": 2})]),
     ('{"name": "a", "parameters": {}}\n tail \n', "tail", [("a", {})]),
     ('{"not": "a call"}', '{"not": "a call"}', []),
+    ('{"name": "Bob", "age": 3}', '{"name": "Bob", "age": 3}', []),  # a JSON answer, not a call
     ('{"name": "a", "parameters": {', '{"name": "a", "parameters": {', []),
     ("<|python", "<|python", []),
     (" \n", " \n", []),
