@@ -182,6 +182,11 @@ class GrammarCompiler:
         except (ValueError, GbnfToLarkError) as exc:
             return f"invalid structured-output spec: {exc}"
         matcher = llguidance.LLMatcher(self._tokenizer(), grammar, log_level=0, limits=_LIMITS)
+        if not matcher.is_error():
+            # The first mask builds the lexer's first states: here, within the timeout and
+            # for every copy, rather than in a decode step that the whole batch waits for;
+            # a spec that exhausts llguidance's limits there fails now, as a bad spec.
+            matcher.compute_bitmask()
         if matcher.is_error():
             return f"invalid structured-output spec: {matcher.get_error().strip()}"
         return CompiledGrammar(matcher)

@@ -263,11 +263,11 @@ class Scheduler:
                 return False
 
     def _serve_underserved(self, out: SchedulerOutput) -> int:
-        """"fair": the least-served waiting tenant (on a tie, one with nothing running) is made
-        room for when its next sequence cannot get its blocks (or a running slot): running
-        tenants give way, their newest sequences first, up to MAX_YIELDS_PER_STEP: those more
-        than FAIRNESS_SLACK ahead of it and, if it has nothing running, those holding more
-        than their share of the pool. A tenant with nothing running is then admitted at once,
+        """"fair": the waiting tenant to serve first (one with nothing running, else the least
+        served) is made room for when its next sequence cannot get its blocks (or a running
+        slot): running tenants give way, their newest sequences first, up to
+        MAX_YIELDS_PER_STEP: those more than FAIRNESS_SLACK ahead of it and, if it has nothing
+        running, those holding more than their share of the pool. A tenant with nothing running is then admitted at once,
         before the running sequences grow into the room. Returns the tokens it scheduled.
 
         Recompute preemption: the victims' full blocks stay in the prefix cache, so they
@@ -324,12 +324,13 @@ class Scheduler:
             s.tenant in over_share or self.share.usage_of(s.tenant).virtual_time > behind)]
 
     def _underserved_head(self, running: set[str]) -> tuple[str, Sequence, list[KVBlock], int]:
-        """The least-served waiting tenant (on a tie, one not in `running`), its next sequence
-        with that sequence's cache hits, and the free blocks it needs to start (with the
-        watermark)."""
+        """The waiting tenant to serve first: the least served of those with nothing in
+        `running` (a returning tenant's first request), else the least served; its next
+        sequence with that sequence's cache hits, and the free blocks it needs to start (with
+        the watermark)."""
         bm = self.block_manager
         queues = self._waiting_by_tenant()
-        tenant = min(queues, key=lambda t: (self.share.usage_of(t).virtual_time, t in running))
+        tenant = min(queues, key=lambda t: (t in running, self.share.usage_of(t).virtual_time))
         seq = queues[tenant][0]
         cached = bm.find_cached_blocks(seq)
         return tenant, seq, cached, self._blocks_to_start(seq, cached)

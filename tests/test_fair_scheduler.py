@@ -328,6 +328,31 @@ def test_on_a_tie_the_tenant_with_nothing_running_is_made_room_for() -> None:
     assert all(s.num_output_tokens == 10 for s in a)
 
 
+def test_a_tenant_with_nothing_running_goes_before_a_less_served_running_one() -> None:
+    """B was served more than C and is idle now; C runs a request and waits with another, with
+    the least counter; A fills the rest of the pool. B's new request is the one made room for and
+    started: a returning tenant's first token does not wait behind tenants already running."""
+    sim = Sim(12, tenants=[TenantConfig(t) for t in "abc"], prefix_caching=False)
+    sim.add("b", tokens(8, 700), max_tokens=4)
+    sim.run()
+    c_run = sim.add("c", tokens(2, 500), max_tokens=12)
+    _ = [sim.add("a", tokens(6, 100 * i), max_tokens=10) for i in range(2)]
+    for _ in range(20):
+        if sim.bm.num_free_blocks < 2:  # too few for B's next request
+            break
+        sim.step()
+    c_wait = sim.add("c", tokens(6, 600), max_tokens=2)
+    sim.sched.share.usage_of("b").virtual_time = 1000.0  # as if B had been served much more
+    b1 = sim.add("b", tokens(6, 900), max_tokens=2)
+    assert sim.stat("c", "virtual_time") < sim.stat("b", "virtual_time")
+    assert c_run.status is SequenceStatus.RUNNING
+    out = sim.step()
+    assert b1 in [i.seq for i in out.scheduled]
+    assert c_wait not in sim.admitted or sim.admitted.index(b1) < sim.admitted.index(c_wait)
+    assert out.preempted and all(v.tenant == "a" for v in out.preempted)
+    sim.run()
+
+
 def test_tenants_within_the_slack_do_not_preempt_each_other() -> None:
     """B already runs a request, so the pool-share rule does not apply; A is within the slack
     of B: B's second request waits for room instead of preempting A."""
