@@ -133,10 +133,10 @@ class BeamSearch:
     fork shares the parent's blocks) and dropping beams no survivor extends. The core supplies
     `fork` and `drop`, since only it owns sequences and blocks. With a grammar, each live beam
     has its own matcher: a forked beam starts from a copy of its parent's, and each beam's
-    matcher takes the token the beam appends. Its log-probs arrive masked by it, and a mask
-    always allows at least the end of sequence (a stop token with a grammar), so each of the
-    `width` beams has a finite candidate and every surviving continuation is an allowed one,
-    even when the grammar leaves fewer allowed tokens than beams.
+    matcher takes the token the beam appends. Its log-probs arrive masked by it, and every
+    mask allows at least one token (the end of sequence once the grammar is complete), so each
+    beam has a finite candidate and every surviving continuation is an allowed one, even when
+    the grammar leaves fewer allowed tokens than beams.
     """
 
     def __init__(

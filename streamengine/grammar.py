@@ -102,7 +102,8 @@ class GrammarCompiler:
         self.timeout_s = timeout_s
         self.cache_size = cache_size
         self._cache: OrderedDict[bytes, CompiledGrammar | str] = OrderedDict()  # str: the error
-        self._lock = threading.Lock()
+        self._lock = threading.Lock()  # the cache and the pool: held only briefly
+        self._tokenizer_lock = threading.Lock()  # the slow one-time build, never on the loop
         self._lltok: llguidance.LLTokenizer | None = None
         self._pool: concurrent.futures.ThreadPoolExecutor | None = None
 
@@ -193,7 +194,7 @@ class GrammarCompiler:
 
     def _tokenizer(self) -> llguidance.LLTokenizer:
         """llguidance's view of the tokenizer, built on first use (it takes a while)."""
-        with self._lock:
+        with self._tokenizer_lock:
             if self._lltok is None:
                 if len(self.tokenizer) > self.vocab_size:
                     raise GrammarError(
