@@ -15,7 +15,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 __all__ = [
-    "default_model_folder", "model_folder", "pyplot", "quiet_transformers", "save_figure", "software",
+    "default_model_folder", "load_bench_model", "model_folder", "pyplot", "quiet_transformers", "save_figure", "software",
     "write_report",
 ]
 
@@ -32,6 +32,19 @@ def model_folder(model: str | None) -> Path:
     if not (folder / "config.json").exists():
         raise SystemExit(f"--model must be a Hugging Face model folder with config.json: {folder}")
     return folder
+
+
+def load_bench_model(args):
+    """`args.model` (default: the converted SmolLM2) loaded in float32 on `args.device`, with
+    `args.threads` torch threads and transformers quiet; sets `args.folder`."""
+    import torch
+
+    from streamengine.models import load_model
+
+    torch.set_num_threads(args.threads)
+    quiet_transformers()
+    args.folder = model_folder(args.model)
+    return load_model(str(args.folder), "float32", args.device)
 
 
 def quiet_transformers() -> None:

@@ -57,7 +57,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))  # run as a script: ben
 
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
-from common import model_folder, quiet_transformers, software, write_report  # noqa: E402
+from common import load_bench_model, software, write_report  # noqa: E402
 from tqdm import tqdm  # noqa: E402
 from traces import normal_token_ids  # noqa: E402
 
@@ -695,14 +695,10 @@ def size_pool(args, workload: Workload, block_bytes: int) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = parse_args(argv)
-    torch.set_num_threads(args.threads)
-    quiet_transformers()
     from streamengine.kv_cache import kv_bytes_per_block
-    from streamengine.models import load_model
 
-    args.folder = model_folder(args.model)
-    loaded = load_model(str(args.folder), "float32", args.device)
+    args = parse_args(argv)
+    loaded = load_bench_model(args)
     workload = make_workload(args, normal_token_ids(loaded.tokenizer, loaded.model.config.vocab_size))
     size_pool(args, workload, kv_bytes_per_block(loaded.model.config, BLOCK_SIZE, torch.float32))
     systems = {}

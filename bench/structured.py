@@ -41,8 +41,7 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # run as a script: bench/ is not a package
 
 import numpy as np  # noqa: E402
-import torch  # noqa: E402
-from common import model_folder, quiet_transformers, software, write_report  # noqa: E402
+from common import load_bench_model, software, write_report  # noqa: E402
 
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
 SCHEMAS_FILE = Path(__file__).resolve().parents[1] / "tests" / "structured_schemas.py"
@@ -253,12 +252,7 @@ async def run_engine(loaded, args) -> dict[str, dict]:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    torch.set_num_threads(args.threads)
-    quiet_transformers()
-    from streamengine.models import load_model
-
-    args.folder = model_folder(args.model)
-    loaded = load_model(str(args.folder), "float32", args.device)
+    loaded = load_bench_model(args)
     by_batch = asyncio.run(run_engine(loaded, args))
     compiles = compile_times(loaded.tokenizer, loaded.model.config.vocab_size, load_test_schemas(), args.compile_rounds)
     report = build_report(args, by_batch, compiles)

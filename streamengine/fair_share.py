@@ -141,6 +141,11 @@ class FairShare:
         """The tenant owed the most service; ties go to the one listed first (arrival order)."""
         return min(tenants, key=lambda name: self.usage_of(name).virtual_time)
 
+    def first_to_serve(self, tenants: Iterable[str], running: set[str]) -> str:
+        """Whom to make room for: the least served of the tenants with nothing in `running` (a
+        returning tenant's first request), else the least served."""
+        return min(tenants, key=lambda name: (name in running, self.usage_of(name).virtual_time))
+
     def service_order(self, seqs: list[Sequence]) -> list[Sequence]:
         """`seqs` with the least-served tenants' first (stable: arrival order within a tenant),
         the order in which a step's token budget is handed out."""

@@ -27,6 +27,7 @@ from llguidance.gbnf_to_lark import GbnfToLarkError, gbnf_to_lark
 
 from streamengine.errors import GrammarError
 from streamengine.structured_params import (
+    JSON_LAYOUT,
     Choice,
     Grammar,
     JsonObject,
@@ -38,9 +39,6 @@ from streamengine.structured_params import (
 
 # Short errors: the verbose ones carry the parser's state and the whole grammar.
 _LIMITS = llguidance.LLParserLimits(verbose_errors=False)
-# JSON as json.dumps writes it, with no free whitespace: a small model could otherwise spend
-# its whole budget on newlines inside an object. A schema's "x-guidance" key may override it.
-_JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 _COMPILE_THREADS = 2  # one hostile spec still compiling leaves room for the others
 
 
@@ -217,9 +215,9 @@ def grammar_text(spec: StructuredOutput) -> str:
         if spec.schema is False:
             raise ValueError("the JSON schema false allows no value")
         schema = spec.schema if isinstance(spec.schema, dict) else {}  # true: any value
-        return llguidance.LLMatcher.grammar_from_json_schema(schema, defaults=_JSON_OPTIONS)
+        return llguidance.LLMatcher.grammar_from_json_schema(schema, defaults=JSON_LAYOUT)
     if isinstance(spec, JsonObject):
-        return llguidance.LLMatcher.grammar_from_json_schema({"type": "object"}, defaults=_JSON_OPTIONS)
+        return llguidance.LLMatcher.grammar_from_json_schema({"type": "object"}, defaults=JSON_LAYOUT)
     if isinstance(spec, Regex):
         return llguidance.LLMatcher.grammar_from_regex(spec.pattern)
     if isinstance(spec, Choice):

@@ -276,13 +276,13 @@ class Scheduler:
         if self.policy != "fair" or not self.waiting or self.swapped or not self.running:
             return 0
         running = {s.tenant for s in self.running}
-        tenant, seq, cached, need = self._underserved_head(running)
-        idle = tenant not in running
+        tenant, queue, cached, need = self._underserved_head(running)
+        seq, idle = queue[0], tenant not in running
         if not idle and self._has_room(need):
             return 0  # the common case, decided before any hashing of prefixes in flight
         in_flight = self._blocks_in_flight()
         if idle:  # it starts now: its choice of request is the one admission would make
-            choice = self._pick_in_tenant(self._waiting_by_tenant()[tenant], in_flight)
+            choice = self._pick_in_tenant(queue, in_flight)
             if choice is None:
                 return 0
             seq, cached, ahead = choice
@@ -302,12 +302,14 @@ class Scheduler:
         if not idle or not self._has_room(need):
             return 0
         self.share.passed_over(ahead)
-        return self._admit_now(out, seq, cached)
+        return self._admit_from_waiting(out, seq, cached, self.max_num_batched_tokens)
 
-    def _admit_now(self, out: SchedulerOutput, seq: Sequence, cached: list[KVBlock]) -> int:
+    def _admit_from_waiting(self, out: SchedulerOutput, seq: Sequence, cached: list[KVBlock], budget: int) -> int:
+        """Starts waiting `seq` on its cache hits, up to `budget` tokens; the tokens it
+        scheduled, 0 if the pool cannot hold them (nothing changed then)."""
         bm = self.block_manager
         start = len(cached) * bm.block_size
-        n = self._num_new_tokens(seq, start, self.max_num_batched_tokens)
+        n = self._num_new_tokens(seq, start, budget)
         if not bm.allocate_slots(seq, n, cached, reserve=self.watermark_blocks if self.running else 0):
             return 0
         self.waiting.remove(seq)
@@ -323,17 +325,14 @@ class Scheduler:
         return [s for s in self.running if s.group_size == 1 and (
             s.tenant in over_share or self.share.usage_of(s.tenant).virtual_time > behind)]
 
-    def _underserved_head(self, running: set[str]) -> tuple[str, Sequence, list[KVBlock], int]:
-        """The waiting tenant to serve first: the least served of those with nothing in
-        `running` (a returning tenant's first request), else the least served; its next
-        sequence with that sequence's cache hits, and the free blocks it needs to start (with
-        the watermark)."""
-        bm = self.block_manager
+    def _underserved_head(self, running: set[str]) -> tuple[str, list[Sequence], list[KVBlock], int]:
+        """The waiting tenant to serve first (FairShare.first_to_serve), its waiting sequences,
+        the cache hits of the first, and the free blocks that one needs to start (with the
+        watermark)."""
         queues = self._waiting_by_tenant()
-        tenant = min(queues, key=lambda t: (t in running, self.share.usage_of(t).virtual_time))
-        seq = queues[tenant][0]
-        cached = bm.find_cached_blocks(seq)
-        return tenant, seq, cached, self._blocks_to_start(seq, cached)
+        tenant = self.share.first_to_serve(queues, running)
+        cached = self.block_manager.find_cached_blocks(queues[tenant][0])
+        return tenant, queues[tenant], cached, self._blocks_to_start(queues[tenant][0], cached)
 
     def _blocks_to_start(self, seq: Sequence, cached: list[KVBlock]) -> int:
         """Free blocks `seq` needs for its first step (with the watermark)."""
@@ -435,7 +434,6 @@ class Scheduler:
         (its limit must not hold back the others); when the chosen sequence does not fit the
         pool, admission stops: the room that frees up goes to the tenant owed the most, as in
         FCFS it goes to the head of the line, so a large request cannot starve."""
-        bm = self.block_manager
         in_flight = self._blocks_in_flight()
         queues = self._waiting_by_tenant()
         while queues and budget > 0 and len(self.running) < self.max_num_seqs:
@@ -445,16 +443,13 @@ class Scheduler:
                 del queues[tenant]  # all wait for a prefix in flight, or over its quota
                 continue
             seq, cached, ahead = choice
-            n = self._num_new_tokens(seq, len(cached) * bm.block_size, budget)
-            reserve = self.watermark_blocks if self.running else 0
-            if not bm.allocate_slots(seq, n, cached, reserve=reserve):
+            n = self._admit_from_waiting(out, seq, cached, budget)
+            if n == 0:
                 return
             self.share.passed_over(ahead)
             queues[tenant].remove(seq)
             if not queues[tenant]:
                 del queues[tenant]
-            self.waiting.remove(seq)
-            self._admit(out, seq, n, len(cached) * bm.block_size)
             in_flight.update(self._pending_hashes(seq))
             budget -= n
 

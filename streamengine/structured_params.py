@@ -49,6 +49,12 @@ class Grammar(_Spec, tag="grammar"):
     syntax: Literal["lark", "ebnf"] = "lark"
 
 
+JSON_LAYOUT = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+"""How constrained JSON is written (llguidance's JSON options): as json.dumps writes it, with
+no free whitespace. A small model could otherwise spend its whole budget on newlines inside an
+object, or pretty-print a tool call at twice the tokens. A schema's "x-guidance" key may
+override it."""
+
 StructuredOutput = JsonSchema | JsonObject | Regex | Choice | Grammar
 _KINDS = (JsonSchema, JsonObject, Regex, Choice, Grammar)
 

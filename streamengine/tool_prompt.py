@@ -21,6 +21,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
+from streamengine.structured_params import JSON_LAYOUT
 from streamengine.tool_calls import HERMES_CLOSE, HERMES_OPEN
 
 Message = dict[str, Any]
@@ -34,9 +35,6 @@ _TOOLS_INSTRUCTIONS = (
     f'{HERMES_OPEN}\n{{"name": "<function name>", "arguments": {{<arguments as JSON>}}}}\n{HERMES_CLOSE}'
 )
 _ANY_OBJECT: dict[str, Any] = {"type": "object"}
-# llguidance's JSON layout options: the forced call is written on one line, spaced as the
-# prompt's example (a small model otherwise pretty-prints it, at twice the tokens)
-_CALL_LAYOUT = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 
 
 def template_renders_tools(chat_template: str | None) -> bool:
@@ -142,5 +140,5 @@ def _call_schema(function: dict[str, Any]) -> dict[str, Any]:
         "properties": {"name": {"const": function["name"]}, "arguments": parameters},
         "required": ["name", "arguments"],
         "additionalProperties": False,
-        "x-guidance": _CALL_LAYOUT,
+        "x-guidance": JSON_LAYOUT,  # one line, spaced as the prompt's example
     }

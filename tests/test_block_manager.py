@@ -826,6 +826,10 @@ class BlockManagerMachine(RuleBasedStateMachine):
         ids = free_ids(self.bm)
         assert len(ids) == len(set(ids)) == self.bm.num_free_blocks
         assert set(ids) == {b.block_id for b in self.bm.blocks if b.ref_cnt == 0}
+        # a free block waits in the second queue exactly when a waiting sequence wants its hash
+        wanted = {h for seq in self.waiting for h in seq.block_hashes[: (seq.num_tokens - 1) // self.bm.block_size]}
+        for block in self.bm.free_blocks():
+            assert (block.queue is self.bm.wanted_queue) == (block.block_hash in wanted), block.block_id
 
     @invariant()
     def cache_dict_is_consistent(self) -> None:

@@ -229,12 +229,12 @@ async def test_building_the_tokenizer_view_is_outside_the_timeout(tokenizer, mon
     real = llguidance.hf.from_tokenizer
 
     def slow(*args, **kwargs):
-        time.sleep(0.3)
+        time.sleep(1.5)
         return real(*args, **kwargs)
 
     monkeypatch.setattr(llguidance.hf, "from_tokenizer", slow)
     for compile_with in ("sync", "async"):
-        compiler = GrammarCompiler(tokenizer, 49152, timeout_s=0.2, cache_size=4)
+        compiler = GrammarCompiler(tokenizer, 49152, timeout_s=1.0, cache_size=4)
         spec = Regex(pattern="[0-9]+")
         grammar = compiler.compile(spec) if compile_with == "sync" else await compiler.compile_async(spec)
         assert grammar.matcher().is_accepting is False
