@@ -34,15 +34,19 @@ BUILD_TIMEOUT_S = 600  # every source in one compiler run, on a possibly busy ma
 def load() -> ctypes.CDLL | None:
     """The compiled library, or None where it cannot run (logged once)."""
     if os.environ.get("STREAMENGINE_CPU_KERNELS", "1") == "0":
+        log.info("cpu kernels: off (STREAMENGINE_CPU_KERNELS=0), using the PyTorch path")
         return None
-    if platform.machine() not in ("x86_64", "AMD64") or "avx512f" not in cpu_flags():
-        log.info("cpu kernels: no AVX-512 here, using the PyTorch path")
+    flags = cpu_flags()
+    if platform.machine() not in ("x86_64", "AMD64") or "avx512f" not in flags:
+        found = " ".join(sorted(f for f in flags if f.startswith("avx"))) or "none"
+        log.info("cpu kernels: %s has no AVX-512 (AVX features: %s), using the PyTorch path", platform.machine(), found)
         return None
     try:
         path = build()
     except (OSError, subprocess.SubprocessError) as exc:
         log.warning("cpu kernels: build failed, using the PyTorch path: %s", exc)
         return None
+    log.info("cpu kernels: AVX-512 build (%s)", " ".join(sorted(f for f in flags if f.startswith("avx512"))))
     return ctypes.CDLL(str(path))
 
 

@@ -1,6 +1,6 @@
 """The fused CPU decoder layer (kernels/csrc/cpu_layer.cpp): two calls per layer around attention.
 
-`FusedLayer` holds one layer's packed weights (the `PackedLinear`s of the native model) and
+`FusedLayer` holds one layer's packed weights (the `PackedLinear`s or `QuantLinear`s of the native model) and
 runs `layer_in` (q/k/v GEMM, RoPE, K/V store) and `layer_out` (output projection, residual,
 RMSNorm, gate/up GEMM, SiLU-times-up, down GEMM, residual, next RMSNorm). `DecodeStack` runs
 every layer of a decode-only step, attention included, in one call. `available()` says
@@ -19,16 +19,18 @@ from .cpu_attention import DecodePlan
 from .cpu_build import F32, I64, PTR
 from .cpu_linear import PackedLinear
 from .cpu_ops import cache_type
+from .cpu_quant_linear import QuantLinear
 
 KEY_CACHE, VALUE_CACHE, NUM_FIELDS = 8, 9, 10  # LayerField in csrc/cpu_layer.cpp
+KernelLinear = PackedLinear | QuantLinear  # both carry `kernel_weight`, the view the C++ side reads
 
 
 @functools.lru_cache(maxsize=1)
 def load_library() -> ctypes.CDLL | None:
     return cpu_build.bind({
-        "streamengine_layer_in": [PTR, I64, I64, PTR, I64, PTR, I64, I64, I64, PTR, PTR, PTR, PTR, PTR, I64, PTR],
+        "streamengine_layer_in": [PTR, I64, I64, PTR, PTR, I64, I64, I64, PTR, PTR, PTR, PTR, PTR, I64, PTR],
         "streamengine_layer_out": [
-            PTR, I64, I64, PTR, I64, PTR, PTR, I64, PTR, PTR, I64, I64, PTR, I64, PTR, F32, PTR, PTR, PTR, PTR, PTR, PTR,
+            PTR, I64, I64, PTR, PTR, PTR, I64, PTR, PTR, I64, PTR, PTR, F32, PTR, PTR, PTR, PTR, PTR, PTR,
         ],
         "streamengine_decode_layers": [
             PTR, I64, I64, I64, I64, I64, I64, I64, I64, I64, I64, I64, F32, F32, PTR, PTR, PTR, I64, I64, PTR,
@@ -46,9 +48,10 @@ def _ptr(t: torch.Tensor | None) -> int | None:
 
 
 class FusedLayer:
-    """One decoder layer's weights, packed, with the two fused calls."""
+    """One decoder layer's weights, packed (float32 panels or GGUF blocks, mixed freely), with
+    the two fused calls."""
 
-    def __init__(self, qkv: PackedLinear, o: PackedLinear, gate_up: PackedLinear, down: PackedLinear,
+    def __init__(self, qkv: KernelLinear, o: KernelLinear, gate_up: KernelLinear, down: KernelLinear,
                  post_norm: torch.Tensor, heads: int, kv_heads: int, head_dim: int, eps: float) -> None:
         self.lib = load_library()
         if self.lib is None:
@@ -71,7 +74,7 @@ class FusedLayer:
             raise ValueError("the fused layer stores into contiguous caches")
         qkv = torch.empty((t, self.qkv.padded), dtype=torch.float32)
         self.lib.streamengine_layer_in(
-            x.data_ptr(), t, self.hidden, self.qkv.panels.data_ptr(), self.qkv.padded, _ptr(self.qkv.bias),
+            x.data_ptr(), t, self.hidden, self.qkv.kernel_weight.data_ptr(), _ptr(self.qkv.bias),
             self.heads, self.kv_heads, self.head_dim, cos.data_ptr(), sin.data_ptr(), slots.data_ptr(),
             key_cache.data_ptr(), value_cache.data_ptr(), code, qkv.data_ptr(),
         )
@@ -85,10 +88,9 @@ class FusedLayer:
         o, x, gu = empty((t, self.o.padded)), empty((t, self.hidden)), empty((t, self.gate_up.padded))
         act, down, x_out = empty((t, self.intermediate)), empty((t, self.down.padded)), empty((t, self.hidden))
         rc = self.lib.streamengine_layer_out(
-            attn.data_ptr(), t, attn.shape[1], self.o.panels.data_ptr(), self.o.padded, _ptr(self.o.bias),
-            h.data_ptr(), self.hidden, self.post_norm.data_ptr(), self.gate_up.panels.data_ptr(),
-            self.gate_up.padded, self.intermediate, self.down.panels.data_ptr(), self.down.padded,
-            next_norm.data_ptr(), self.eps, o.data_ptr(), x.data_ptr(), gu.data_ptr(), act.data_ptr(),
+            attn.data_ptr(), t, attn.shape[1], self.o.kernel_weight.data_ptr(), _ptr(self.o.bias),
+            h.data_ptr(), self.hidden, self.post_norm.data_ptr(), self.gate_up.kernel_weight.data_ptr(),
+            self.intermediate, self.down.kernel_weight.data_ptr(), next_norm.data_ptr(), self.eps, o.data_ptr(), x.data_ptr(), gu.data_ptr(), act.data_ptr(),
             down.data_ptr(), x_out.data_ptr(),
         )
         if rc != 0:
@@ -117,9 +119,9 @@ class DecodeStack:
         self.lib, self.first = first.lib, first
         self.next_norms = [n.contiguous() for n in next_norms]  # kept alive for their addresses
         self.table = torch.tensor([  # [layers, NUM_FIELDS], cache columns filled per call
-            [layer.qkv.panels.data_ptr(), _ptr(layer.qkv.bias) or 0, layer.o.panels.data_ptr(),
-             _ptr(layer.o.bias) or 0, layer.post_norm.data_ptr(), layer.gate_up.panels.data_ptr(),
-             layer.down.panels.data_ptr(), norm.data_ptr(), 0, 0]
+            [layer.qkv.kernel_weight.data_ptr(), _ptr(layer.qkv.bias) or 0, layer.o.kernel_weight.data_ptr(),
+             _ptr(layer.o.bias) or 0, layer.post_norm.data_ptr(), layer.gate_up.kernel_weight.data_ptr(),
+             layer.down.kernel_weight.data_ptr(), norm.data_ptr(), 0, 0]
             for layer, norm in zip(layers, self.next_norms, strict=True)
         ], dtype=torch.int64)
         # The engine's caches live as long as it does: their table is built (and checked) once.

@@ -45,6 +45,8 @@ class PackedLinear:
         self.padded = -(-self.out_features // self.width) * self.width
         self.panels = pack_panels(weight, self.width)  # [P, K, width]
         self.bias = bias
+        # {format 0 = float32 panels, address, n_padded, K}: how C++ (csrc/cpu_quant_gemm.h) sees it.
+        self.kernel_weight = torch.tensor([0, self.panels.data_ptr(), self.padded, self.in_features], dtype=torch.int64)
         self._lib = lib
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:

@@ -23,6 +23,7 @@ PREEMPTION_MODES = ("auto", "recompute", "swap")
 DTYPES = ("float32", "float16", "bfloat16")
 KV_CACHE_DTYPES = ("auto", *DTYPES)
 MODEL_IMPLS = ("auto", "native", "transformers")
+WEIGHT_FORMATS = ("auto", "dequantized", "packed")
 SCHEDULING_POLICIES = ("fair", "fcfs")
 
 
@@ -82,6 +83,14 @@ class EngineConfig:
         "transformers' own modules with the paged attention hook; \"auto\": native on CPU when the "
         "architecture qualifies, transformers otherwise.",
         choices=MODEL_IMPLS)
+    weight_format: str = _option(
+        "auto",
+        "How a GGUF model's weights are kept. \"packed\": in the file's block formats (Q4_0, Q4_1, "
+        "Q8_0), multiplied by the native decoder's fused dequantizing GEMM (needs AVX-512); "
+        "\"dequantized\": float32 copies; \"auto\": packed where it can run, else dequantized. "
+        "Both give the same tokens (the packed kernels compute the float32 GEMM over the "
+        "dequantized weights).",
+        choices=WEIGHT_FORMATS)
     preemption_mode: str = _option(
         "recompute", "how a sequence gives up its blocks when the pool runs out", choices=PREEMPTION_MODES)
     swap_space_bytes: int = _option(0, "host memory for KV blocks swapped out by preemption", minimum=0)

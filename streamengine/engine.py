@@ -100,6 +100,11 @@ class AsyncEngine:
         return self.core.loaded.name
 
     @property
+    def weight_format(self) -> str:
+        """How the weights run: "packed" (a GGUF file's blocks as stored) or "dequantized"."""
+        return self.core.runner.weight_format
+
+    @property
     def is_running(self) -> bool:
         return self._task is not None and not self._task.done()
 

@@ -7,12 +7,14 @@ and the model implementation are chosen once, when the runner is built.
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, field
 
 import torch
 
 from streamengine.config import EngineConfig
 from streamengine.grammar import GrammarMatcher, TokenMasker
+from streamengine.kernels import cpu_quant_linear
 from streamengine.kv_cache import AttentionShape, KVCacheSpec
 from streamengine.models.attention import (
     AttentionBackend,
@@ -21,12 +23,15 @@ from streamengine.models.attention import (
     KVCaches,
 )
 from streamengine.models.cpu_backend import CpuPagedAttention
+from streamengine.models.gguf_weights import GgufWeights, check_against, read_gguf
 from streamengine.models.loader import LoadedModel
 from streamengine.models.native import NativeDecoder, unsupported_reason
 from streamengine.models.torch_backend import TorchPagedAttention
 from streamengine.models.triton_backend import TritonPagedAttention
 from streamengine.sampler import Sampler, SamplerOutput, SamplingRow
 from streamengine.scheduler import SchedulerOutput
+
+log = logging.getLogger(__name__)
 
 
 def select_backend(
@@ -47,16 +52,55 @@ def select_backend(
     return TritonPagedAttention.create(device, dtype, kv_dtype)
 
 
-def select_native(model_impl: str, model, device: torch.device, backend: AttentionBackend) -> NativeDecoder | None:
+def select_native(config: EngineConfig, loaded: LoadedModel, device: torch.device,
+                  backend: AttentionBackend) -> NativeDecoder | None:
     """The native decoder for "native", and for "auto" on CPU when the model qualifies;
     None means transformers' own modules run (with the paged attention hook)."""
-    if model_impl == "transformers":
-        return None
-    reason = unsupported_reason(model)
+    model_impl, model = config.model_impl, loaded.model
+    reason = "model_impl='transformers'" if model_impl == "transformers" else unsupported_reason(model)
     if model_impl == "native" and reason is not None:
         raise ValueError(f"EngineConfig.model_impl='native' cannot run this model: {reason}")
-    if reason is None and (model_impl == "native" or device.type == "cpu"):
-        return NativeDecoder(model, backend)
+    if reason is None and not (model_impl == "native" or device.type == "cpu"):
+        reason = f"model_impl='auto' on {device.type}"
+    packed = select_packed(config, loaded, device, native_reason=reason)
+    return None if reason is not None else NativeDecoder(model, backend, packed)
+
+
+def select_packed(config: EngineConfig, loaded: LoadedModel, device: torch.device,
+                  native_reason: str | None) -> GgufWeights | None:
+    """The GGUF file's blocks when the weights run packed (weight_format "packed", or "auto"
+    where it can), else None; "packed" where it cannot run is an error saying why. Logs the
+    choice either way."""
+    if config.weight_format == "dequantized":
+        log.info("weights: dequantized to float32 (weight_format='dequantized')")
+        return None
+    reason = packed_unavailable(config, loaded, device, native_reason)
+    if reason is not None:
+        if config.weight_format == "packed":
+            raise ValueError(f"EngineConfig.weight_format='packed' cannot run: {reason}")
+        log.info("weights: dequantized to float32 (%s)", reason)
+        return None
+    shape = AttentionShape.of(loaded.model.config)
+    packed = read_gguf(loaded.gguf, shape.num_heads, shape.num_kv_heads)
+    check_against(packed, loaded.model)
+    counts = packed.type_counts()
+    unpacked = {name: n for name, n in counts.items() if name not in cpu_quant_linear.FORMAT_NAMES}
+    log.info("weights: packed as stored in %s %s, fused dequantizing GEMM (AVX-512)%s", loaded.gguf.name, counts,
+             f"; no packed kernel for {unpacked}: those run as float32" if unpacked else "")
+    return packed
+
+
+def packed_unavailable(config: EngineConfig, loaded: LoadedModel, device: torch.device,
+                       native_reason: str | None) -> str | None:
+    """Why the weights cannot run packed here, or None."""
+    if loaded.gguf is None:
+        return "the model is not a GGUF file"
+    if device.type != "cpu" or config.dtype != "float32":
+        return f"packed weights run on CPU in float32, not {device.type} {config.dtype}"
+    if native_reason is not None:
+        return f"the native decoder does not run ({native_reason})"
+    if cpu_quant_linear.load_library() is None:
+        return "the C++ kernels do not run here (they need x86-64 with AVX-512 and a C++ compiler; see the log)"
     return None
 
 
@@ -134,7 +178,8 @@ class ModelRunner:
         )
         self.decoder = self.model.get_decoder()
         self.lm_head = self.model.get_output_embeddings()
-        self.native = select_native(config.model_impl, self.model, device, self.backend)
+        self.native = select_native(config, loaded, device, self.backend)
+        self.weight_format = "packed" if self.native is not None and self.native.packed else "dequantized"
         self.masker = TokenMasker()  # grammar masks, of sampled rows and of beams alike
         self.sampler = Sampler(self.masker)
         self.generator = torch.Generator().manual_seed(config.seed)

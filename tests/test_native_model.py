@@ -6,6 +6,8 @@ paths) is in test_engine_parity.py; here each part is checked on its own against
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -20,6 +22,7 @@ from streamengine.models.attention import (
     AttentionMetadata,
     register_paged_attention,
 )
+from streamengine.models.loader import LoadedModel
 from streamengine.models.native import NativeDecoder, unsupported_reason
 from streamengine.models.torch_backend import TorchPagedAttention
 
@@ -146,9 +149,10 @@ def test_store_kv_writes_slots(monkeypatch, kernels, head_dim, cache_dtype):
 def test_unsupported_models_keep_the_transformers_path():
     gpt2 = GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=64))
     assert "gpt2" in unsupported_reason(gpt2)
-    assert select_native("auto", gpt2, torch.device("cpu"), TorchPagedAttention()) is None
+    loaded = LoadedModel(gpt2, None, "gpt2", Path("."))
+    assert select_native(EngineConfig(model_impl="auto"), loaded, torch.device("cpu"), TorchPagedAttention()) is None
     with pytest.raises(ValueError, match="model_impl='native'"):
-        select_native("native", gpt2, torch.device("cpu"), TorchPagedAttention())
+        select_native(EngineConfig(model_impl="native"), loaded, torch.device("cpu"), TorchPagedAttention())
 
 
 def test_model_impl_is_validated():

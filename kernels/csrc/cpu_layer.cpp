@@ -1,31 +1,33 @@
-// A Llama-family decoder layer in two calls, around the attention: the packed GEMM
-// (cpu_gemm.cpp) and the fused element-wise steps (cpu_ops.cpp) composed in C++.
+// A Llama-family decoder layer in two calls, around the attention: the packed GEMMs
+// (cpu_gemm.cpp for float32 panels, cpu_quant_gemm.cpp for GGUF blocks, both behind
+// streamengine_gemm) and the fused element-wise steps (cpu_ops.cpp) composed in C++.
 //
 // Why: between the layer's four GEMMs a decode step has six small steps; run from Python each
 // costs a dispatch, and each first touch after a GEMM (which streamed megabytes of weights
 // through the caches) pays cache misses on the interpreter's own state: together a large
 // share of a small-batch step. Here Python calls once before the attention and once after it.
 //
+// Weights are passed as 4-int64 views {format, panels, n_padded, K} (cpu_quant_gemm.h).
 // Row strides: GEMM outputs are [T, N padded to 48] (see cpu_gemm.cpp); everything else is
 // dense. Built at run time by kernels/cpu_build.py; called by kernels/cpu_layer.py.
 
 #include <cstdint>
 
-#include "cpu_gemm.h"
 #include "cpu_ops.h"
 #include "cpu_paged_attention.h"
+#include "cpu_quant_gemm.h"
 
 #if defined(__AVX512F__)
 
 // qkv = x @ Wqkv^T (+ bias); RoPE on the q and k heads; k and v into their cache slots.
 // x [T, hidden]; qkv [T, qkv_padded]; caches [num_slots, kv_heads * head_dim] of cache_type.
-extern "C" int streamengine_layer_in(const float* x, int64_t T, int64_t hidden, const float* qkv_panels,
-                                     int64_t qkv_padded, const float* qkv_bias, int64_t heads,
+extern "C" int streamengine_layer_in(const float* x, int64_t T, int64_t hidden, const int64_t* qkv_weight,
+                                     const float* qkv_bias, int64_t heads,
                                      int64_t kv_heads, int64_t head_dim, const float* cos, const float* sin,
                                      const int64_t* slots, void* key_cache, void* value_cache,
                                      int64_t cache_type, float* qkv) {
-  const int64_t qkv_n = (heads + 2 * kv_heads) * head_dim;
-  if (streamengine_sgemm_packed(x, T, hidden, qkv_panels, qkv_padded, qkv) != 0) return -1;
+  const int64_t qkv_n = (heads + 2 * kv_heads) * head_dim, qkv_padded = qkv_weight[WEIGHT_N_PADDED];
+  if (qkv_weight[WEIGHT_K] != hidden || streamengine_gemm(qkv_weight, x, T, qkv) != 0) return -1;
   if (qkv_bias != nullptr) streamengine_add_bias(qkv, qkv_padded, T, qkv_n, qkv_bias);
   streamengine_rope(qkv, T, qkv_padded, heads + kv_heads, head_dim, cos, sin);
   const float* k = qkv + heads * head_dim;
@@ -36,26 +38,29 @@ extern "C" int streamengine_layer_in(const float* x, int64_t T, int64_t hidden, 
 
 // After the attention: h += attn @ Wo^T (+ bias); x = RMSNorm(h); h += down(silu(gate) * up);
 // x_out = RMSNorm(h) with the next layer's (or the final) norm weight.
-// attn [T, attn_width]; h, x_out [T, hidden]; scratch: o [T, o_padded], x [T, hidden],
-// gate_up [T, gu_padded], act [T, intermediate], down [T, down_padded].
-extern "C" int streamengine_layer_out(const float* attn, int64_t T, int64_t attn_width, const float* o_panels,
-                                      int64_t o_padded, const float* o_bias, float* h, int64_t hidden,
-                                      const float* post_norm, const float* gu_panels, int64_t gu_padded,
-                                      int64_t intermediate, const float* down_panels, int64_t down_padded,
+// attn [T, attn_width]; h, x_out [T, hidden]; scratch: o [T, o's n_padded], x [T, hidden],
+// gate_up [T, gate_up's n_padded], act [T, intermediate], down [T, down's n_padded].
+extern "C" int streamengine_layer_out(const float* attn, int64_t T, int64_t attn_width, const int64_t* o_weight,
+                                      const float* o_bias, float* h, int64_t hidden, const float* post_norm,
+                                      const int64_t* gu_weight, int64_t intermediate, const int64_t* down_weight,
                                       const float* next_norm, float eps, float* o, float* x, float* gate_up,
                                       float* act, float* down, float* x_out) {
-  if (streamengine_sgemm_packed(attn, T, attn_width, o_panels, o_padded, o) != 0) return -1;
+  const int64_t o_padded = o_weight[WEIGHT_N_PADDED], gu_padded = gu_weight[WEIGHT_N_PADDED];
+  const int64_t down_padded = down_weight[WEIGHT_N_PADDED];
+  if (o_weight[WEIGHT_K] != attn_width || gu_weight[WEIGHT_K] != hidden || down_weight[WEIGHT_K] != intermediate)
+    return -1;
+  if (streamengine_gemm(o_weight, attn, T, o) != 0) return -1;
   if (o_bias != nullptr) streamengine_add_bias(o, o_padded, T, hidden, o_bias);
   streamengine_add_rms_norm(h, o, o_padded, post_norm, eps, T, hidden, x);
-  if (streamengine_sgemm_packed(x, T, hidden, gu_panels, gu_padded, gate_up) != 0) return -1;
+  if (streamengine_gemm(gu_weight, x, T, gate_up) != 0) return -1;
   streamengine_silu_mul(gate_up, gu_padded, T, intermediate, act);
-  if (streamengine_sgemm_packed(act, T, intermediate, down_panels, down_padded, down) != 0) return -1;
+  if (streamengine_gemm(down_weight, act, T, down) != 0) return -1;
   return streamengine_add_rms_norm(h, down, down_padded, next_norm, eps, T, hidden, x_out);
 }
 
-// One layer's tensors for streamengine_decode_layers, as addresses (int64) in this order;
-// biases may be 0 (absent).
-enum LayerField { QKV_PANELS, QKV_BIAS, O_PANELS, O_BIAS, POST_NORM, GU_PANELS, DOWN_PANELS,
+// One layer's tensors for streamengine_decode_layers, as addresses (int64) in this order
+// (weights: of their 4-int64 views); biases may be 0 (absent).
+enum LayerField { QKV_WEIGHT, QKV_BIAS, O_WEIGHT, O_BIAS, POST_NORM, GU_WEIGHT, DOWN_WEIGHT,
                   NEXT_NORM, KEY_CACHE, VALUE_CACHE, NUM_FIELDS };
 
 // A whole decode step through every layer, for steps whose rows all have one query token:
@@ -83,8 +88,13 @@ extern "C" int streamengine_decode_layers(
   for (int64_t l = 0; l < num_layers; ++l) {
     const int64_t* f = layers + l * NUM_FIELDS;
     auto ptr = [&](LayerField i) { return reinterpret_cast<float*>(f[i]); };
+    auto weight = [&](LayerField i) { return reinterpret_cast<const int64_t*>(f[i]); };
     auto cache = [&](LayerField i) { return reinterpret_cast<void*>(f[i]); };
-    if (streamengine_layer_in(x, T, hidden, ptr(QKV_PANELS), qkv_padded, ptr(QKV_BIAS), heads, kv_heads,
+    // The scratch above is laid out for these widths: a layer with others would overrun it.
+    if (weight(QKV_WEIGHT)[WEIGHT_N_PADDED] != qkv_padded || weight(O_WEIGHT)[WEIGHT_N_PADDED] != o_padded ||
+        weight(GU_WEIGHT)[WEIGHT_N_PADDED] != gu_padded || weight(DOWN_WEIGHT)[WEIGHT_N_PADDED] != down_padded)
+      return -1;
+    if (streamengine_layer_in(x, T, hidden, weight(QKV_WEIGHT), ptr(QKV_BIAS), heads, kv_heads,
                               head_dim, cos, sin, slots, cache(KEY_CACHE), cache(VALUE_CACHE), cache_type,
                               qkv) != 0)
       return -1;
@@ -93,9 +103,9 @@ extern "C" int streamengine_decode_layers(
                                   query_start_loc, rows, num_rows, scale, attn) != 0)
       return -1;
     // x is free once layer_in has read it: layer_out writes the next layer's input there.
-    if (streamengine_layer_out(attn, T, heads * head_dim, ptr(O_PANELS), o_padded, ptr(O_BIAS), h, hidden,
-                               ptr(POST_NORM), ptr(GU_PANELS), gu_padded, intermediate, ptr(DOWN_PANELS),
-                               down_padded, ptr(NEXT_NORM), eps, o, x_mid, gate_up, act, down, x) != 0)
+    if (streamengine_layer_out(attn, T, heads * head_dim, weight(O_WEIGHT), ptr(O_BIAS), h, hidden,
+                               ptr(POST_NORM), weight(GU_WEIGHT), intermediate, weight(DOWN_WEIGHT),
+                               ptr(NEXT_NORM), eps, o, x_mid, gate_up, act, down, x) != 0)
       return -1;
   }
   return 0;

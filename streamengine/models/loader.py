@@ -34,6 +34,7 @@ class LoadedModel:
     tokenizer: PreTrainedTokenizerBase
     name: str
     source: Path  # the folder transformers loaded from (a converted copy for GGUF)
+    gguf: Path | None = None  # the GGUF file it was converted from, whose blocks can run packed
 
 
 def resolve_default_model() -> Path:
@@ -57,7 +58,8 @@ def load_model(model: str | None, dtype: str, device: str, cache_dir: str | None
     path = resolve_default_model() if model is None else Path(model)
     if not path.exists():
         raise FileNotFoundError(f"model not found: {path}")
-    if path.suffix == ".gguf":
+    gguf = path if path.suffix == ".gguf" else None
+    if gguf is not None:
         folder = _converted_gguf(path, Path(cache_dir) if cache_dir else default_cache_dir())
         name = DEFAULT_MODEL_NAME if model is None else path.stem
     else:
@@ -69,7 +71,7 @@ def load_model(model: str | None, dtype: str, device: str, cache_dir: str | None
     hf_model.to(device).eval()
     hf_model.requires_grad_(False)
     tokenizer = AutoTokenizer.from_pretrained(folder)
-    return LoadedModel(hf_model, tokenizer, name, folder)
+    return LoadedModel(hf_model, tokenizer, name, folder, gguf)
 
 
 def _converted_gguf(path: Path, cache_dir: Path) -> Path:

@@ -7,7 +7,8 @@ gate/up fused), packed once for the CPU GEMM (kernels/cpu_linear.py), with the p
 batch kept 2-D ([num_tokens, hidden]) end to end; with the C++ libraries each layer is two
 calls (kernels/cpu_layer.py), without them the same steps run as PyTorch ops
 (kernels/cpu_ops.py). `bench/roofline.py --compare-transformers` measures both paths side by
-side. The math is transformers' own: RMSNorm in float32, RoPE from the model's rotary module,
+side. Given a GGUF file's blocks (models/gguf_weights.py), the projections, the LM head and the
+embedding lookup use them as stored (kernels/cpu_quant_linear.py) instead of float32 copies. The math is transformers' own: RMSNorm in float32, RoPE from the model's rotary module,
 the SiLU-gated MLP, and the same attention backends.
 
 Anything else (other architectures, sliding windows, other activations) keeps the
@@ -18,18 +19,21 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
-from streamengine.kernels import cpu_layer
+from streamengine.kernels import cpu_layer, cpu_quant_linear
 from streamengine.kernels.cpu_linear import PackedLinear, TorchLinear, make_linear
 from streamengine.kernels.cpu_ops import add_rms_norm, rope_, silu_mul
+from streamengine.kernels.cpu_quant_linear import QuantLinear
 from streamengine.kv_cache import AttentionShape
 from streamengine.models.attention import AttentionBackend, AttentionPlan, store_and_attend
+from streamengine.models.gguf_weights import BlockTensor, GgufWeights
 
 SUPPORTED_MODEL_TYPES = ("llama", "qwen2")
 
-Linear = PackedLinear | TorchLinear
+Linear = PackedLinear | QuantLinear | TorchLinear
 
 
 def unsupported_reason(model) -> str | None:
@@ -65,9 +69,11 @@ class NativeDecoder:
     Built for one attention backend: with one that declares `fused_cpu_layers` (and the C++
     libraries here) each layer is two calls and a decode-only step one call for the whole
     stack; with any other, each layer runs op by op around the backend's store and attend.
+    With `packed` (the model's own GGUF file, checked against it) every weight in a block
+    format the kernels support runs as stored; the rest run as float32 panels.
     """
 
-    def __init__(self, model, backend: AttentionBackend) -> None:
+    def __init__(self, model, backend: AttentionBackend, packed: GgufWeights | None = None) -> None:
         reason = unsupported_reason(model)
         if reason is not None:
             raise ValueError(f"native decoder cannot run this model: {reason}")
@@ -77,20 +83,27 @@ class NativeDecoder:
         self.num_heads, self.num_kv_heads, self.head_dim = shape.num_heads, shape.num_kv_heads, shape.head_dim
         self.eps = config.rms_norm_eps
         self.scale = self.head_dim**-0.5
+        self.packed = packed is not None
         self.embed = decoder.embed_tokens.weight  # [vocab, hidden]
+        self.embed_blocks = packed.embedding if packed and packed.embedding.quant_type in cpu_quant_linear.FORMATS else None
         self.rotary = decoder.rotary_emb
         self.final_norm = decoder.norm.weight
-        self.layers = [self._layer(layer) for layer in decoder.layers]
+        blocks = packed.layers if packed else [None] * len(decoder.layers)
+        self.layers = [self._layer(layer, b) for layer, b in zip(decoder.layers, blocks, strict=True)]
         head = model.get_output_embeddings()
-        self.lm_head = make_linear(head.weight, head.bias)
+        self.lm_head = _projection([head.weight], [packed.output] if packed else None, head.bias)
         self.fused = self._fused_layers() if backend.fused_cpu_layers else None
         self.stack = None if self.fused is None else cpu_layer.DecodeStack(
             self.fused, [layer.input_norm for layer in self.layers[1:]] + [self.final_norm]
         )
 
     @staticmethod
-    def _layer(layer) -> NativeLayer:
+    def _layer(layer, blocks: dict[str, BlockTensor] | None) -> NativeLayer:
         attn, mlp = layer.self_attn, layer.mlp
+
+        def of(*names: str) -> list[BlockTensor] | None:
+            return None if blocks is None else [blocks[n] for n in names]
+
         projections = (attn.q_proj, attn.k_proj, attn.v_proj)
         qkv_bias = None
         if any(p.bias is not None for p in projections):
@@ -99,18 +112,19 @@ class NativeDecoder:
             ])
         return NativeLayer(
             input_norm=layer.input_layernorm.weight,
-            qkv=make_linear(torch.cat([p.weight for p in projections]), qkv_bias),
-            o=make_linear(attn.o_proj.weight, attn.o_proj.bias),
+            qkv=_projection([p.weight for p in projections], of("q_proj", "k_proj", "v_proj"), qkv_bias),
+            o=_projection([attn.o_proj.weight], of("o_proj"), attn.o_proj.bias),
             post_norm=layer.post_attention_layernorm.weight,
-            gate_up=make_linear(torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight])),
-            down=make_linear(mlp.down_proj.weight),
+            gate_up=_projection([mlp.gate_proj.weight, mlp.up_proj.weight], of("gate_proj", "up_proj")),
+            down=_projection([mlp.down_proj.weight], of("down_proj")),
         )
 
     def _fused_layers(self) -> list[cpu_layer.FusedLayer] | None:
         """Two-call layers (kernels/cpu_layer.py) when every weight is packed and the library
         runs here; None keeps the op-by-op path."""
         packed = all(
-            isinstance(lin, PackedLinear) for layer in self.layers for lin in (layer.qkv, layer.o, layer.gate_up, layer.down)
+            isinstance(lin, PackedLinear | QuantLinear)
+            for layer in self.layers for lin in (layer.qkv, layer.o, layer.gate_up, layer.down)
         )
         if not packed or not cpu_layer.available():
             return None
@@ -121,7 +135,7 @@ class NativeDecoder:
         ]
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, plan: AttentionPlan) -> torch.Tensor:
-        h = F.embedding(input_ids, self.embed)  # [T, hidden], the residual stream
+        h = self._embed(input_ids)  # [T, hidden], the residual stream
         cos, sin = self._rope_tables(h, positions)
         x = add_rms_norm(h, None, self.layers[0].input_norm, self.eps)
         if self.stack is not None and plan.decode_kernel is not None:  # every layer in one call
@@ -151,6 +165,11 @@ class NativeDecoder:
         v = qkv[:, (nh + nkv) * d:(nh + 2 * nkv) * d].view(t, nkv, d)
         return q, k, v
 
+    def _embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        if self.embed_blocks is None:
+            return F.embedding(input_ids, self.embed)
+        return self.embed_blocks.rows(input_ids.cpu().numpy()).dequantize().to(input_ids.device)
+
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden)  # [rows, vocab]
 
@@ -173,3 +192,14 @@ class NativeDecoder:
         x = add_rms_norm(h, layer.o(attn.reshape(t, nh * d)), layer.post_norm, self.eps)
         down = layer.down(silu_mul(layer.gate_up(x)))
         return add_rms_norm(h, down, next_norm, self.eps)
+
+
+def _projection(weights: list[torch.Tensor], blocks: list[BlockTensor] | None,
+                bias: torch.Tensor | None = None) -> Linear:
+    """One linear over the row-wise concatenation of `weights`: from their GGUF blocks when
+    given, all of one type and that type runs packed here; else from the float32 weights."""
+    if blocks is not None and len({b.quant_type for b in blocks}) == 1 and cpu_quant_linear.supported(blocks[0].quant_type):
+        rows = np.concatenate([b.blocks for b in blocks])
+        shape = (sum(b.shape[0] for b in blocks), blocks[0].shape[1])
+        return QuantLinear(rows, blocks[0].quant_type, shape, bias, cpu_quant_linear.load_library())
+    return make_linear(torch.cat(weights) if len(weights) > 1 else weights[0], bias)

@@ -1,0 +1,175 @@
+"""Linear layers whose weights stay in GGUF block formats (Q4_0, Q4_1, Q8_0), multiplied by
+csrc/cpu_quant_gemm.cpp with the dequantization fused into the GEMM.
+
+`QuantLinear(blocks, quant_type, shape)` takes a weight as the file stores it (rows of GGUF
+blocks, `blocks[n]` the bytes of output row n) and repacks it once into the kernel's panels:
+48 output columns per panel, per 32-weight block the columns' float16 scales (and minimums),
+then their codes (see the C++ file for the order). The result equals `F.linear` over the
+dequantized weight up to summation order; with the packed float32 kernel it is bit-identical.
+
+`dequantize(blocks, quant_type, shape)` is the plain PyTorch dequantization, used for
+embedding rows and where the kernels do not run.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from . import cpu_build
+from .cpu_build import I64, PTR
+from .cpu_linear import SMALL_M_MAX
+
+QK = 32  # weights per GGUF block
+
+
+@dataclass(frozen=True, slots=True)
+class BlockFormat:
+    name: str
+    type_id: int  # the GGUF (ggml) type id, also the kernel's format code
+    block_bytes: int  # bytes per 32 weights in the file
+    has_min: bool  # Q4_1: w = d * q + m
+    code_bits: int
+
+
+FORMATS = {f.type_id: f for f in (
+    BlockFormat("Q4_0", 2, 18, False, 4),
+    BlockFormat("Q4_1", 3, 20, True, 4),
+    BlockFormat("Q8_0", 8, 34, False, 8),
+)}
+FORMAT_NAMES = frozenset(f.name for f in FORMATS.values())
+
+
+def block_format(quant_type: int) -> BlockFormat:
+    try:
+        return FORMATS[int(quant_type)]
+    except KeyError:
+        names = ", ".join(f.name for f in FORMATS.values())
+        raise ValueError(f"GGUF type {int(quant_type)} has no packed kernel (supported: {names})") from None
+
+
+def _fields(blocks: np.ndarray, fmt: BlockFormat, k: int) -> tuple[np.ndarray, np.ndarray | None, np.ndarray]:
+    """A weight's blocks split into scales d [N, nb] f16, minimums m (Q4_1) and codes
+    [N, nb, 32] in k order (unsigned nibbles for Q4, int8 for Q8)."""
+    n = blocks.shape[0]
+    raw = np.ascontiguousarray(blocks, dtype=np.uint8).reshape(n, k // QK, fmt.block_bytes)
+    d = raw[..., 0:2].copy().view(np.float16)[..., 0]
+    m = raw[..., 2:4].copy().view(np.float16)[..., 0] if fmt.has_min else None
+    qs = raw[..., 4 if fmt.has_min else 2:]
+    if fmt.code_bits == 8:
+        return d, m, qs.view(np.int8)
+    # A Q4 block's byte t holds weight t (low nibble) and weight t + 16 (high nibble).
+    return d, m, np.concatenate([qs & 0x0F, qs >> 4], axis=-1)
+
+
+def dequantize(blocks: np.ndarray | torch.Tensor, quant_type: int, shape: tuple[int, int]) -> torch.Tensor:
+    """[N, K] float32 weights of GGUF blocks, computed as GGUF defines them."""
+    fmt, (n, k) = block_format(quant_type), shape
+    d, m, q = _fields(np.asarray(blocks), fmt, k)
+    scale = torch.from_numpy(d.astype(np.float32))[..., None]  # [N, nb, 1]
+    codes = torch.from_numpy(q.astype(np.float32))  # [N, nb, 32]
+    if fmt.has_min:
+        w = scale * codes + torch.from_numpy(m.astype(np.float32))[..., None]
+    elif fmt.code_bits == 4:
+        w = scale * (codes - 8)
+    else:
+        w = scale * codes
+    return w.reshape(n, k)
+
+
+def pack_blocks(blocks: np.ndarray, quant_type: int, shape: tuple[int, int], width: int) -> np.ndarray:
+    """The kernel's panels (uint8, flat) of a weight given as GGUF blocks [N, bytes per row]."""
+    fmt, (n, k) = block_format(quant_type), shape
+    if k % QK:
+        raise ValueError(f"in_features {k} is not a multiple of {QK}")
+    d, m, q = _fields(blocks, fmt, k)
+    if fmt.code_bits == 4:  # byte i of a block: weights 2i (low nibble) and 2i + 1 (high)
+        q = (q[..., 0::2] | (q[..., 1::2] << 4)).astype(np.uint8)  # [N, nb, 16]
+    padded, nb = -(-n // width) * width, k // QK
+
+    def by_panel(a: np.ndarray) -> np.ndarray:  # [N, nb, ...] -> [P, 48, nb, ...], zero columns past N
+        a = np.concatenate([a, np.zeros((padded - n, *a.shape[1:]), a.dtype)]) if padded != n else a
+        return a.reshape(padded // width, width, *a.shape[1:])
+
+    scales = [by_panel(s).transpose(0, 2, 1).copy().view(np.uint8) for s in (d, m) if s is not None]  # [P, nb, 96]
+    if fmt.code_bits == 4:  # [P, 48, nb, 4 units, 4 bytes] -> [P, nb, units, 48, bytes]: a column's unit is one int32
+        codes = by_panel(q.reshape(n, nb, 4, 4)).transpose(0, 2, 3, 1, 4)
+    else:  # [P, 48, nb, 32] -> [P, nb, 32, 48]
+        codes = by_panel(q.view(np.uint8)).transpose(0, 2, 3, 1)
+    codes = codes.reshape(padded // width, nb, -1)
+    return np.ascontiguousarray(np.concatenate([*scales, codes], axis=2)).reshape(-1)
+
+
+class QuantLinear:
+    """y = x @ W^T + b with W in a GGUF block format, packed for csrc/cpu_quant_gemm.cpp.
+
+    Same attributes as cpu_linear.PackedLinear (out_features, in_features, padded, bias,
+    kernel_weight: the 4-int64 view the C++ side reads)."""
+
+    def __init__(self, blocks: np.ndarray, quant_type: int, shape: tuple[int, int], bias: torch.Tensor | None,
+                 lib: ctypes.CDLL) -> None:
+        self.format = block_format(quant_type)
+        self.out_features, self.in_features = shape
+        self.width = lib.streamengine_panel_width()
+        self.padded = -(-self.out_features // self.width) * self.width
+        self.panels = torch.from_numpy(pack_blocks(blocks, quant_type, shape, self.width))
+        expected = self.padded // self.width * (self.in_features // QK) * lib.streamengine_quant_block_bytes(
+            self.format.type_id)
+        if self.panels.numel() != expected:
+            raise RuntimeError(f"{self.format.name} panels of {self.panels.numel()} bytes, kernel expects {expected}")
+        self.bias = bias
+        self.kernel_weight = torch.tensor(
+            [self.format.type_id, self.panels.data_ptr(), self.padded, self.in_features], dtype=torch.int64
+        )
+        self._lib = lib
+
+    @property
+    def nbytes(self) -> int:
+        return self.panels.numel()
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dim() != 2 or x.shape[1] != self.in_features or x.dtype != torch.float32:
+            raise ValueError(f"expected float32 [M, {self.in_features}] input, got {x.dtype} {list(x.shape)}")
+        x = x.contiguous()
+        m = x.shape[0]
+        if m <= SMALL_M_MAX:
+            y = torch.empty((m, self.padded), dtype=torch.float32)  # [M, N_padded]
+            if self._lib.streamengine_gemm(self.kernel_weight.data_ptr(), x.data_ptr(), m, y.data_ptr()) != 0:
+                raise RuntimeError(f"quantized gemm rejected M={m} K={self.in_features} N={self.padded}")
+        else:  # prefill-sized: one float32 matmul over the panels unpacked for this call
+            y = torch.matmul(x, self.float_panels()).transpose(0, 1).reshape(m, self.padded)
+        if self.padded != self.out_features:
+            y = y[:, : self.out_features]
+        if self.bias is not None:
+            y = y + self.bias
+        return y
+
+    def float_panels(self) -> torch.Tensor:
+        """[P, K, 48] float32: the weight unpacked in the float32 kernel's panel layout."""
+        out = torch.empty((self.padded // self.width, self.in_features, self.width), dtype=torch.float32)
+        if self._lib.streamengine_dequant_panels(self.kernel_weight.data_ptr(), out.data_ptr()) != 0:
+            raise RuntimeError("dequantizing panels failed")
+        return out
+
+
+@functools.lru_cache(maxsize=1)
+def load_library() -> ctypes.CDLL | None:
+    """The CPU library with the packed-weight GEMM bound, or None where it cannot run."""
+    lib = cpu_build.bind({
+        "streamengine_gemm": [PTR, PTR, I64, PTR],
+        "streamengine_dequant_panels": [PTR, PTR],
+        "streamengine_quant_block_bytes": [I64],
+    }, probe="streamengine_panel_width")
+    if lib is not None:
+        lib.streamengine_quant_block_bytes.restype = ctypes.c_int64
+    return lib
+
+
+def supported(quant_type: int) -> bool:
+    """Whether this GGUF type runs packed here."""
+    lib = load_library()
+    return lib is not None and int(quant_type) in FORMATS and lib.streamengine_quant_block_bytes(int(quant_type)) > 0

@@ -1,0 +1,237 @@
+// GEMM with weights kept in GGUF block formats (Q4_0, Q4_1, Q8_0): y[M, N] = x[M, K] @ W^T,
+// dequantization fused into the multiply.
+//
+// Why: a decode step reads every weight once, so its time is the weight stream. A Q4_1 weight
+// is 5 bits (a 4-bit code plus a share of its block's float16 scale and minimum) against 32
+// for float32. Each weight is unpacked in registers right before its multiply-add.
+//
+// Exactness: a weight's dequantized value is computed exactly as GGUF defines it (d * q + m,
+// d * (q - 8), d * q), and each of those is exact in float32 (a 4- or 8-bit integer times a
+// float16 scale fits in 24 bits; the one addition rounds once, as the reference's does). Every
+// output is accumulated over k in order, one fused multiply-add per weight, as the float32
+// kernel (cpu_gemm_panel.h) does: the result equals the float32 GEMM over the dequantized
+// weights bit for bit.
+//
+// Layout (made by kernels/cpu_quant_linear.py from the file's blocks): panels of NR = 48
+// output columns, as in the float32 kernel; a panel is K / 32 blocks, each holding the 48
+// columns' float16 scales, then (Q4_1) their float16 minimums, then the codes k-major:
+// Q8_0 32 rows of 48 int8; Q4 4 units of 8 k, each 48 columns x 4 bytes, byte b of column j
+// holding its codes for k = 2b (low nibble) and 2b + 1 (high nibble) of the unit.
+//
+// Up to REGISTER_ROWS input rows the codes are unpacked in registers and used by every row at
+// once. Larger batches unpack each panel into a float32 buffer in L1/L2 and run the float32
+// micro-kernel over it, so the unpacking is shared by all rows.
+
+#include "cpu_quant_gemm.h"
+
+#include <cstdint>
+#include <vector>
+
+#include "cpu_gemm.h"
+
+#if defined(__AVX512F__)
+#include <immintrin.h>
+
+#include "cpu_gemm_panel.h"
+
+namespace {
+
+using streamengine_panel::NR;
+
+constexpr int64_t QK = 32;           // weights per GGUF block
+constexpr int REGISTER_ROWS = 8;     // rows served by weights unpacked in registers
+constexpr int64_t SCALES = NR * 2;   // bytes of 48 float16 values
+
+enum Format : int64_t { F32 = 0, Q4_0 = 2, Q4_1 = 3, Q8_0 = 8 };
+
+inline __m512 half16(const uint8_t* p) {
+  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+}
+
+// Q4 codes: per 32-bit lane (one column), the 4-bit codes of 8 consecutive k, k-th in bits
+// 4k..4k+3. Each is looked up with a lane permute (which reads only an index's low 4 bits)
+// rather than masked and converted: the permute runs beside the multiply-adds instead of
+// competing with them for the floating-point pipes.
+template <typename Affine>
+inline void q4_unit(const uint8_t* codes, int64_t u, int g, __m512 values, Affine affine, __m512 w[8]) {
+  const __m512i q = _mm512_loadu_si512(codes + (u * NR + g * 16) * 4);
+  for (int t = 0; t < 8; ++t) w[t] = affine(_mm512_permutexvar_ps(_mm512_srli_epi32(q, 4 * t), values));
+}
+
+// Each format: bytes per block; the scales of a block's 48 columns; `unit(...)`, the dequantized
+// weights of 16 columns (group g) for the K_PER_UNIT consecutive k of code unit u.
+struct Q4_1Format {
+  static constexpr int64_t BLOCK_BYTES = 2 * SCALES + 16 * NR, CODES = 2 * SCALES, K_PER_UNIT = 8;
+  struct Scales { __m512 d, m; };
+  static Scales scales(const uint8_t* block, int g) { return {half16(block + g * 32), half16(block + SCALES + g * 32)}; }
+  static void unit(const uint8_t* codes, int64_t u, const Scales& s, int g, __m512 w[8]) {
+    const __m512 values = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+    q4_unit(codes, u, g, values, [&](__m512 q) { return _mm512_fmadd_ps(q, s.d, s.m); }, w);
+  }
+};
+
+struct Q4_0Format {
+  static constexpr int64_t BLOCK_BYTES = SCALES + 16 * NR, CODES = SCALES, K_PER_UNIT = 8;
+  struct Scales { __m512 d; };
+  static Scales scales(const uint8_t* block, int g) { return {half16(block + g * 32)}; }
+  static void unit(const uint8_t* codes, int64_t u, const Scales& s, int g, __m512 w[8]) {
+    const __m512 values = _mm512_setr_ps(-8, -7, -6, -5, -4, -3, -2, -1, 0, 1, 2, 3, 4, 5, 6, 7);
+    q4_unit(codes, u, g, values, [&](__m512 q) { return _mm512_mul_ps(q, s.d); }, w);
+  }
+};
+
+struct Q8_0Format {
+  static constexpr int64_t BLOCK_BYTES = SCALES + QK * NR, CODES = SCALES, K_PER_UNIT = 1;
+  using Scales = Q4_0Format::Scales;
+  static Scales scales(const uint8_t* block, int g) { return Q4_0Format::scales(block, g); }
+  static void unit(const uint8_t* codes, int64_t u, const Scales& s, int g, __m512 w[1]) {
+    const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(codes + u * NR + g * 16));
+    w[0] = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(bytes)), s.d);
+  }
+};
+
+// ROWS input rows against one panel, codes unpacked in registers, GROUPS of the panel's three
+// 16-column groups at a time. Each unpacked weight serves every row. Few rows take all three
+// groups at once, so that enough independent accumulators hide the multiply-add latency; more
+// rows take one group at a time, so that ROWS accumulators, the group's scales and a unit of
+// weights fit the 32 registers.
+template <typename Fmt, int ROWS, int GROUPS>
+void register_rows(const float* x, int64_t K, const uint8_t* panel, float* y, int64_t ldy) {
+  constexpr int64_t KU = Fmt::K_PER_UNIT;
+  for (int g0 = 0; g0 < 3; g0 += GROUPS) {
+    __m512 acc[ROWS][GROUPS];
+    for (int r = 0; r < ROWS; ++r)
+      for (int g = 0; g < GROUPS; ++g) acc[r][g] = _mm512_setzero_ps();
+    for (int64_t b = 0; b < K / QK; ++b) {
+      const uint8_t* block = panel + b * Fmt::BLOCK_BYTES;
+      typename Fmt::Scales s[GROUPS];
+      for (int g = 0; g < GROUPS; ++g) s[g] = Fmt::scales(block, g0 + g);
+      for (int64_t u = 0; u < QK / KU; ++u) {
+        const int64_t k = b * QK + u * KU;
+        for (int g = 0; g < GROUPS; ++g) {
+          __m512 w[KU];
+          Fmt::unit(block + Fmt::CODES, u, s[g], g0 + g, w);
+          for (int64_t t = 0; t < KU; ++t)  // k in order: the float32 kernel's summation order
+            for (int r = 0; r < ROWS; ++r)
+              acc[r][g] = _mm512_fmadd_ps(_mm512_set1_ps(x[r * K + k + t]), w[t], acc[r][g]);
+        }
+      }
+    }
+    for (int r = 0; r < ROWS; ++r)
+      for (int g = 0; g < GROUPS; ++g) _mm512_storeu_ps(y + r * ldy + (g0 + g) * 16, acc[r][g]);
+  }
+}
+
+template <typename Fmt>
+void register_panel(const float* x, int64_t M, int64_t K, const uint8_t* panel, float* y, int64_t ldy) {
+  switch (M) {
+    case 1: register_rows<Fmt, 1, 3>(x, K, panel, y, ldy); break;
+    case 2: register_rows<Fmt, 2, 3>(x, K, panel, y, ldy); break;
+    case 3: register_rows<Fmt, 3, 3>(x, K, panel, y, ldy); break;
+    case 4: register_rows<Fmt, 4, 3>(x, K, panel, y, ldy); break;
+    case 5: register_rows<Fmt, 5, 1>(x, K, panel, y, ldy); break;
+    case 6: register_rows<Fmt, 6, 1>(x, K, panel, y, ldy); break;
+    case 7: register_rows<Fmt, 7, 1>(x, K, panel, y, ldy); break;
+    default: register_rows<Fmt, REGISTER_ROWS, 1>(x, K, panel, y, ldy); break;
+  }
+}
+
+// One panel's weights as float32 [K][48], the float32 kernel's panel layout.
+template <typename Fmt>
+void dequant_panel(const uint8_t* panel, int64_t K, float* out) {
+  constexpr int64_t KU = Fmt::K_PER_UNIT;
+  for (int64_t b = 0; b < K / QK; ++b) {
+    const uint8_t* block = panel + b * Fmt::BLOCK_BYTES;
+    for (int g = 0; g < 3; ++g) {
+      const typename Fmt::Scales s = Fmt::scales(block, g);
+      for (int64_t u = 0; u < QK / KU; ++u) {
+        __m512 w[KU];
+        Fmt::unit(block + Fmt::CODES, u, s, g, w);
+        for (int64_t t = 0; t < KU; ++t) _mm512_storeu_ps(out + (b * QK + u * KU + t) * NR + g * 16, w[t]);
+      }
+    }
+  }
+}
+
+// This thread's buffer for one unpacked panel [K][48]: it stays in L1/L2 while all M rows
+// use it. Kept between calls (the pool's threads persist), grown when K grows, never cleared.
+inline float* panel_buffer(int64_t K) {
+  thread_local std::vector<float> buffer;
+  if (static_cast<int64_t>(buffer.size()) < K * NR) buffer.resize(K * NR);
+  return buffer.data();
+}
+
+// Panels are handed out dynamically (guided), as in the float32 kernel: on a shared machine a
+// thread that is descheduled mid-GEMM leaves its share to the others instead of stalling them.
+template <typename Fmt>
+void quant_gemm(const float* x, int64_t M, int64_t K, const uint8_t* panels, int64_t n_padded, float* y) {
+  const int64_t num_panels = n_padded / NR, panel_bytes = K / QK * Fmt::BLOCK_BYTES;
+  if (M <= REGISTER_ROWS) {
+#pragma omp parallel for schedule(guided)
+    for (int64_t p = 0; p < num_panels; ++p)
+      register_panel<Fmt>(x, M, K, panels + p * panel_bytes, y + p * NR, n_padded);
+    return;
+  }
+#pragma omp parallel for schedule(guided)
+  for (int64_t p = 0; p < num_panels; ++p) {
+    float* buffer = panel_buffer(K);
+    dequant_panel<Fmt>(panels + p * panel_bytes, K, buffer);
+    streamengine_panel::panel_rows(x, M, K, buffer, y + p * NR, n_padded, nullptr);
+  }
+}
+
+template <typename Fmt>
+void dequant_all(const uint8_t* panels, int64_t K, int64_t n_padded, float* out) {
+  const int64_t panel_bytes = K / QK * Fmt::BLOCK_BYTES;
+#pragma omp parallel for schedule(guided)
+  for (int64_t p = 0; p < n_padded / NR; ++p) dequant_panel<Fmt>(panels + p * panel_bytes, K, out + p * K * NR);
+}
+
+bool valid(const int64_t* w) {
+  return w[WEIGHT_K] > 0 && w[WEIGHT_N_PADDED] > 0 && w[WEIGHT_N_PADDED] % NR == 0 &&
+         (w[WEIGHT_FORMAT] == F32 || w[WEIGHT_K] % QK == 0);
+}
+
+}  // namespace
+
+extern "C" int64_t streamengine_quant_block_bytes(int64_t format) {
+  switch (format) {
+    case Q4_0: return Q4_0Format::BLOCK_BYTES;
+    case Q4_1: return Q4_1Format::BLOCK_BYTES;
+    case Q8_0: return Q8_0Format::BLOCK_BYTES;
+    default: return 0;
+  }
+}
+
+extern "C" int streamengine_gemm(const int64_t* weight, const float* x, int64_t M, float* y) {
+  if (M < 0 || !valid(weight)) return -1;
+  const int64_t K = weight[WEIGHT_K], n_padded = weight[WEIGHT_N_PADDED];
+  const auto* data = reinterpret_cast<const uint8_t*>(weight[WEIGHT_DATA]);
+  switch (weight[WEIGHT_FORMAT]) {
+    case F32: return streamengine_sgemm_packed(x, M, K, reinterpret_cast<const float*>(data), n_padded, y);
+    case Q4_0: quant_gemm<Q4_0Format>(x, M, K, data, n_padded, y); return 0;
+    case Q4_1: quant_gemm<Q4_1Format>(x, M, K, data, n_padded, y); return 0;
+    case Q8_0: quant_gemm<Q8_0Format>(x, M, K, data, n_padded, y); return 0;
+    default: return -1;
+  }
+}
+
+extern "C" int streamengine_dequant_panels(const int64_t* weight, float* out) {
+  if (!valid(weight)) return -1;
+  const int64_t K = weight[WEIGHT_K], n_padded = weight[WEIGHT_N_PADDED];
+  const auto* data = reinterpret_cast<const uint8_t*>(weight[WEIGHT_DATA]);
+  switch (weight[WEIGHT_FORMAT]) {
+    case Q4_0: dequant_all<Q4_0Format>(data, K, n_padded, out); return 0;
+    case Q4_1: dequant_all<Q4_1Format>(data, K, n_padded, out); return 0;
+    case Q8_0: dequant_all<Q8_0Format>(data, K, n_padded, out); return 0;
+    default: return -1;
+  }
+}
+
+#else  // no AVX-512: no format is supported and Python keeps the dequantized weights.
+
+extern "C" int64_t streamengine_quant_block_bytes(int64_t) { return 0; }
+extern "C" int streamengine_gemm(const int64_t*, const float*, int64_t, float*) { return -1; }
+extern "C" int streamengine_dequant_panels(const int64_t*, float*) { return -1; }
+
+#endif

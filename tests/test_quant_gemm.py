@@ -1,0 +1,112 @@
+"""The packed-weight GEMM (kernels/csrc/cpu_quant_gemm.cpp) per GGUF format, against gguf-py's
+own NumPy dequantization: odd shapes, panel tails, every row-count path (in registers, one
+group at a time, through an unpacked panel, and past SMALL_M_MAX through a float32 matmul).
+The kernel claims more than closeness: it is the float32 GEMM over the dequantized weights, so
+it must equal the packed float32 kernel on those weights bit for bit."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import torch
+from gguf import GGMLQuantizationType, quants
+from streamengine.kernels import cpu_build, cpu_quant_linear
+from streamengine.kernels.cpu_linear import SMALL_M_MAX, make_linear
+from streamengine.kernels.cpu_quant_linear import QuantLinear, dequantize, pack_blocks
+
+FORMATS = [GGMLQuantizationType.Q4_0, GGMLQuantizationType.Q4_1, GGMLQuantizationType.Q8_0]
+SHAPES = [(1, 32), (47, 64), (49, 96), (97, 576), (200, 1536)]  # (out, in): panel tails of 48 columns
+ROWS = [1, 2, 3, 4, 5, 7, 8, 9, 17, 33]
+
+needs_kernels = pytest.mark.skipif(cpu_quant_linear.load_library() is None, reason="no AVX-512 C++ kernels here")
+
+
+def quantized(qtype, n: int, k: int, seed: int = 0) -> tuple[np.ndarray, torch.Tensor]:
+    """Random weights quantized by gguf-py, and their dequantization by gguf-py."""
+    w = np.random.default_rng(seed).standard_normal((n, k)).astype(np.float32)
+    blocks = quants.quantize(w, qtype)
+    return blocks, torch.from_numpy(quants.dequantize(blocks, qtype).astype(np.float32))
+
+
+@pytest.mark.parametrize("qtype", FORMATS, ids=lambda t: t.name)
+def test_dequantize_matches_gguf(qtype):
+    blocks, reference = quantized(qtype, 97, 576)
+    assert torch.equal(dequantize(blocks, int(qtype), (97, 576)), reference)
+
+
+@needs_kernels
+@pytest.mark.parametrize("qtype", FORMATS, ids=lambda t: t.name)
+@pytest.mark.parametrize("shape", SHAPES, ids=str)
+def test_gemm_is_the_float32_gemm_over_dequantized_weights(qtype, shape):
+    n, k = shape
+    blocks, reference = quantized(qtype, n, k, seed=n + k)
+    packed = QuantLinear(blocks, int(qtype), shape, None, cpu_quant_linear.load_library())
+    float32 = make_linear(reference)
+    for m in ROWS:
+        x = torch.randn(m, k, generator=torch.Generator().manual_seed(m))
+        y = packed(x)
+        assert y.shape == (m, n)
+        assert torch.equal(y, float32(x)), f"M={m}"
+        torch.testing.assert_close(y, x @ reference.T, rtol=1e-4, atol=1e-4 * k**0.5)
+
+
+@needs_kernels
+def test_large_batches_and_bias():
+    """Past SMALL_M_MAX rows the panels are unpacked once for a float32 matmul; a bias is added."""
+    blocks, reference = quantized(GGMLQuantizationType.Q4_1, 50, 64)
+    bias = torch.randn(50)
+    packed = QuantLinear(blocks, int(GGMLQuantizationType.Q4_1), (50, 64), bias, cpu_quant_linear.load_library())
+    x = torch.randn(SMALL_M_MAX + 3, 64)
+    assert torch.equal(packed(x), make_linear(reference, bias)(x))
+    assert torch.equal(packed(x[:5]), make_linear(reference, bias)(x[:5]))
+
+
+@needs_kernels
+def test_packed_size_is_the_files():
+    """Repacked for the kernel, a weight takes the bytes it takes in the file (plus zero columns
+    up to the 48-column panel)."""
+    for qtype, n in [(GGMLQuantizationType.Q4_1, 96), (GGMLQuantizationType.Q8_0, 48)]:
+        blocks, _ = quantized(qtype, n, 576)
+        assert pack_blocks(blocks, int(qtype), (n, 576), 48).nbytes == blocks.nbytes
+
+
+def test_bad_weights_are_refused_clearly():
+    blocks, _ = quantized(GGMLQuantizationType.Q8_0, 4, 64)
+    with pytest.raises(ValueError, match="GGUF type 12 has no packed kernel .*Q4_0, Q4_1, Q8_0"):
+        pack_blocks(blocks, 12, (4, 64), 48)  # Q4_K
+    with pytest.raises(ValueError, match="not a multiple of 32"):
+        pack_blocks(blocks, int(GGMLQuantizationType.Q8_0), (4, 48), 48)
+
+
+@needs_kernels
+def test_wrong_input_is_refused():
+    blocks, _ = quantized(GGMLQuantizationType.Q4_0, 8, 64)
+    packed = QuantLinear(blocks, int(GGMLQuantizationType.Q4_0), (8, 64), None, cpu_quant_linear.load_library())
+    with pytest.raises(ValueError, match=r"float32 \[M, 64\]"):
+        packed(torch.randn(2, 32))
+    with pytest.raises(ValueError, match=r"float32 \[M, 64\]"):
+        packed(torch.randn(2, 64, dtype=torch.float64))
+
+
+AVX2_PROBE = """
+import ctypes, sys
+lib = ctypes.CDLL(sys.argv[1])
+lib.streamengine_quant_block_bytes.restype = ctypes.c_int64
+print(lib.streamengine_panel_width(), lib.streamengine_quant_block_bytes(3), lib.streamengine_cpu_layer_available())
+"""
+
+
+def test_an_avx2_build_links_and_reports_no_kernels(tmp_path, monkeypatch):
+    """On a CPU without AVX-512 the same sources build (x86-64-v3: AVX2 + FMA) and every probe
+    says "unsupported", which is what sends Python to the PyTorch path."""
+    flags = [f for f in cpu_build.COMPILE_FLAGS if f != "-march=native"] + ["-march=x86-64-v3"]
+    monkeypatch.setattr(cpu_build, "COMPILE_FLAGS", flags)
+    try:
+        library = cpu_build.build(out_dir=tmp_path)
+    except OSError as exc:  # no compiler here: nothing to check
+        pytest.skip(str(exc))
+    done = subprocess.run([sys.executable, "-c", AVX2_PROBE, str(library)], capture_output=True, text=True, check=True)
+    assert done.stdout.split() == ["0", "0", "0"]
