@@ -1,4 +1,4 @@
-"""Paged attention kernel benchmark (CUDA only): latency and achieved bandwidth.
+"""Paged attention kernel benchmark: the Triton kernels on CUDA; the C++ prefill kernel on CPU.
 
 For a grid of batch x context x head configurations it times the Triton `paged_attention`
 over a paged cache with shuffled physical blocks, next to torch SDPA over contiguous K/V of
@@ -11,12 +11,22 @@ processes `context` new tokens causally. Bandwidth = bytes of K and V read (each
 context once) / time; prefill also reports TFLOP/s of the causal QK^T and PV matmuls.
 Without CUDA it prints "bench/kernels.py needs CUDA" and exits with status 2 (nothing measured,
 so a calling script can tell a skipped run from a successful one).
+
+CPU prefill (`--cpu-prefill`, no CUDA needed): the C++ paged prefill kernel
+(kernels/cpu_prefill_attention.py, all prefill rows of a step in one call) against the path it
+replaced, SDPA per request (models/torch_backend.prefill_row: torch's flash CPU kernel over the
+K/V gathered from the cache), on SmolLM2-135M's heads (9/3/64), a float32 cache in 16-token
+blocks. A prompt is prefilled whole or in chunks, every chunk timed (median of --iters) and
+summed; one more case prefills several prompts in one step.
+
+    python bench/kernels.py --cpu-prefill [--threads 2] [--json bench/results/prefill_cpu.json]
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
 import statistics
 import sys
@@ -203,9 +213,117 @@ def format_table(rows: list[Row]) -> str:
     return "\n".join(lines)
 
 
+@dataclass(slots=True)
+class PrefillRow:
+    prompts: int  # prompts prefilled side by side, one row each per step
+    prompt_len: int
+    chunk: int  # query tokens per prompt and step
+    kernel_ms: float  # every step of the prefill, summed
+    sdpa_ms: float
+    sdpa_over_kernel: float  # > 1: the kernel is faster
+    kernel_gflops: float  # causal QK^T and PV
+    max_abs_diff: float
+
+
+PREFILL_HEADS = (9, 3, 64)  # SmolLM2-135M
+PREFILL_CASES = [(1, 4096, 4096), (1, 4096, 512), (1, 4096, 64), (4, 1024, 1024)]  # (prompts, length, chunk)
+
+
+def prefill_inputs(prompts: int, length: int, block_size: int) -> dict:
+    """Every prompt's K/V ([length, kv_heads, D] each) in a shuffled paged pool, with queries."""
+    h, kv, d = PREFILL_HEADS
+    gen = torch.Generator().manual_seed(0)
+    k = torch.randn(prompts, length, kv, d, generator=gen)
+    v = torch.randn(prompts, length, kv, d, generator=gen)
+    blocks = -(-length // block_size)
+    perm = torch.randperm(prompts * blocks, generator=gen)
+    key_cache = torch.zeros(prompts * blocks, block_size, kv, d)
+    value_cache = torch.zeros_like(key_cache)
+    pad = (0, 0, 0, 0, 0, blocks * block_size - length)
+    key_cache[perm] = F.pad(k, pad).reshape(-1, block_size, kv, d)
+    value_cache[perm] = F.pad(v, pad).reshape(-1, block_size, kv, d)
+    q = torch.randn(prompts, length, h, d, generator=gen)
+    return dict(q=q, k=k, v=v, key_cache=key_cache, value_cache=value_cache,
+                block_tables=perm.view(prompts, blocks).to(torch.int32))  # fmt: skip
+
+
+def prefill_step(x: dict, start: int, end: int):
+    """Every prompt's tokens [start, end) as one step: (metadata, q, k, v) in the engine's form."""
+    from streamengine.models.attention import AttentionMetadata
+
+    prompts, n = x["q"].shape[0], end - start
+    meta = AttentionMetadata(
+        slot_mapping=torch.zeros(0, dtype=torch.int64),  # the cache already holds the step's K/V
+        query_start_loc=torch.arange(prompts + 1, dtype=torch.int32) * n,
+        seq_lens=torch.full((prompts,), end, dtype=torch.int32), block_tables=x["block_tables"],
+        query_lens_host=[n] * prompts, seq_lens_host=[end] * prompts, max_query_len=n,
+        kv_caches=[(x["key_cache"], x["value_cache"])],
+    )
+    flat = [x[name][:, start:end].flatten(0, 1) for name in ("q", "k", "v")]  # [prompts * n, heads, D]
+    return meta, *flat
+
+
+def time_prefill_step(x: dict, start: int, end: int, args: argparse.Namespace) -> tuple[float, float, float]:
+    """(kernel ms, SDPA-per-prompt ms, max |difference|) of one step."""
+    from streamengine.kernels.cpu_prefill_attention import PrefillPlan
+
+    from streamengine.models.torch_backend import prefill_row
+
+    meta, q, k, v = prefill_step(x, start, end)
+    prompts, scale = len(meta.query_lens_host), PREFILL_HEADS[2] ** -0.5
+    plan = PrefillPlan(meta.block_tables, meta.seq_lens, meta.query_start_loc, torch.arange(prompts))
+    out_kernel, out_sdpa = torch.empty_like(q), torch.empty_like(q)
+
+    def kernel() -> None:
+        plan.run(q, x["key_cache"], x["value_cache"], scale, out_kernel)
+
+    def sdpa_per_prompt() -> None:
+        for i in range(prompts):
+            prefill_row(meta, 0, i, q, k, v, scale, out_sdpa)
+
+    cpu = torch.device("cpu")
+    kernel_ms, sdpa_ms = time_ms(kernel, cpu, 1, args.iters), time_ms(sdpa_per_prompt, cpu, 1, args.iters)
+    return kernel_ms, sdpa_ms, (out_kernel - out_sdpa).abs().max().item()
+
+
+def run_prefill_case(prompts: int, length: int, chunk: int, args: argparse.Namespace) -> PrefillRow:
+    x = prefill_inputs(prompts, length, args.block_size)
+    steps = [time_prefill_step(x, start, min(length, start + chunk), args) for start in range(0, length, chunk)]
+    kernel_ms, sdpa_ms = sum(s[0] for s in steps), sum(s[1] for s in steps)
+    h, _, d = PREFILL_HEADS
+    flops = 2 * 2 * prompts * h * d * length**2 / 2
+    return PrefillRow(prompts, length, chunk, kernel_ms, sdpa_ms, sdpa_ms / kernel_ms,
+                      flops / kernel_ms / 1e6, max(s[2] for s in steps))  # fmt: skip
+
+
+def cpu_prefill_main(args: argparse.Namespace) -> int:
+    from streamengine.kernels.cpu_prefill_attention import prefill_supported
+
+    if not prefill_supported(*PREFILL_HEADS, args.block_size):
+        print("bench/kernels.py --cpu-prefill: the C++ prefill kernel does not run here; nothing measured")
+        return EXIT_NO_CUDA
+    torch.set_num_threads(args.threads)
+    rows = [run_prefill_case(p, n, c, args) for p, n, c in PREFILL_CASES]
+    head = f"{'prompts':>8}{'length':>8}{'chunk':>7}{'kernel ms':>11}{'sdpa ms':>10}{'sdpa/kernel':>13}{'GFLOP/s':>9}{'maxdiff':>9}"
+    print(head + "\n" + "-" * len(head))
+    for r in rows:
+        print(f"{r.prompts:>8}{r.prompt_len:>8}{r.chunk:>7}{r.kernel_ms:>11.1f}{r.sdpa_ms:>10.1f}"
+              f"{r.sdpa_over_kernel:>13.2f}{r.kernel_gflops:>9.1f}{r.max_abs_diff:>9.1e}")  # fmt: skip
+    if args.json is not None:
+        meta = {"cpu": platform.processor() or platform.machine(), "torch": torch.__version__,
+                "threads": args.threads, "heads": PREFILL_HEADS, "block_size": args.block_size, "iters": args.iters,
+                "load_average_1min": os.getloadavg()[0]}  # shared machines: how busy this one was
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps({"meta": meta, "rows": [asdict(r) for r in rows]}, indent=2))
+        print(f"wrote {args.json}")
+    return 0
+
+
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--quick", action="store_true", help="a small grid (about a minute)")
+    p.add_argument("--cpu-prefill", action="store_true", help="the C++ prefill kernel vs SDPA on CPU")
+    p.add_argument("--threads", type=int, default=2, help="--cpu-prefill: torch / OpenMP threads")
     p.add_argument("--json", type=Path, default=None, help="write the results here")
     p.add_argument("--dtype", choices=sorted(DTYPES), default="fp16")
     p.add_argument("--block-size", type=int, default=16)
@@ -213,7 +331,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--iters", type=int, default=None, help="timed runs (default 10 quick, 30 full)")
     args = p.parse_args(argv)
     if args.iters is None:
-        args.iters = 10 if args.quick else 30
+        args.iters = 5 if args.cpu_prefill else 10 if args.quick else 30
     if args.block_size < 1 or args.warmup < 0 or args.iters < 1:
         p.error("--block-size and --iters must be >= 1, --warmup >= 0")
     return args
@@ -221,6 +339,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    if args.cpu_prefill:
+        return cpu_prefill_main(args)
     if not torch.cuda.is_available():
         print("bench/kernels.py needs CUDA (no CUDA device here); nothing measured")
         return EXIT_NO_CUDA

@@ -7,7 +7,7 @@ when TRITON_INTERPRET=1 was set before triton was first imported (slow: tests on
 
 CPU: C++ kernels (csrc/), built on first use into one library by `cpu_build` and called
 through ctypes: `cpu_linear` (packed small-batch GEMM), `cpu_attention` (paged decode
-attention), `cpu_ops` (fused element-wise steps), `cpu_layer` (a decoder layer in two calls).
+attention; `cpu_prefill_attention` for prefill rows), `cpu_ops` (fused element-wise steps), `cpu_layer` (a decoder layer in two calls).
 Import those submodules directly; each falls back to PyTorch where the library cannot run.
 
 This package imports nothing from the engine: the engine calls into it.

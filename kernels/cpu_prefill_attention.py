@@ -1,0 +1,118 @@
+"""Paged prefill attention on CPU: the C++ kernel in csrc/cpu_prefill_attention.cpp.
+
+`paged_prefill` attends every query token of the listed sequences (prompts, chunks of
+prompts, prompts after a prefix-cache hit) causally to its context through the block tables,
+straight from the cache, all sequences in one call. A query token at position p sees the keys
+at positions 0..p; the step's own K/V must already be in the cache. Decode rows (one query
+token) are kernels/cpu_attention.py's business, though this kernel computes them correctly too.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+
+import torch
+
+from . import cpu_build
+from .cpu_build import F32, I64, PTR
+from .cpu_ops import cache_type
+
+
+@functools.lru_cache(maxsize=1)
+def load_library() -> ctypes.CDLL | None:
+    return cpu_build.bind({
+        "streamengine_paged_prefill_supported": [I64, I64, I64, I64],
+        "streamengine_paged_prefill": [
+            PTR, I64, PTR, PTR, I64, I64, I64, I64, I64, PTR, I64, PTR, PTR, PTR, I64, F32, PTR,
+        ],
+    })
+
+
+def prefill_available() -> bool:
+    """Whether the library holding the kernel loads here (`prefill_supported` then says which
+    shapes it takes: none in a build without AVX-512)."""
+    return load_library() is not None
+
+
+@functools.lru_cache(maxsize=64)
+def prefill_supported(num_heads: int, num_kv_heads: int, head_dim: int, block_size: int) -> bool:
+    """Whether the kernel runs here for this shape (float32 queries, a float32 or float16 cache,
+    head_dim a multiple of 16 up to 256, up to 64 query heads per KV head, any block size).
+    Cached: the engine asks once per layer call."""
+    lib = load_library()
+    return lib is not None and bool(
+        lib.streamengine_paged_prefill_supported(num_heads, num_kv_heads, head_dim, block_size)
+    )
+
+
+def _check_step_tensor(name: str, t: torch.Tensor, dtype: torch.dtype) -> None:
+    if t.dtype != dtype or t.device.type != "cpu":
+        raise ValueError(f"{name} must be a CPU {dtype} tensor, got {t.dtype} on {t.device}")
+    if not t.is_contiguous():
+        raise ValueError(f"{name} must be contiguous")
+
+
+class PrefillPlan:
+    """The per-step part of a `paged_prefill` call, checked once per step and reused by every
+    layer (the per-layer call then only passes the query, the layer's caches and `out`)."""
+
+    def __init__(self, block_tables: torch.Tensor, seq_lens: torch.Tensor, query_start_loc: torch.Tensor,
+                 rows: torch.Tensor) -> None:
+        self.lib = load_library()
+        if self.lib is None:
+            raise RuntimeError("the CPU prefill-attention kernel is not available here")
+        for name, t, dtype in (("block_tables", block_tables, torch.int32), ("seq_lens", seq_lens, torch.int32),
+                               ("query_start_loc", query_start_loc, torch.int32), ("rows", rows, torch.int64)):
+            _check_step_tensor(name, t, dtype)
+        self._keep = (block_tables, seq_lens, query_start_loc, rows)  # the pointers below stay valid
+        self.tables, self.table_stride = block_tables.data_ptr(), block_tables.stride(0)
+        self.seq_lens, self.query_start_loc = seq_lens.data_ptr(), query_start_loc.data_ptr()
+        self.rows, self.num_rows = rows.data_ptr(), rows.numel()
+
+    @staticmethod
+    def takes(query: torch.Tensor, key_cache: torch.Tensor) -> bool:
+        """Whether `run` handles this layer's shapes: query [T, heads, D], cache [.., block_size, kv_heads, D]."""
+        _, block_size, num_kv_heads, head_dim = key_cache.shape
+        return query.shape[2] == head_dim and prefill_supported(query.shape[1], num_kv_heads, head_dim, block_size)
+
+    def run(self, query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor, scale: float,
+            out: torch.Tensor) -> None:
+        _, num_heads, head_dim = query.shape
+        _, block_size, num_kv_heads, _ = key_cache.shape
+        if query.stride(2) != 1 or query.stride(1) != head_dim:
+            query = query.contiguous()
+        for name, t in (("query", query), ("out", out)):
+            if t.dtype != torch.float32 or t.device.type != "cpu":
+                raise ValueError(f"{name} must be a CPU torch.float32 tensor, got {t.dtype} on {t.device}")
+        code = cache_type(key_cache, value_cache)
+        if not (key_cache.is_contiguous() and value_cache.is_contiguous() and out.is_contiguous()):
+            raise ValueError("key_cache, value_cache and out must be contiguous")
+        if key_cache.shape[3] != head_dim:
+            raise ValueError(f"the query's head_dim {head_dim} is not the cache's {key_cache.shape[3]}")
+        rc = self.lib.streamengine_paged_prefill(
+            query.data_ptr(), query.stride(0), key_cache.data_ptr(), value_cache.data_ptr(), code,
+            block_size, num_heads, num_kv_heads, head_dim, self.tables, self.table_stride, self.seq_lens,
+            self.query_start_loc, self.rows, self.num_rows, scale, out.data_ptr(),
+        )
+        if rc == -2:
+            raise ValueError("a listed row has more query tokens (query_start_loc) than context (seq_lens)")
+        if rc != 0:
+            raise ValueError(
+                f"paged_prefill does not support heads={num_heads} kv_heads={num_kv_heads} "
+                f"head_dim={head_dim} block_size={block_size}"
+            )
+
+
+def paged_prefill(
+    query: torch.Tensor,  # [T, num_heads, head_dim], last two dims dense
+    key_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim], this step's K/V stored
+    value_cache: torch.Tensor,
+    block_tables: torch.Tensor,  # [num_seqs, max_blocks] int32
+    seq_lens: torch.Tensor,  # [num_seqs] int32: context including this step's tokens
+    query_start_loc: torch.Tensor,  # [num_seqs + 1] int32
+    rows: torch.Tensor,  # [R] int64: the sequences to attend
+    scale: float,
+    out: torch.Tensor,  # [T, num_heads, head_dim] contiguous: rows' query tokens are written
+) -> None:
+    PrefillPlan(block_tables, seq_lens, query_start_loc, rows).run(query, key_cache, value_cache, scale, out)

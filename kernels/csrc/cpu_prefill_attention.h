@@ -1,0 +1,21 @@
+// The paged prefill attention of cpu_prefill_attention.cpp (C ABI: called from Python through
+// ctypes).
+#pragma once
+
+#include <cstdint>
+
+extern "C" {
+
+// Whether streamengine_paged_prefill handles this shape (always 0 without AVX-512).
+int streamengine_paged_prefill_supported(int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
+                                         int64_t block_size);
+
+// Every query token of the listed rows attends causally to its context through the block
+// tables; 0, or an error code. Arguments and codes are described at the definition.
+int streamengine_paged_prefill(const float* query, int64_t q_token_stride, const void* key_cache,
+                               const void* value_cache, int64_t cache_type, int64_t block_size, int64_t num_heads,
+                               int64_t num_kv_heads, int64_t head_dim, const int32_t* block_tables,
+                               int64_t table_stride, const int32_t* seq_lens, const int32_t* query_start_loc,
+                               const int64_t* rows, int64_t num_rows, float scale, float* out);
+
+}  // extern "C"
