@@ -17,6 +17,12 @@ batches on the compute bound; `roofline_tok_s` is the large-batch ceiling, matmu
 (2 * matmul parameters). Tied input/output embeddings count once (the output projection reads
 them); an untied input table only serves row lookups and is left out.
 
+The packed-weight bound is the same bandwidth term with the weights as a GGUF file stores them
+(`--gguf`, default: the default model's file when `--model` is not given): each tensor's
+blocks, e.g. Q4_1 20 bytes and Q8_0 34 bytes per 32 weights, read from the file's tensor types.
+When EngineConfig has `weight_format`, batch 1 is also timed with `weight_format="packed"` on
+that file, against this bound.
+
 Then it drives `EngineCore` synchronously: B requests with short random prompts, greedy,
 `ignore_eos`, steps until every request is past its prefill (a step that schedules exactly one
 token for each of the B requests), a few warm-up decode steps, then K timed decode steps
@@ -38,7 +44,7 @@ import random
 import statistics
 import sys
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -150,6 +156,38 @@ def model_cost(model) -> ModelCost:
     )
 
 
+@dataclass(slots=True)
+class PackedWeights:
+    file: str
+    weight_bytes: int  # bytes of GGUF blocks streamed per decode step
+    bytes_by_type: dict[str, int]  # e.g. {"Q4_1": ..., "Q8_0": ..., "F32": ...}
+
+
+def packed_weights(gguf_path: Path) -> PackedWeights:
+    """Bytes one decode step streams when every weight stays in its GGUF block format.
+
+    Same rule as model_cost: an untied token embedding only serves row lookups and is left
+    out; tied (no output.weight tensor), it is the output projection and counts once.
+    """
+    from gguf import GGML_QUANT_SIZES, GGUFReader
+
+    tensors = GGUFReader(gguf_path).tensors
+    tied = not any(t.name == "output.weight" for t in tensors)
+    by_type: dict[str, int] = {}
+    for t in tensors:
+        if t.name == "token_embd.weight" and not tied:
+            continue
+        block, type_size = GGML_QUANT_SIZES[t.tensor_type]
+        by_type[t.tensor_type.name] = by_type.get(t.tensor_type.name, 0) + int(t.n_elements) // block * type_size
+    return PackedWeights(str(gguf_path), sum(by_type.values()), by_type)
+
+
+def has_weight_format() -> bool:
+    from streamengine import EngineConfig
+
+    return "weight_format" in {f.name for f in fields(EngineConfig)}
+
+
 # -- the engine -----------------------------------------------------------------------------
 
 
@@ -170,7 +208,9 @@ class DecodeResult:
 def measure_decode(
     loaded, folder: Path, batch: int, prompt_len: int, warmup: int, steps: int, threads: int,
     token_ids: list[int], bar: tqdm, model_impl: str = "auto", attention_backend: str = "auto",
+    weight_format: str | None = None,
 ) -> DecodeResult:
+    """`weight_format` set: the engine loads `folder` (a GGUF file) itself with that format."""
     from streamengine import EngineConfig, SamplingParams
     from streamengine.core import EngineCore
 
@@ -181,8 +221,9 @@ def measure_decode(
         num_gpu_blocks=blocks, max_num_seqs=batch,
         max_num_batched_tokens=max(2048, prompt_len), enable_prefix_caching=False,
         num_threads=threads, seed=0, model_impl=model_impl, attention_backend=attention_backend,
+        **({"weight_format": weight_format} if weight_format else {}),
     )
-    core = EngineCore(config, loaded)
+    core = EngineCore(config, None if weight_format else loaded)
     try:
         rng = random.Random(f"roofline:{batch}")
         params = SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=max_tokens)
@@ -244,6 +285,35 @@ def _decode_step(core, batch: int) -> float:
 # -- report ---------------------------------------------------------------------------------
 
 
+def batch1_context(args) -> float:
+    """Mean context of batch 1's timed steps (as measure_decode computes it)."""
+    return args.prompt_len + 1 + args.warmup + (args.steps - 1) / 2
+
+
+def packed_report(args, rates: MachineRates, cost: ModelCost, packed: PackedWeights,
+                  measured: DecodeResult | None) -> dict:
+    """Batch 1's bound with the weights streamed as GGUF blocks, and the packed engine against it."""
+    packed_cost = replace(cost, weight_bytes=packed.weight_bytes)
+    bw_s, compute_s = packed_cost.step_bound_s(rates, 1, batch1_context(args))
+    bound_ms = 1e3 * max(bw_s, compute_s)
+    return {
+        "packed_weight_bytes": packed.weight_bytes,
+        "packed_bytes_by_type": packed.bytes_by_type,
+        "packed_gguf": packed.file,
+        # Weights as blocks / read bandwidth alone; the bound is the larger of it and the compute term.
+        "packed_bandwidth_bound_batch1_tok_s": 1 / bw_s,
+        "packed_bound_batch1_tok_s": 1e3 / bound_ms,
+        "packed_bound_term": "bandwidth" if bw_s >= compute_s else "compute",
+        "batch1_packed_bound_ms": bound_ms,
+        "packed_bandwidth_term_ms": 1e3 * bw_s,
+        "packed_compute_term_ms": 1e3 * compute_s,
+        "packed_decode": asdict(measured) if measured else None,
+        "packed_decode_tok_s_batch1": measured.tok_s if measured else None,
+        "batch1_packed_step_ms": measured.step_ms_median if measured else None,
+        "batch1_packed_step_over_bound": measured.step_ms_median / bound_ms if measured else None,
+    }
+
+
 def build_report(args, folder: Path, rates: MachineRates, cost: ModelCost, results: list[DecodeResult]) -> dict:
 
     by_batch = {str(r.batch): r.tok_s for r in results}
@@ -286,6 +356,7 @@ def build_report(args, folder: Path, rates: MachineRates, cost: ModelCost, resul
             "threads": args.threads,
             "model_impl": args.model_impl,
             "attention_backend": args.attention_backend,
+            "gguf": str(args.gguf) if args.gguf else None,
             **software(),
         },
     }
@@ -324,6 +395,24 @@ def print_table(report: dict) -> None:
             f"batch 1: step {report['batch1_step_ms']:.1f} ms vs bound {report['batch1_bound_ms']:.1f} ms "
             f"= {report['batch1_step_over_bound']:.2f}x (goal <= 1.3x)"
         )
+    if report.get("packed_weight_bytes"):
+        print_packed(report)
+
+
+def print_packed(report: dict) -> None:
+    kinds = ", ".join(f"{k} {v / 1e6:.1f} MB" for k, v in report["packed_bytes_by_type"].items())
+    print(
+        f"packed weights (GGUF blocks): {report['packed_weight_bytes'] / 1e6:.1f} MB/step ({kinds}); batch-1 bound "
+        f"{report['batch1_packed_bound_ms']:.2f} ms = {report['packed_bound_batch1_tok_s']:.0f} tok/s, the "
+        f"{report['packed_bound_term']} term (bandwidth alone {report['packed_bandwidth_bound_batch1_tok_s']:.0f} tok/s; "
+        f"float32 weights: {report['bandwidth_bound_batch1_tok_s'] or float('nan'):.0f} tok/s)"
+    )
+    if report["packed_decode_tok_s_batch1"] is not None:
+        print(
+            f"batch 1, weight_format=packed: {report['packed_decode_tok_s_batch1']:.1f} tok/s, step "
+            f"{report['batch1_packed_step_ms']:.1f} ms = {report['batch1_packed_step_over_bound']:.2f}x the packed "
+            f"bound (goal <= 1.3x)"
+        )
 
 
 def write_png(report: dict, path: Path) -> None:
@@ -348,6 +437,8 @@ def write_png(report: dict, path: Path) -> None:
     ax.axhline(report["roofline_tok_s"], color="#999", ls="--", lw=1,
                label=f"compute bound ({m['matmul_gflops']:.0f} GFLOP/s)")
     ax.plot(batches, measured, "o-", color="#2b7bba", label="streamengine decode")
+    if report.get("packed_weight_bytes"):
+        _plot_packed(ax, report, xs, ctx)
     for b, y in zip(batches, measured, strict=True):
         ax.annotate(f"{rows[str(b)]['fraction_of_bound']:.0%}", (b, y), textcoords="offset points",
                     xytext=(4, -12), fontsize=8)
@@ -355,10 +446,19 @@ def write_png(report: dict, path: Path) -> None:
     ax.set_yscale("log")
     ax.set_xlabel("decode batch size (requests)")
     ax.set_ylabel("output tokens / s")
-    ax.set_title("Steady decode vs roofline (CPU, float32)")
+    ax.set_title("Steady decode vs roofline (CPU, float32 activations)")
     ax.legend(fontsize=8, loc="lower right")
     ax.grid(True, which="both", alpha=0.3)
     save_figure(fig, path)
+
+
+def _plot_packed(ax, report: dict, xs: list[int], ctx: float) -> None:
+    """The bandwidth bound with GGUF-block weights, and the packed engine's batch-1 point."""
+    m, c = report["machine"], report["model"]
+    bw = [b * m["read_gb_s"] * 1e9 / (report["packed_weight_bytes"] + b * ctx * c["kv_bytes_per_token"]) for b in xs]
+    ax.plot(xs, bw, color="#d08a1c", ls=":", lw=1, label="bandwidth bound, packed GGUF weights")
+    if report["packed_decode_tok_s_batch1"] is not None:
+        ax.plot([1], [report["packed_decode_tok_s_batch1"]], "s", color="#d08a1c", label="weight_format=packed")
 
 
 # -- main -----------------------------------------------------------------------------------
@@ -379,6 +479,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--attention-backend", default="auto", choices=["auto", "torch", "cpu"])
     p.add_argument("--compare-transformers", action="store_true",
                    help="also time each batch with model_impl=transformers, attention_backend=torch")
+    p.add_argument("--gguf", type=Path,
+                   help="GGUF file of the packed-weight bound (default: the default model's, when --model is not given)")
+    p.add_argument("--no-packed-decode", action="store_true", help="skip timing batch 1 with weight_format=packed")
     p.add_argument("--json", type=Path, default=RESULTS_DIR / "roofline.json")
     p.add_argument("--png", type=Path, default=RESULTS_DIR / "roofline.png")
     p.add_argument("--no-png", action="store_true")
@@ -401,7 +504,21 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
             p.error(f"--{name.replace('_', '-')} must be >= 1")
     if args.warmup < 0:
         p.error("--warmup must be >= 0")
+    if args.gguf is None and args.model is None:
+        args.gguf = default_gguf()
+    if args.gguf is not None and not args.gguf.is_file():
+        p.error(f"--gguf: no such file {args.gguf}")
     return args
+
+
+def default_gguf() -> Path | None:
+    from streamengine.models.loader import resolve_default_model
+
+    try:
+        path = resolve_default_model()
+    except FileNotFoundError:
+        return None
+    return path if path.is_file() else None
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -432,6 +549,13 @@ def main(argv: list[str] | None = None) -> int:
                     bar, "transformers", "torch",
                 ).tok_s
     report = build_report(args, folder, rates, cost, results)
+    if args.gguf is not None:
+        packed = None
+        if has_weight_format() and not args.no_packed_decode:
+            with tqdm(total=args.steps, desc="decode steps, packed", unit="step", file=sys.stderr) as bar:
+                packed = measure_decode(loaded, args.gguf, 1, args.prompt_len, args.warmup, args.steps, args.threads,
+                                        token_ids, bar, args.model_impl, args.attention_backend, "packed")
+        report.update(packed_report(args, rates, cost, packed_weights(args.gguf), packed))
     if baseline:
         report["transformers_modules_tok_s_by_batch"] = baseline
     print_table(report)

@@ -1,0 +1,640 @@
+"""streamengine vs llama.cpp on the same GGUF file, measured in one run.
+
+llama.cpp is built from the source tree vendored in the `llama-cpp-python` source distribution
+(CPU only, Release, `GGML_NATIVE=ON`, static, only the tools below) into
+`default_cache_dir() / "llamacpp-<version>"` and reused by later runs; `--llamacpp-dir` points
+at an existing build (a folder holding the tools, or their `build/bin`). The F32 copy of the
+weights that llama.cpp also runs (`llama-quantize --allow-requantize FILE F32.gguf F32`: the
+same values, dequantized) is kept next to the build.
+
+Work, with the same thread count on both sides:
+
+  b1        batch-1 decode of `--decode-tokens` tokens. llama.cpp: `llama-bench -p 0 -n N`
+            (N decode steps from an empty context). Engine: one greedy request from a short
+            prompt, `ignore_eos`, N + 1 tokens; timed from the first token (the prompt's
+            prefill) to the last, so exactly N decode steps count.
+  prefill   prompt processing of L tokens. llama.cpp: `llama-bench -p L -n 0`. Engine: TTFT of
+            an L-token random prompt with `max_tokens=1` (submission to first token),
+            L / TTFT tok/s, under two configs: the default chunking (`max_prefill_chunk`) and
+            `whole_prompt` (no chunk cap, `max_num_batched_tokens >= L`: one step); the best
+            counts and the JSON says which.
+  tput      N parallel sequences of P prompt + G generated tokens. llama.cpp:
+            `llama-batched-bench -npp P -ntg G -npl N` (all prompts in one batch, then G
+            lockstep decode steps). Engine: N concurrent requests of random P-token prompts,
+            G + 1 tokens each. Both sides count N * (P + G) tokens, the positions run through
+            the model (the engine's first output token comes from the prefill step, so its
+            G + 1 tokens take G decode steps like llama.cpp's G), over the wall time from
+            the start to the last token: llama-batched-bench's `S t/s`.
+
+llama.cpp runs the file as stored (Q4_1) and its F32 copy; its best of the two is the peer.
+The engine runs `weight_format="packed"` (when EngineConfig has the field) and
+"dequantized"; packed is the headline, dequantized is for the record. Every figure is the best
+of `--reps` repetitions (the machine is shared: noise only slows a run down); means are kept
+in the JSON beside the samples.
+
+    python bench/peers.py --quick                  # builds llama.cpp first when missing (~10 min)
+    python bench/peers.py                          # 3 repetitions of everything
+    python bench/peers.py --llamacpp-dir ~/llama.cpp/build/bin --threads 2
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import gc
+import json
+import logging
+import os
+import random
+import re
+import shutil
+import statistics
+import subprocess
+import sys
+import tarfile
+import tempfile
+import time
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # run as a script: bench/ is not a package
+
+RESULTS_DIR = Path(__file__).resolve().parent / "results"
+LLAMACPP_PYPI_VERSION = "0.3.36"  # llama-cpp-python sdist whose vendored llama.cpp is built
+TOOLS = ("llama-bench", "llama-batched-bench", "llama-quantize")
+CMAKE_FLAGS = (
+    "-DCMAKE_BUILD_TYPE=Release", "-DGGML_NATIVE=ON", "-DBUILD_SHARED_LIBS=OFF", "-DLLAMA_CURL=OFF",
+    "-DLLAMA_OPENSSL=OFF", "-DLLAMA_BUILD_TESTS=OFF", "-DLLAMA_BUILD_EXAMPLES=OFF",
+    "-DLLAMA_BUILD_SERVER=OFF", "-DGGML_CUDA=OFF", "-DGGML_METAL=OFF", "-DGGML_VULKAN=OFF",
+)
+# (goal, done at): engine / llama.cpp's best, from issue 16.
+GOALS = {"b1": (2.0, 1.3), "prefill4096": (1.5, 1.0), "tput": (3.0, 2.0)}
+HEADLINE_PREFILL = 4096
+SHORT_PROMPT = "Write a very long story about a lighthouse keeper."
+
+
+# -- llama.cpp: build -----------------------------------------------------------------------
+
+
+def default_llamacpp_dir(version: str = LLAMACPP_PYPI_VERSION) -> Path:
+    from streamengine.config import default_cache_dir
+
+    return default_cache_dir() / f"llamacpp-{version}"
+
+
+def find_tools(folder: Path) -> Path | None:
+    """The folder holding every tool in TOOLS: `folder` itself or its build/bin."""
+    for cand in (folder, folder / "bin", folder / "build" / "bin"):
+        if all((cand / t).is_file() for t in TOOLS):
+            return cand
+    return None
+
+
+def _download_source(folder: Path, version: str) -> Path:
+    """The sdist's vendor/llama.cpp, extracted to folder/src."""
+    src = folder / "src"
+    if (src / "CMakeLists.txt").exists():
+        return src
+    with tempfile.TemporaryDirectory(dir=folder) as tmp:
+        subprocess.run(
+            [sys.executable, "-m", "pip", "download", "--no-binary", ":all:", "--no-deps", "-d", tmp,
+             f"llama-cpp-python=={version}"], check=True,
+        )
+        sdist = next(Path(tmp).glob("llama_cpp_python-*.tar.gz"))
+        with tarfile.open(sdist) as tar:
+            prefix = f"{tar.getnames()[0].split('/')[0]}/vendor/llama.cpp/"
+            members = [m for m in tar.getmembers() if m.name.startswith(prefix)]
+            tar.extractall(tmp, members=members, **({"filter": "data"} if hasattr(tarfile, "data_filter") else {}))
+        shutil.move(str(Path(tmp) / prefix), str(src))
+    return src
+
+
+def build_llamacpp(folder: Path, version: str, jobs: int) -> Path:
+    """Downloads and builds llama.cpp's tools under `folder` (niced: the machine is shared)."""
+    folder.mkdir(parents=True, exist_ok=True)
+    src = _download_source(folder, version)
+    build = folder / "build"
+    start = time.perf_counter()
+    nice = ["nice", "-n", "10"]
+    with open(folder / "build.log", "w") as log:
+        for cmd in ([*nice, "cmake", "-S", str(src), "-B", str(build), *CMAKE_FLAGS],
+                    [*nice, "cmake", "--build", str(build), "-j", str(jobs), "--target", *TOOLS]):
+            print("+", " ".join(cmd), file=sys.stderr)
+            subprocess.run(cmd, check=True, stdout=log, stderr=subprocess.STDOUT)
+    info = {"pypi_version": version, "build_seconds": time.perf_counter() - start, "cmake_flags": list(CMAKE_FLAGS),
+            "jobs": jobs}
+    (folder / "build_info.json").write_text(json.dumps(info, indent=2) + "\n")
+    return build / "bin"
+
+
+def ensure_llamacpp(args) -> Path:
+    """The tools' folder: --llamacpp-dir, else the cached build, else a fresh build."""
+    if args.llamacpp_dir is not None:
+        tools = find_tools(args.llamacpp_dir)
+        if tools is None:
+            raise SystemExit(f"--llamacpp-dir {args.llamacpp_dir} lacks one of {', '.join(TOOLS)}")
+        return tools
+    folder = default_llamacpp_dir(args.llamacpp_version)
+    tools = find_tools(folder)
+    if tools is None:
+        print(f"building llama.cpp {args.llamacpp_version} in {folder} (about 10 min on 2 cores) ...", file=sys.stderr)
+        tools = build_llamacpp(folder, args.llamacpp_version, args.build_jobs)
+    return tools
+
+
+def llamacpp_info(tools: Path, bench_rows: list[dict]) -> dict:
+    """Version facts: the sdist's version, ggml's, the build commit llama-bench reports."""
+    info: dict = {"tools": str(tools)}
+    for folder in (tools, *tools.parents[:3]):
+        if (folder / "build_info.json").exists():
+            info.update(json.loads((folder / "build_info.json").read_text()))
+        ggml = folder / "src" / "ggml" / "CMakeLists.txt"
+        if ggml.exists():
+            info["ggml_version"] = ggml_version(ggml.read_text())
+    if bench_rows:
+        info["build_commit"] = bench_rows[0].get("build_commit")
+        info["build_number"] = bench_rows[0].get("build_number")
+        info["cpu_info"] = bench_rows[0].get("cpu_info")
+    return info
+
+
+def ggml_version(cmake_text: str) -> str | None:
+    parts = [re.search(rf"set\(GGML_VERSION_{p} (\d+)\)", cmake_text) for p in ("MAJOR", "MINOR", "PATCH")]
+    return ".".join(m.group(1) for m in parts) if all(parts) else None
+
+
+def f32_copy(tools: Path, gguf: Path) -> Path:
+    """The file's weights dequantized to F32 (llama-quantize), cached beside the tools."""
+    out = tools / f"{gguf.stem}.F32.gguf"
+    if not out.exists():
+        tmp = out.with_name(out.name + ".tmp")
+        run_tool([str(tools / "llama-quantize"), "--allow-requantize", str(gguf), str(tmp), "F32"], 600)
+        os.replace(tmp, out)
+    return out
+
+
+# -- llama.cpp: runs ------------------------------------------------------------------------
+
+
+def run_tool(cmd: list[str], timeout: float) -> str:
+    """stdout of a llama.cpp tool; its stderr tail in the error when it fails."""
+    print("+", " ".join(cmd), file=sys.stderr)
+    start = time.perf_counter()
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, stdin=subprocess.DEVNULL)
+    print(f"  ({time.perf_counter() - start:.0f} s)", file=sys.stderr)
+    if proc.returncode != 0:
+        raise RuntimeError(f"{Path(cmd[0]).name} failed ({proc.returncode}):\n{proc.stderr[-3000:]}")
+    return proc.stdout + "\n" + proc.stderr
+
+
+def parse_llama_bench(text: str) -> list[dict]:
+    """The test rows of `llama-bench -o json` (a JSON array, possibly among log lines)."""
+    start = text.find("[\n")
+    if start < 0:
+        raise ValueError("no JSON array in llama-bench output")
+    rows, _ = json.JSONDecoder().raw_decode(text, start)  # log lines may follow it
+    if not isinstance(rows, list) or not rows or not all("avg_ts" in r and "samples_ts" in r for r in rows):
+        raise ValueError("llama-bench JSON has no test rows with avg_ts/samples_ts")
+    return rows
+
+
+def parse_batched_bench(text: str) -> list[dict]:
+    """The result lines of `llama-batched-bench --output-format jsonl`."""
+    rows = []
+    for line in text.splitlines():
+        line = line.strip()
+        if line.startswith("{") and '"speed"' in line:
+            rows.append(json.loads(line))
+    if not rows:
+        raise ValueError("no JSON result line in llama-batched-bench output")
+    return rows
+
+
+def llama_bench(tools: Path, model: Path, args, *, prompts: list[int], gen: int) -> list[dict]:
+    cmd = [str(tools / "llama-bench"), "-m", str(model), "-t", str(args.threads), "-r", str(args.reps),
+           "-p", ",".join(map(str, prompts)) or "0", "-n", str(gen), "-o", "json"]
+    return parse_llama_bench(run_tool(cmd, timeout=3600))
+
+
+def batched_bench(tools: Path, model: Path, args) -> dict:
+    """Best of `args.tput_reps` runs of N parallel sequences; the context holds all of them."""
+    n, p, g = args.parallel, args.tput_prompt, args.tput_gen
+    ctx = n * (p + g)  # exactly: llama.cpp rounds the context down to a multiple of -npl
+    cmd = [str(tools / "llama-batched-bench"), "-m", str(model), "-t", str(args.threads), "-tb", str(args.threads),
+           "-c", str(ctx), "-b", "2048", "-ub", "512", "-npp", str(p), "-ntg", str(g), "-npl", str(n),
+           "--output-format", "jsonl"]
+    rows = [parse_batched_bench(run_tool(cmd, timeout=3600))[-1] for _ in range(args.tput_reps)]
+    speeds = [r["speed"] for r in rows]
+    return {"tok_s": max(speeds), "mean_tok_s": statistics.mean(speeds), "samples_tok_s": speeds,
+            "prefill_tok_s": max(r["speed_pp"] for r in rows), "decode_tok_s": max(r["speed_tg"] for r in rows),
+            "command": " ".join(cmd[1:]), "runs": rows}
+
+
+def _bench_figures(row: dict) -> dict:
+    return {"tok_s": max(row["samples_ts"]), "mean_tok_s": row["avg_ts"], "samples_tok_s": row["samples_ts"],
+            "flash_attn": row.get("flash_attn"), "n_batch": row.get("n_batch"), "n_ubatch": row.get("n_ubatch")}
+
+
+def measure_llamacpp_file(tools: Path, model: Path, args) -> tuple[dict, list[dict]]:
+    """b1, prefill and tput figures of llama.cpp on one file; also the raw llama-bench rows."""
+    b1_rows = llama_bench(tools, model, args, prompts=[], gen=args.decode_tokens)
+    pp_rows = llama_bench(tools, model, args, prompts=args.prefill_lens, gen=0)
+    prefill = {str(r["n_prompt"]): _bench_figures(r) for r in pp_rows if r["n_gen"] == 0}
+    result = {"file": str(model), "b1": _bench_figures(b1_rows[0]), "prefill": prefill, "tput": batched_bench(tools, model, args)}
+    return result, b1_rows + pp_rows
+
+
+def measure_llamacpp(tools: Path, gguf: Path, args) -> tuple[dict, list[dict]]:
+    files = {"Q4_1": gguf}
+    if not args.no_f32:
+        files["F32"] = f32_copy(tools, gguf)
+    results, rows = {}, []
+    for name, path in files.items():
+        print(f"llama.cpp {name} ...", file=sys.stderr)
+        results[name], new = measure_llamacpp_file(tools, path, args)
+        rows += new
+    return results, rows
+
+
+# -- the engine -----------------------------------------------------------------------------
+
+
+def has_weight_format() -> bool:
+    from dataclasses import fields
+
+    from streamengine import EngineConfig
+
+    return "weight_format" in {f.name for f in fields(EngineConfig)}
+
+
+def engine_formats() -> list[str]:
+    """Weight formats to run: packed first (the headline) when EngineConfig knows the field;
+    before it did, the engine always ran dequantized weights."""
+    return ["packed", "dequantized"] if has_weight_format() else ["dequantized"]
+
+
+def engine_config(args, weight_format: str, whole_prompt: bool):
+    from streamengine import EngineConfig
+
+    extra: dict = {"weight_format": weight_format} if has_weight_format() else {}
+    if whole_prompt:
+        extra.update(max_prefill_chunk=None, max_num_batched_tokens=max(2048, *args.prefill_lens))
+    return EngineConfig(model=str(args.gguf), dtype="float32", device="cpu", num_threads=args.threads, seed=0,
+                        enable_prefix_caching=False, **extra)
+
+
+async def decode_b1(engine, n: int) -> float:
+    """Decode tok/s of one greedy stream: n decode steps after the prompt's first token."""
+    from streamengine import SamplingParams
+
+    params = SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=n + 1)
+    marks: list[tuple[float, int]] = []
+    async for out in engine.generate(SHORT_PROMPT, params):
+        marks.append((time.perf_counter(), len(out.outputs[0].token_ids)))
+    (t0, n0), (t1, n1) = marks[0], marks[-1]
+    if n1 != n + 1:
+        raise RuntimeError(f"engine produced {n1} tokens, expected {n + 1}")
+    return (n1 - n0) / (t1 - t0)
+
+
+async def ttft(engine, prompt: list[int]) -> float:
+    from streamengine import SamplingParams
+
+    start = time.perf_counter()
+    async for _ in engine.generate(prompt, SamplingParams(temperature=0.0, max_tokens=1)):
+        break
+    return time.perf_counter() - start
+
+
+async def parallel_tput(engine, prompts: list[list[int]], gen: int) -> float:
+    """All prompts at once, gen + 1 tokens each; positions through the model / wall time."""
+    from streamengine import SamplingParams
+
+    params = SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=gen + 1)
+
+    async def one(prompt: list[int]) -> int:
+        last = None
+        async for out in engine.generate(prompt, params):
+            last = out
+        return len(last.outputs[0].token_ids)
+
+    start = time.perf_counter()
+    counts = await asyncio.gather(*(one(p) for p in prompts))
+    elapsed = time.perf_counter() - start
+    if any(c != gen + 1 for c in counts):
+        raise RuntimeError(f"engine produced {sorted(set(counts))} tokens, expected {gen + 1}")
+    return sum(len(p) + gen for p in prompts) / elapsed
+
+
+@dataclass(slots=True)
+class Prompts:
+    """Random prompts of ordinary tokens, seeded: no two share a prefix (no cache hits)."""
+
+    ids: list[int]
+    rng: random.Random
+
+    @classmethod
+    def of(cls, engine, seed: str) -> Prompts:
+        from traces import normal_token_ids
+
+        return cls(normal_token_ids(engine.tokenizer, engine.core.vocab_size), random.Random(seed))
+
+    def draw(self, n: int) -> list[int]:
+        return [self.rng.choice(self.ids) for _ in range(n)]
+
+
+def figures(samples: list[float]) -> dict:
+    return {"tok_s": max(samples), "mean_tok_s": statistics.mean(samples), "samples_tok_s": samples}
+
+
+async def _warm_up(engine, prompts: Prompts) -> None:
+    from streamengine import SamplingParams
+
+    async for _ in engine.generate(prompts.draw(64), SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=8)):
+        pass
+
+
+async def _prefill(engine, prompts: Prompts, args) -> dict:
+    return {str(n): figures([n / await ttft(engine, prompts.draw(n)) for _ in range(args.reps)])
+            for n in args.prefill_lens}
+
+
+class WeightLog(logging.Handler):
+    """Keeps the engine's "weights: ..." log lines: which weight path a session really ran."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.INFO)
+        self.lines: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        message = record.getMessage()
+        if message.startswith("weights:"):
+            self.lines.append(message)
+
+
+@contextmanager
+def weight_log():
+    logger = logging.getLogger("streamengine.model_runner")
+    handler, level = WeightLog(), logger.level
+    logger.addHandler(handler)
+    logger.setLevel(logging.INFO)
+    try:
+        yield handler.lines
+    finally:
+        logger.removeHandler(handler)
+        logger.setLevel(level)
+
+
+async def _session_default(args, weight_format: str) -> dict:
+    """b1, prefill (default chunking) and tput on one engine."""
+    from streamengine import AsyncEngine
+
+    with weight_log() as lines:
+        engine = AsyncEngine(engine_config(args, weight_format, whole_prompt=False))
+    async with engine:
+        prompts = Prompts.of(engine, f"peers:{weight_format}:default")
+        await _warm_up(engine, prompts)
+        b1 = [await decode_b1(engine, args.decode_tokens) for _ in range(args.reps)]
+        prefill = await _prefill(engine, prompts, args)
+        tput = [await parallel_tput(engine, [prompts.draw(args.tput_prompt) for _ in range(args.parallel)],
+                                    args.tput_gen) for _ in range(args.tput_reps)]
+        return {"b1": figures(b1), "prefill": prefill,
+                "tput": {**figures(tput), "num_preemptions": engine.stats()["num_preemptions"]},
+                "max_prefill_chunk": engine.config.max_prefill_chunk, "weight_path": " / ".join(lines) or None}
+
+
+async def _session_whole_prompt(args, weight_format: str) -> dict:
+    from streamengine import AsyncEngine
+
+    async with AsyncEngine(engine_config(args, weight_format, whole_prompt=True)) as engine:
+        prompts = Prompts.of(engine, f"peers:{weight_format}:whole")
+        await _warm_up(engine, prompts)
+        return await _prefill(engine, prompts, args)
+
+
+def best_prefill(default: dict, whole: dict) -> dict:
+    """Per prompt length: both configs' figures and the better one."""
+    out = {}
+    for n, d in default.items():
+        w = whole[n]
+        best = "whole_prompt" if w["tok_s"] > d["tok_s"] else "default_chunk"
+        out[n] = {"tok_s": max(d["tok_s"], w["tok_s"]), "best_config": best, "default_chunk": d, "whole_prompt": w}
+    return out
+
+
+def measure_engine_format(args, weight_format: str) -> dict:
+    print(f"engine {weight_format} ...", file=sys.stderr)
+    try:
+        default = asyncio.run(_session_default(args, weight_format))
+        gc.collect()
+        whole = asyncio.run(_session_whole_prompt(args, weight_format))
+        gc.collect()
+    except ValueError as exc:  # e.g. packed weights cannot run on this CPU: say why, keep going
+        return {"error": str(exc)}
+    return {"b1": default["b1"], "prefill": best_prefill(default["prefill"], whole), "tput": default["tput"],
+            "default_max_prefill_chunk": default["max_prefill_chunk"], "weight_path": default["weight_path"]}
+
+
+def measure_engine(args) -> dict:
+    import torch
+    from common import quiet_transformers
+
+    torch.set_num_threads(args.threads)
+    quiet_transformers()
+    results = {fmt: measure_engine_format(args, fmt) for fmt in args.weight_formats}
+    for fmt in engine_formats():  # none of those could run (e.g. packed on AVX2): the next that can
+        if headline_format(results) is not None:
+            break
+        if fmt not in results:
+            results[fmt] = measure_engine_format(args, fmt)
+    return results
+
+
+# -- report ---------------------------------------------------------------------------------
+
+
+def _best(variants: dict, pick) -> tuple[float | None, str | None]:
+    """The largest figure `pick(variant)` over the variants that have it, and its name."""
+    found = [(v, name) for name, r in variants.items() if "error" not in r and (v := pick(r)) is not None]
+    return max(found) if found else (None, None)
+
+
+def _prefill_of(n: int):
+    return lambda r: r["prefill"].get(str(n), {}).get("tok_s")
+
+
+def _ratio(a: float | None, b: float | None) -> float | None:
+    return a / b if a is not None and b else None
+
+
+def headline_format(engine: dict) -> str | None:
+    """packed when it ran, else the first format that ran."""
+    return next((f for f in engine if "error" not in engine[f]), None)
+
+
+def build_report(engine: dict, llamacpp: dict, info: dict, config: dict) -> dict:
+    """The issue's keys (engine headline vs llama.cpp's best) plus every variant's figures."""
+    fmt = headline_format(engine)
+    ours = {fmt: engine[fmt]} if fmt else {}
+    keys, best_of = {}, {}
+    work = {"b1": lambda r: r["b1"]["tok_s"], f"prefill{HEADLINE_PREFILL}": _prefill_of(HEADLINE_PREFILL),
+            "tput": lambda r: r["tput"]["tok_s"]}
+    for n in config["prefill_lens"]:
+        work.setdefault(f"prefill{n}", _prefill_of(n))
+    ratios = {}
+    for name, pick in work.items():
+        keys[f"engine_{name}_tok_s"], _ = _best(ours, pick)
+        keys[f"llamacpp_{name}_tok_s"], best_of[name] = _best(llamacpp, pick)
+        ratios[name] = _ratio(keys[f"engine_{name}_tok_s"], keys[f"llamacpp_{name}_tok_s"])
+    goals = {name: {"goal": g, "done_at": d, "ratio": ratios[name],
+                    "goal_met": ratios[name] is not None and ratios[name] >= g,
+                    "done": ratios[name] is not None and ratios[name] >= d} for name, (g, d) in GOALS.items()}
+    return {
+        **keys,
+        "ratios": ratios,
+        "goals": goals,
+        "engine_weight_format": fmt,
+        "engine_prefill_best_config": {n: r.get("best_config") for n, r in engine[fmt]["prefill"].items()} if fmt else {},
+        "llamacpp_best_variant": best_of,
+        "engine": engine,
+        "llamacpp": llamacpp,
+        "llamacpp_version": info,
+        "config": config,
+    }
+
+
+def print_table(report: dict) -> None:
+    cfg = report["config"]
+    if cfg.get("load_avg", [0])[0] > cfg["threads"] + 0.5:
+        print(f"\nwarning: load average {cfg['load_avg'][0]:.1f} on {os.cpu_count()} CPUs: other work skews these numbers")
+    print(f"\nsame file {Path(cfg['gguf']).name}, {cfg['threads']} threads; tok/s, best of {cfg['reps']}")
+    rows = [("b1", f"batch-1 decode, {cfg['decode_tokens']} tokens")]
+    rows += [(f"prefill{n}", f"prompt processing, {n} tokens") for n in cfg["prefill_lens"]]
+    rows.append(("tput", f"{cfg['parallel']} parallel, {cfg['tput_prompt']}+{cfg['tput_gen']} (total tok/s)"))
+    engine, llama = report["engine"], report["llamacpp"]
+    cols = [(f"engine {f}", engine[f]) for f in engine] + [(f"llama.cpp {v}", llama[v]) for v in llama]
+    head = f"{'work':<40}" + "".join(f"{c:>22}" for c, _ in cols) + f"{'ratio':>10}"
+    print(head)
+    print("-" * len(head))
+    picks = {"b1": lambda r: r["b1"]["tok_s"], "tput": lambda r: r["tput"]["tok_s"]}
+    for key, label in rows:
+        pick = picks.get(key) or _prefill_of(int(key.removeprefix("prefill")))
+        cells = "".join(f"{_cell(r, pick):>22}" for _, r in cols)
+        ratio = report["ratios"].get(key)
+        print(f"{label:<40}{cells}{(f'{ratio:.2f}x' if ratio else '-'):>10}")
+    for fmt, r in engine.items():
+        print(f"engine {fmt}: {r.get('error') or r.get('weight_path') or 'no weight log line'}")
+    for name, g in report["goals"].items():
+        r = g["ratio"]
+        print(f"{name}: engine / llama.cpp best = {'-' if r is None else f'{r:.2f}'} "
+              f"(goal >= {g['goal']}, done at {g['done_at']}: {'met' if g['goal_met'] else 'done' if g['done'] else 'not yet'})")
+
+
+def _cell(result: dict, pick) -> str:
+    if "error" in result:
+        return "error"
+    value = pick(result)
+    return "-" if value is None else f"{value:.1f}"
+
+
+def write_png(report: dict, path: Path) -> None:
+    from common import pyplot, save_figure
+
+    plt = pyplot()
+    names = list(report["goals"])
+    labels = {"b1": "batch-1 decode", "prefill4096": f"prefill {HEADLINE_PREFILL}", "tput": "parallel throughput"}
+    values = [report["goals"][n]["ratio"] or 0.0 for n in names]
+    fig, ax = plt.subplots(figsize=(6.4, 4.2))
+    bars = ax.bar(range(len(names)), values, color="#2b7bba", width=0.55)
+    for i, n in enumerate(names):
+        g = report["goals"][n]
+        ax.hlines(g["goal"], i - 0.35, i + 0.35, colors="#2a8a3a", lw=2, label="goal" if i == 0 else None)
+        ax.hlines(g["done_at"], i - 0.35, i + 0.35, colors="#d08a1c", ls="--", lw=2, label="done at" if i == 0 else None)
+        text = "not run" if g["ratio"] is None else f"{values[i]:.2f}x"
+        ax.annotate(text, (bars[i].get_x() + bars[i].get_width() / 2, values[i]),
+                    textcoords="offset points", xytext=(0, 3), ha="center", fontsize=9)
+    ax.axhline(1.0, color="#777", lw=1)
+    ax.set_xticks(range(len(names)), [labels.get(n, n) for n in names])
+    ax.set_ylabel("streamengine / llama.cpp's best (x)")
+    ax.set_title(f"Same GGUF, {report['config']['threads']} threads (engine: {report['engine_weight_format']})")
+    ax.set_ylim(0, 1.15 * max([*values, *(g["goal"] for g in report["goals"].values())]))
+    ax.legend(fontsize=8, loc="upper left")
+    ax.grid(True, axis="y", alpha=0.3)
+    save_figure(fig, path)
+
+
+# -- main -----------------------------------------------------------------------------------
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--quick", action="store_true",
+                   help="one repetition of each, 16 parallel sequences, the headline weight format only")
+    p.add_argument("--gguf", type=Path, help="GGUF file both sides run (default: the SmolLM2 Q4_1 file)")
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--reps", type=int, help="repetitions of b1 and prefill (default 3, quick 1)")
+    p.add_argument("--tput-reps", type=int, help="repetitions of the parallel run (default 2, quick 1)")
+    p.add_argument("--decode-tokens", type=int, default=128)
+    p.add_argument("--prefill-lens", default="1000,4096", help="comma-separated prompt lengths")
+    p.add_argument("--parallel", type=int, help="parallel sequences (default 32, quick 16)")
+    p.add_argument("--tput-prompt", type=int, default=128)
+    p.add_argument("--tput-gen", type=int, default=128)
+    p.add_argument("--no-f32", action="store_true", help="skip llama.cpp on the F32 copy")
+    p.add_argument("--weight-formats", help="engine weight formats, comma-separated, headline first "
+                   "(default: packed,dequantized when EngineConfig has weight_format, else dequantized; quick: the first)")
+    p.add_argument("--llamacpp-dir", type=Path, help="an existing llama.cpp build (folder with the tools or build/bin)")
+    p.add_argument("--llamacpp-version", default=LLAMACPP_PYPI_VERSION, help="llama-cpp-python sdist to build from")
+    p.add_argument("--build-jobs", type=int, default=2)
+    p.add_argument("--json", type=Path, default=RESULTS_DIR / "peers.json")
+    p.add_argument("--png", type=Path, default=RESULTS_DIR / "peers.png")
+    p.add_argument("--no-png", action="store_true")
+    args = p.parse_args(argv)
+    args.reps = args.reps or (1 if args.quick else 3)
+    args.tput_reps = args.tput_reps or (1 if args.quick else 2)
+    args.parallel = args.parallel or (16 if args.quick else 32)
+    try:
+        args.prefill_lens = sorted({int(n) for n in args.prefill_lens.split(",")})
+    except ValueError:
+        p.error("--prefill-lens must be comma-separated integers")
+    for name in ("threads", "reps", "tput_reps", "decode_tokens", "parallel", "tput_prompt", "tput_gen", "build_jobs"):
+        if getattr(args, name) < 1:
+            p.error(f"--{name.replace('_', '-')} must be >= 1")
+    if min(args.prefill_lens) < 1:
+        p.error("--prefill-lens must all be >= 1")
+    known = engine_formats()
+    args.weight_formats = args.weight_formats.split(",") if args.weight_formats else known[:1] if args.quick else known
+    if not set(args.weight_formats) <= set(known):
+        p.error(f"--weight-formats: this engine knows {', '.join(known)}")
+    return args
+
+
+def run_config(args) -> dict:
+    from common import software
+
+    keys = ("quick", "threads", "reps", "tput_reps", "decode_tokens", "prefill_lens", "parallel", "tput_prompt",
+            "tput_gen", "weight_formats")
+    return {"gguf": str(args.gguf), **{k: getattr(args, k) for k in keys}, **software()}
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    if args.gguf is None:
+        from streamengine.models.loader import resolve_default_model
+
+        args.gguf = resolve_default_model()
+    tools = ensure_llamacpp(args)
+    llamacpp, rows = measure_llamacpp(tools, args.gguf, args)
+    engine = measure_engine(args)
+    report = build_report(engine, llamacpp, llamacpp_info(tools, rows), run_config(args))
+    print_table(report)
+    from common import write_report
+
+    write_report(report, args.json, None if args.no_png else args.png, write_png)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
