@@ -32,7 +32,7 @@ The engine runs `weight_format="packed"` (when EngineConfig has the field) and
 of `--reps` repetitions (the machine is shared: noise only slows a run down); means are kept
 in the JSON beside the samples.
 
-    python bench/peers.py --quick                  # builds llama.cpp first when missing (~10 min)
+    python bench/peers.py --quick                  # builds llama.cpp first when missing
     python bench/peers.py                          # 3 repetitions of everything
     python bench/peers.py --llamacpp-dir ~/llama.cpp/build/bin --threads 2
 """
@@ -247,8 +247,20 @@ def measure_llamacpp_file(tools: Path, model: Path, args) -> tuple[dict, list[di
     return result, b1_rows + pp_rows
 
 
+def file_label(gguf: Path) -> str:
+    """The file's main block type (the type most of its weights are stored in), e.g. "Q4_1"."""
+    from gguf import GGUFReader
+
+    if not gguf.is_file():  # a stand-in model (the smoke test's): no types to read
+        return "as_stored"
+    counts: dict[str, int] = {}
+    for t in GGUFReader(str(gguf)).tensors:
+        counts[t.tensor_type.name] = counts.get(t.tensor_type.name, 0) + int(t.n_elements)
+    return max(counts, key=counts.get)
+
+
 def measure_llamacpp(tools: Path, gguf: Path, args) -> tuple[dict, list[dict]]:
-    files = {"Q4_1": gguf}
+    files = {file_label(gguf): gguf}
     if not args.no_f32:
         files["F32"] = f32_copy(tools, gguf)
     results, rows = {}, []
@@ -262,24 +274,15 @@ def measure_llamacpp(tools: Path, gguf: Path, args) -> tuple[dict, list[dict]]:
 # -- the engine -----------------------------------------------------------------------------
 
 
-def has_weight_format() -> bool:
-    from dataclasses import fields
-
-    from streamengine import EngineConfig
-
-    return "weight_format" in {f.name for f in fields(EngineConfig)}
-
-
 def engine_formats() -> list[str]:
-    """Weight formats to run: packed first (the headline) when EngineConfig knows the field;
-    before it did, the engine always ran dequantized weights."""
-    return ["packed", "dequantized"] if has_weight_format() else ["dequantized"]
+    """Weight formats to run: packed first (the headline), then dequantized for the record."""
+    return ["packed", "dequantized"]
 
 
 def engine_config(args, weight_format: str, whole_prompt: bool):
     from streamengine import EngineConfig
 
-    extra: dict = {"weight_format": weight_format} if has_weight_format() else {}
+    extra: dict = {"weight_format": weight_format}
     if whole_prompt:
         extra.update(max_prefill_chunk=None, max_num_batched_tokens=max(2048, *args.prefill_lens))
     return EngineConfig(model=str(args.gguf), dtype="float32", device="cpu", num_threads=args.threads, seed=0,

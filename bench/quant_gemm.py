@@ -8,7 +8,7 @@ over the float32 weights. Reports ms per step and weights per ns, and the ratio 
 packed (> 1: packed is faster). The issue's claim "batch 128 no slower than the float32
 path" is the last column at M=128.
 
-    python bench/quant_gemm.py --quick          # M = 1, 8, 128 (~1 min)
+    python bench/quant_gemm.py --quick          # M = 1, 8, 128
     python bench/quant_gemm.py --json bench/results/quant_gemm.json
 """
 
@@ -20,7 +20,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
-from common import software, write_report
+from common import default_model_folder, software, write_report
 
 FULL_ROWS = (1, 2, 4, 8, 16, 32, 64, 128, 512)
 QUICK_ROWS = (1, 8, 128)
@@ -31,14 +31,18 @@ def load_linears():
     import torch
     from streamengine.kernels import cpu_quant_linear
     from streamengine.kernels.cpu_linear import TorchLinear, make_linear
+    from transformers import AutoConfig
 
+    from streamengine.kv_cache import AttentionShape
     from streamengine.models.gguf_weights import read_gguf
     from streamengine.models.loader import resolve_default_model
 
     lib = cpu_quant_linear.load_library()
     if lib is None:
         raise SystemExit("the C++ kernels do not run here (they need AVX-512)")
-    gguf = read_gguf(resolve_default_model(), num_heads=9, num_kv_heads=3)
+    path = resolve_default_model()
+    shape = AttentionShape.of(AutoConfig.from_pretrained(default_model_folder()))
+    gguf = read_gguf(path, shape.num_heads, shape.num_kv_heads)
     groups = [[layer[n] for n in names] for layer in gguf.layers
               for names in (("q_proj", "k_proj", "v_proj"), ("o_proj",), ("gate_proj", "up_proj"), ("down_proj",))]
     groups.append([gguf.output])

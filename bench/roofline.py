@@ -44,7 +44,7 @@ import random
 import statistics
 import sys
 import time
-from dataclasses import asdict, dataclass, field, fields, replace
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -180,12 +180,6 @@ def packed_weights(gguf_path: Path) -> PackedWeights:
         block, type_size = GGML_QUANT_SIZES[t.tensor_type]
         by_type[t.tensor_type.name] = by_type.get(t.tensor_type.name, 0) + int(t.n_elements) // block * type_size
     return PackedWeights(str(gguf_path), sum(by_type.values()), by_type)
-
-
-def has_weight_format() -> bool:
-    from streamengine import EngineConfig
-
-    return "weight_format" in {f.name for f in fields(EngineConfig)}
 
 
 # -- the engine -----------------------------------------------------------------------------
@@ -551,7 +545,7 @@ def main(argv: list[str] | None = None) -> int:
     report = build_report(args, folder, rates, cost, results)
     if args.gguf is not None:
         packed = None
-        if has_weight_format() and not args.no_packed_decode:
+        if not args.no_packed_decode:
             with tqdm(total=args.steps, desc="decode steps, packed", unit="step", file=sys.stderr) as bar:
                 packed = measure_decode(loaded, args.gguf, 1, args.prompt_len, args.warmup, args.steps, args.threads,
                                         token_ids, bar, args.model_impl, args.attention_backend, "packed")

@@ -1,6 +1,7 @@
 """The fused CPU decoder layer (kernels/csrc/cpu_layer.cpp): two calls per layer around attention.
 
-`FusedLayer` holds one layer's packed weights (the `PackedLinear`s or `QuantLinear`s of the native model) and
+`FusedLayer` holds one layer's packed weights (the native model's `PanelLinear`s: float32
+panels or GGUF blocks) and
 runs `layer_in` (q/k/v GEMM, RoPE, K/V store) and `layer_out` (output projection, residual,
 RMSNorm, gate/up GEMM, SiLU-times-up, down GEMM, residual, next RMSNorm). `DecodeStack` runs
 every layer of a decode-only step, attention included, in one call. `available()` says
@@ -17,12 +18,10 @@ import torch
 from . import cpu_build
 from .cpu_attention import DecodePlan
 from .cpu_build import F32, I64, PTR
-from .cpu_linear import PackedLinear
+from .cpu_linear import PanelLinear
 from .cpu_ops import cache_type
-from .cpu_quant_linear import QuantLinear
 
 KEY_CACHE, VALUE_CACHE, NUM_FIELDS = 8, 9, 10  # LayerField in csrc/cpu_layer.cpp
-KernelLinear = PackedLinear | QuantLinear  # both carry `kernel_weight`, the view the C++ side reads
 
 
 @functools.lru_cache(maxsize=1)
@@ -51,7 +50,7 @@ class FusedLayer:
     """One decoder layer's weights, packed (float32 panels or GGUF blocks, mixed freely), with
     the two fused calls."""
 
-    def __init__(self, qkv: KernelLinear, o: KernelLinear, gate_up: KernelLinear, down: KernelLinear,
+    def __init__(self, qkv: PanelLinear, o: PanelLinear, gate_up: PanelLinear, down: PanelLinear,
                  post_norm: torch.Tensor, heads: int, kv_heads: int, head_dim: int, eps: float) -> None:
         self.lib = load_library()
         if self.lib is None:
@@ -73,11 +72,13 @@ class FusedLayer:
         if not (key_cache.is_contiguous() and value_cache.is_contiguous()):
             raise ValueError("the fused layer stores into contiguous caches")
         qkv = torch.empty((t, self.qkv.padded), dtype=torch.float32)
-        self.lib.streamengine_layer_in(
+        rc = self.lib.streamengine_layer_in(
             x.data_ptr(), t, self.hidden, self.qkv.kernel_weight.data_ptr(), _ptr(self.qkv.bias),
             self.heads, self.kv_heads, self.head_dim, cos.data_ptr(), sin.data_ptr(), slots.data_ptr(),
             key_cache.data_ptr(), value_cache.data_ptr(), code, qkv.data_ptr(),
         )
+        if rc != 0:
+            raise RuntimeError("fused layer rejected its shapes")
         return qkv
 
     def layer_out(self, attn: torch.Tensor, h: torch.Tensor, next_norm: torch.Tensor) -> torch.Tensor:
@@ -117,6 +118,7 @@ class DecodeStack:
             if any(b is not None and not b.is_contiguous() for b in (layer.qkv.bias, layer.o.bias)):
                 raise ValueError("biases must be contiguous")  # the table below holds addresses
         self.lib, self.first = first.lib, first
+        self.layers = layers  # the table below holds their weights' addresses: keep them alive
         self.next_norms = [n.contiguous() for n in next_norms]  # kept alive for their addresses
         self.table = torch.tensor([  # [layers, NUM_FIELDS], cache columns filled per call
             [layer.qkv.kernel_weight.data_ptr(), _ptr(layer.qkv.bias) or 0, layer.o.kernel_weight.data_ptr(),

@@ -36,8 +36,46 @@ class TorchLinear:
         return F.linear(x, self.weight, self.bias)
 
 
-class PackedLinear:
-    """y = x @ W^T + b with W stored as k-major panels (see the module docstring)."""
+class PanelLinear:
+    """What the kernels' linears share: weights in panels of `width` output columns, seen by
+    C++ through `kernel_weight` ({format, panels address, n_padded, K}, csrc/cpu_quant_gemm.h);
+    y = x @ W^T + b for float32 x [M, in_features]. Subclasses fill the fields and say how
+    their panels unpack to float32 (`float_panels`)."""
+
+    out_features: int
+    in_features: int
+    padded: int  # out_features rounded up to whole panels
+    bias: torch.Tensor | None
+    kernel_weight: torch.Tensor
+    _lib: ctypes.CDLL
+
+    def _view(self, fmt: int, panels: torch.Tensor) -> torch.Tensor:
+        return torch.tensor([fmt, panels.data_ptr(), self.padded, self.in_features], dtype=torch.int64)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dim() != 2 or x.shape[1] != self.in_features or x.dtype != torch.float32 or x.device.type != "cpu":
+            raise ValueError(f"expected a float32 CPU [M, {self.in_features}] input, got {x.dtype} {list(x.shape)}")
+        x = x.contiguous()
+        m = x.shape[0]
+        if m <= SMALL_M_MAX:
+            y = torch.empty((m, self.padded), dtype=torch.float32)  # [M, N_padded]
+            if self._lib.streamengine_gemm(self.kernel_weight.data_ptr(), x.data_ptr(), m, y.data_ptr()) != 0:
+                raise RuntimeError(f"cpu gemm rejected shape M={m} K={self.in_features} N={self.padded}")
+        else:  # [P, M, width] -> [M, P * width]
+            y = torch.matmul(x, self.float_panels()).transpose(0, 1).reshape(m, self.padded)
+        if self.padded != self.out_features:
+            y = y[:, : self.out_features]
+        if self.bias is not None:
+            y = y + self.bias
+        return y
+
+    def float_panels(self) -> torch.Tensor:
+        """[P, K, width] float32: the weight as the float32 kernel's panels."""
+        raise NotImplementedError
+
+
+class PackedLinear(PanelLinear):
+    """y = x @ W^T + b with W stored as k-major float32 panels (see the module docstring)."""
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, lib: ctypes.CDLL) -> None:
         self.out_features, self.in_features = weight.shape
@@ -45,30 +83,11 @@ class PackedLinear:
         self.padded = -(-self.out_features // self.width) * self.width
         self.panels = pack_panels(weight, self.width)  # [P, K, width]
         self.bias = bias
-        # {format 0 = float32 panels, address, n_padded, K}: how C++ (csrc/cpu_quant_gemm.h) sees it.
-        self.kernel_weight = torch.tensor([0, self.panels.data_ptr(), self.padded, self.in_features], dtype=torch.int64)
+        self.kernel_weight = self._view(0, self.panels)  # format 0: float32 panels
         self._lib = lib
 
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        if x.dim() != 2 or x.shape[1] != self.in_features:
-            raise ValueError(f"expected [M, {self.in_features}] input, got {list(x.shape)}")
-        x = x.contiguous()
-        m = x.shape[0]
-        if m <= SMALL_M_MAX:
-            y = torch.empty((m, self.padded), dtype=x.dtype)  # [M, N_padded]
-            rc = self._lib.streamengine_sgemm_packed(
-                x.data_ptr(), m, self.in_features, self.panels.data_ptr(), self.padded, y.data_ptr()
-            )
-            if rc != 0:
-                raise RuntimeError(f"cpu gemm rejected shape M={m} K={self.in_features} N={self.padded}")
-        else:
-            # [P, M, width] -> [M, P * width]
-            y = torch.matmul(x, self.panels).transpose(0, 1).reshape(m, self.padded)
-        if self.padded != self.out_features:
-            y = y[:, : self.out_features]
-        if self.bias is not None:
-            y = y + self.bias
-        return y
+    def float_panels(self) -> torch.Tensor:
+        return self.panels
 
 
 def pack_panels(weight: torch.Tensor, width: int) -> torch.Tensor:
@@ -93,6 +112,4 @@ def make_linear(weight: torch.Tensor, bias: torch.Tensor | None = None) -> Packe
 @functools.lru_cache(maxsize=1)
 def load_library() -> ctypes.CDLL | None:
     """The CPU library with the GEMM bound, or None (see cpu_build)."""
-    return cpu_build.bind(
-        {"streamengine_sgemm_packed": [PTR, I64, I64, PTR, I64, PTR]}, probe="streamengine_panel_width"
-    )
+    return cpu_build.bind({"streamengine_gemm": [PTR, PTR, I64, PTR]}, probe="streamengine_panel_width")

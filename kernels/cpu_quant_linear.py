@@ -22,7 +22,7 @@ import torch
 
 from . import cpu_build
 from .cpu_build import I64, PTR
-from .cpu_linear import SMALL_M_MAX
+from .cpu_linear import PanelLinear
 
 QK = 32  # weights per GGUF block
 
@@ -104,11 +104,8 @@ def pack_blocks(blocks: np.ndarray, quant_type: int, shape: tuple[int, int], wid
     return np.ascontiguousarray(np.concatenate([*scales, codes], axis=2)).reshape(-1)
 
 
-class QuantLinear:
-    """y = x @ W^T + b with W in a GGUF block format, packed for csrc/cpu_quant_gemm.cpp.
-
-    Same attributes as cpu_linear.PackedLinear (out_features, in_features, padded, bias,
-    kernel_weight: the 4-int64 view the C++ side reads)."""
+class QuantLinear(PanelLinear):
+    """y = x @ W^T + b with W in a GGUF block format, packed for csrc/cpu_quant_gemm.cpp."""
 
     def __init__(self, blocks: np.ndarray, quant_type: int, shape: tuple[int, int], bias: torch.Tensor | None,
                  lib: ctypes.CDLL) -> None:
@@ -122,34 +119,15 @@ class QuantLinear:
         if self.panels.numel() != expected:
             raise RuntimeError(f"{self.format.name} panels of {self.panels.numel()} bytes, kernel expects {expected}")
         self.bias = bias
-        self.kernel_weight = torch.tensor(
-            [self.format.type_id, self.panels.data_ptr(), self.padded, self.in_features], dtype=torch.int64
-        )
+        self.kernel_weight = self._view(self.format.type_id, self.panels)
         self._lib = lib
 
     @property
     def nbytes(self) -> int:
         return self.panels.numel()
 
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        if x.dim() != 2 or x.shape[1] != self.in_features or x.dtype != torch.float32:
-            raise ValueError(f"expected float32 [M, {self.in_features}] input, got {x.dtype} {list(x.shape)}")
-        x = x.contiguous()
-        m = x.shape[0]
-        if m <= SMALL_M_MAX:
-            y = torch.empty((m, self.padded), dtype=torch.float32)  # [M, N_padded]
-            if self._lib.streamengine_gemm(self.kernel_weight.data_ptr(), x.data_ptr(), m, y.data_ptr()) != 0:
-                raise RuntimeError(f"quantized gemm rejected M={m} K={self.in_features} N={self.padded}")
-        else:  # prefill-sized: one float32 matmul over the panels unpacked for this call
-            y = torch.matmul(x, self.float_panels()).transpose(0, 1).reshape(m, self.padded)
-        if self.padded != self.out_features:
-            y = y[:, : self.out_features]
-        if self.bias is not None:
-            y = y + self.bias
-        return y
-
     def float_panels(self) -> torch.Tensor:
-        """[P, K, 48] float32: the weight unpacked in the float32 kernel's panel layout."""
+        """Unpacked for this call only (prefill-sized batches run as one float32 matmul)."""
         out = torch.empty((self.padded // self.width, self.in_features, self.width), dtype=torch.float32)
         if self._lib.streamengine_dequant_panels(self.kernel_weight.data_ptr(), out.data_ptr()) != 0:
             raise RuntimeError("dequantizing panels failed")

@@ -63,7 +63,15 @@ def select_native(config: EngineConfig, loaded: LoadedModel, device: torch.devic
     if reason is None and not (model_impl == "native" or device.type == "cpu"):
         reason = f"model_impl='auto' on {device.type}"
     packed = select_packed(config, loaded, device, native_reason=reason)
-    return None if reason is not None else NativeDecoder(model, backend, packed)
+    if reason is not None:
+        return None
+    native = NativeDecoder(model, backend, packed)
+    if packed is not None:
+        log.info("weights: %d of %d weight matrices packed", native.num_packed, native.num_linears)
+        if native.num_packed == 0 and config.weight_format == "packed":
+            raise ValueError(f"EngineConfig.weight_format='packed' cannot run: no tensor of {loaded.gguf.name} "
+                             f"has a packed kernel ({packed.type_counts()})")
+    return native
 
 
 def select_packed(config: EngineConfig, loaded: LoadedModel, device: torch.device,
@@ -81,8 +89,14 @@ def select_packed(config: EngineConfig, loaded: LoadedModel, device: torch.devic
         log.info("weights: dequantized to float32 (%s)", reason)
         return None
     shape = AttentionShape.of(loaded.model.config)
-    packed = read_gguf(loaded.gguf, shape.num_heads, shape.num_kv_heads)
-    check_against(packed, loaded.model)
+    try:
+        packed = read_gguf(loaded.gguf, shape.num_heads, shape.num_kv_heads)
+        check_against(packed, loaded.model)
+    except ValueError as exc:  # a file this module cannot line up with the model
+        if config.weight_format == "packed":
+            raise ValueError(f"EngineConfig.weight_format='packed' cannot run: {exc}") from exc
+        log.warning("weights: dequantized to float32 (%s)", exc)
+        return None
     counts = packed.type_counts()
     unpacked = {name: n for name, n in counts.items() if name not in cpu_quant_linear.FORMAT_NAMES}
     log.info("weights: packed as stored in %s %s, fused dequantizing GEMM (AVX-512)%s", loaded.gguf.name, counts,
@@ -94,7 +108,7 @@ def packed_unavailable(config: EngineConfig, loaded: LoadedModel, device: torch.
                        native_reason: str | None) -> str | None:
     """Why the weights cannot run packed here, or None."""
     if loaded.gguf is None:
-        return "the model is not a GGUF file"
+        return "the model is not a GGUF file"  # its weights run as loaded
     if device.type != "cpu" or config.dtype != "float32":
         return f"packed weights run on CPU in float32, not {device.type} {config.dtype}"
     if native_reason is not None:
@@ -179,7 +193,7 @@ class ModelRunner:
         self.decoder = self.model.get_decoder()
         self.lm_head = self.model.get_output_embeddings()
         self.native = select_native(config, loaded, device, self.backend)
-        self.weight_format = "packed" if self.native is not None and self.native.packed else "dequantized"
+        self.weight_format = "packed" if self.native is not None and self.native.num_packed else "dequantized"
         self.masker = TokenMasker()  # grammar masks, of sampled rows and of beams alike
         self.sampler = Sampler(self.masker)
         self.generator = torch.Generator().manual_seed(config.seed)

@@ -19,7 +19,7 @@ from streamengine.kernels.cpu_quant_linear import QuantLinear, dequantize, pack_
 
 FORMATS = [GGMLQuantizationType.Q4_0, GGMLQuantizationType.Q4_1, GGMLQuantizationType.Q8_0]
 SHAPES = [(1, 32), (47, 64), (49, 96), (97, 576), (200, 1536)]  # (out, in): panel tails of 48 columns
-ROWS = [1, 2, 3, 4, 5, 7, 8, 9, 17, 33]
+ROWS = [0, 1, 2, 3, 4, 5, 7, 8, 9, 17, 33]
 
 needs_kernels = pytest.mark.skipif(cpu_quant_linear.load_library() is None, reason="no AVX-512 C++ kernels here")
 
@@ -50,7 +50,8 @@ def test_gemm_is_the_float32_gemm_over_dequantized_weights(qtype, shape):
         y = packed(x)
         assert y.shape == (m, n)
         assert torch.equal(y, float32(x)), f"M={m}"
-        torch.testing.assert_close(y, x @ reference.T, rtol=1e-4, atol=1e-4 * k**0.5)
+        if m:
+            torch.testing.assert_close(y, x @ reference.T, rtol=1e-4, atol=1e-4 * k**0.5)
 
 
 @needs_kernels
@@ -85,9 +86,9 @@ def test_bad_weights_are_refused_clearly():
 def test_wrong_input_is_refused():
     blocks, _ = quantized(GGMLQuantizationType.Q4_0, 8, 64)
     packed = QuantLinear(blocks, int(GGMLQuantizationType.Q4_0), (8, 64), None, cpu_quant_linear.load_library())
-    with pytest.raises(ValueError, match=r"float32 \[M, 64\]"):
+    with pytest.raises(ValueError, match=r"float32 CPU \[M, 64\]"):
         packed(torch.randn(2, 32))
-    with pytest.raises(ValueError, match=r"float32 \[M, 64\]"):
+    with pytest.raises(ValueError, match=r"float32 CPU \[M, 64\]"):
         packed(torch.randn(2, 64, dtype=torch.float64))
 
 

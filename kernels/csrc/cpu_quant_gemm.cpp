@@ -153,8 +153,8 @@ void dequant_panel(const uint8_t* panel, int64_t K, float* out) {
   }
 }
 
-// This thread's buffer for one unpacked panel [K][48]: it stays in L1/L2 while all M rows
-// use it. Kept between calls (the pool's threads persist), grown when K grows, never cleared.
+// This thread's buffer for one unpacked panel [K][48] (192 * K bytes: in L2 for the hidden
+// sizes of small models) while all M rows use it. Kept between calls (the pool's threads persist), grown when K grows, never cleared.
 inline float* panel_buffer(int64_t K) {
   thread_local std::vector<float> buffer;
   if (static_cast<int64_t>(buffer.size()) < K * NR) buffer.resize(K * NR);
@@ -205,6 +205,7 @@ extern "C" int64_t streamengine_quant_block_bytes(int64_t format) {
 
 extern "C" int streamengine_gemm(const int64_t* weight, const float* x, int64_t M, float* y) {
   if (M < 0 || !valid(weight)) return -1;
+  if (M == 0) return 0;  // the row kernels assume at least one row
   const int64_t K = weight[WEIGHT_K], n_padded = weight[WEIGHT_N_PADDED];
   const auto* data = reinterpret_cast<const uint8_t*>(weight[WEIGHT_DATA]);
   switch (weight[WEIGHT_FORMAT]) {

@@ -18,7 +18,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from streamengine.kernels.cpu_quant_linear import dequantize
+from streamengine.kernels.cpu_quant_linear import FORMATS, dequantize
 
 # HF projection -> GGUF tensor name inside blk.N
 LAYER_TENSORS = {
@@ -26,7 +26,7 @@ LAYER_TENSORS = {
     "gate_proj": "ffn_gate", "up_proj": "ffn_up", "down_proj": "ffn_down",
 }
 PERMUTED_ARCHITECTURES = ("llama",)  # architectures whose q/k rows GGUF stores permuted
-CHECK_ROWS = 3  # rows per tensor compared with the loaded model
+CHECK_ROWS = 8  # rows per tensor compared with the loaded model, besides the first and last
 
 
 @dataclass(frozen=True, slots=True)
@@ -76,6 +76,10 @@ def _read_gguf(path: Path, size: int, mtime_ns: int, num_heads: int, num_kv_head
     tensors = {t.name: t for t in reader.tensors}
     arch = bytes(reader.fields["general.architecture"].parts[-1]).decode()
     count = 1 + max(int(name.split(".")[1]) for name in tensors if name.startswith("blk."))
+    missing = [f"blk.{i}.{gg}.weight" for i in range(count) for gg in LAYER_TENSORS.values()
+               if f"blk.{i}.{gg}.weight" not in tensors] + [n for n in ("token_embd.weight",) if n not in tensors]
+    if missing:
+        raise ValueError(f"{path.name} lacks {', '.join(missing[:4])}{' ...' if len(missing) > 4 else ''}")
     layers = [{hf: _tensor(tensors[f"blk.{i}.{gg}.weight"]) for hf, gg in LAYER_TENSORS.items()} for i in range(count)]
     if arch in PERMUTED_ARCHITECTURES:
         for layer in layers:
@@ -117,15 +121,11 @@ def check_against(weights: GgufWeights, model) -> None:
     for name, tensor, expected in pairs:
         if tensor.shape != tuple(expected.shape):
             raise ValueError(f"GGUF tensor for {name} has shape {tensor.shape}, the model {tuple(expected.shape)}")
-        if not _is_block_format(tensor):
+        if tensor.quant_type not in FORMATS:
             continue
-        index = np.linspace(0, tensor.shape[0] - 1, CHECK_ROWS).astype(np.int64)
+        # Rows 1.. sit inside the first head, where the q/k permutation moves every row but its first.
+        index = np.unique(np.r_[0, np.arange(1, min(CHECK_ROWS + 1, tensor.shape[0])), tensor.shape[0] - 1])
         got = tensor.rows(index).dequantize()
         if not torch.equal(got, expected.detach()[torch.from_numpy(index)].float()):
             raise ValueError(f"GGUF tensor for {name} does not match the loaded model's weights")
 
-
-def _is_block_format(tensor: BlockTensor) -> bool:
-    from streamengine.kernels.cpu_quant_linear import FORMATS
-
-    return tensor.quant_type in FORMATS

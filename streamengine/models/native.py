@@ -1,18 +1,19 @@
 """A compact forward for Llama-family decoders (Llama, Qwen2) over the paged cache.
 
 Why not only transformers' modules: on a 2-core CPU a decode step of SmolLM2-135M is bound by
-reading the weights, and transformers' layers add per-module Python and seven separate
-matmuls per layer to it. Here the same weights run as four GEMMs per layer (q/k/v and
-gate/up fused), packed once for the CPU GEMM (kernels/cpu_linear.py), with the packed
-batch kept 2-D ([num_tokens, hidden]) end to end; with the C++ libraries each layer is two
-calls (kernels/cpu_layer.py), without them the same steps run as PyTorch ops
-(kernels/cpu_ops.py). `bench/roofline.py --compare-transformers` measures both paths side by
-side. Given a GGUF file's blocks (models/gguf_weights.py), the projections, the LM head and the
-embedding lookup use them as stored (kernels/cpu_quant_linear.py) instead of float32 copies. The math is transformers' own: RMSNorm in float32, RoPE from the model's rotary module,
-the SiLU-gated MLP, and the same attention backends.
+reading the weights, and transformers' layers add per-module Python and seven separate matmuls
+per layer to it. Here the same weights run as four GEMMs per layer (q/k/v and gate/up fused),
+packed once for the CPU GEMM (kernels/cpu_linear.py), with the packed batch kept 2-D
+([num_tokens, hidden]) end to end; with the C++ libraries each layer is two calls
+(kernels/cpu_layer.py), without them the same steps run as PyTorch ops (kernels/cpu_ops.py).
+`bench/roofline.py --compare-transformers` measures both paths side by side. Given a GGUF
+file's blocks (models/gguf_weights.py), the projections and the LM head use them as stored
+(kernels/cpu_quant_linear.py) instead of float32 panels. The math is transformers' own: RMSNorm
+in float32, RoPE from the model's rotary module, the SiLU-gated MLP, and the same attention
+backends.
 
-Anything else (other architectures, sliding windows, other activations) keeps the
-transformers path; `unsupported_reason` says why a model does not qualify.
+Anything else (other architectures, sliding windows, other activations) keeps the transformers
+path; `unsupported_reason` says why a model does not qualify.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ import torch
 import torch.nn.functional as F
 
 from streamengine.kernels import cpu_layer, cpu_quant_linear
-from streamengine.kernels.cpu_linear import PackedLinear, TorchLinear, make_linear
+from streamengine.kernels.cpu_linear import PanelLinear, TorchLinear, make_linear
 from streamengine.kernels.cpu_ops import add_rms_norm, rope_, silu_mul
 from streamengine.kernels.cpu_quant_linear import QuantLinear
 from streamengine.kv_cache import AttentionShape
@@ -33,7 +34,7 @@ from streamengine.models.gguf_weights import BlockTensor, GgufWeights
 
 SUPPORTED_MODEL_TYPES = ("llama", "qwen2")
 
-Linear = PackedLinear | QuantLinear | TorchLinear
+Linear = PanelLinear | TorchLinear
 
 
 def unsupported_reason(model) -> str | None:
@@ -83,15 +84,16 @@ class NativeDecoder:
         self.num_heads, self.num_kv_heads, self.head_dim = shape.num_heads, shape.num_kv_heads, shape.head_dim
         self.eps = config.rms_norm_eps
         self.scale = self.head_dim**-0.5
-        self.packed = packed is not None
         self.embed = decoder.embed_tokens.weight  # [vocab, hidden]
-        self.embed_blocks = packed.embedding if packed and packed.embedding.quant_type in cpu_quant_linear.FORMATS else None
         self.rotary = decoder.rotary_emb
         self.final_norm = decoder.norm.weight
         blocks = packed.layers if packed else [None] * len(decoder.layers)
         self.layers = [self._layer(layer, b) for layer, b in zip(decoder.layers, blocks, strict=True)]
         head = model.get_output_embeddings()
         self.lm_head = _projection([head.weight], [packed.output] if packed else None, head.bias)
+        linears = [self.lm_head, *(lin for layer in self.layers for lin in (layer.qkv, layer.o, layer.gate_up, layer.down))]
+        self.num_packed = sum(isinstance(lin, QuantLinear) for lin in linears)  # of len(linears) weight matrices
+        self.num_linears = len(linears)
         self.fused = self._fused_layers() if backend.fused_cpu_layers else None
         self.stack = None if self.fused is None else cpu_layer.DecodeStack(
             self.fused, [layer.input_norm for layer in self.layers[1:]] + [self.final_norm]
@@ -123,7 +125,7 @@ class NativeDecoder:
         """Two-call layers (kernels/cpu_layer.py) when every weight is packed and the library
         runs here; None keeps the op-by-op path."""
         packed = all(
-            isinstance(lin, PackedLinear | QuantLinear)
+            isinstance(lin, PanelLinear)
             for layer in self.layers for lin in (layer.qkv, layer.o, layer.gate_up, layer.down)
         )
         if not packed or not cpu_layer.available():
@@ -135,7 +137,7 @@ class NativeDecoder:
         ]
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, plan: AttentionPlan) -> torch.Tensor:
-        h = self._embed(input_ids)  # [T, hidden], the residual stream
+        h = F.embedding(input_ids, self.embed)  # [T, hidden], the residual stream
         cos, sin = self._rope_tables(h, positions)
         x = add_rms_norm(h, None, self.layers[0].input_norm, self.eps)
         if self.stack is not None and plan.decode_kernel is not None:  # every layer in one call
@@ -164,11 +166,6 @@ class NativeDecoder:
         k = qkv[:, nh * d:(nh + nkv) * d].view(t, nkv, d)
         v = qkv[:, (nh + nkv) * d:(nh + 2 * nkv) * d].view(t, nkv, d)
         return q, k, v
-
-    def _embed(self, input_ids: torch.Tensor) -> torch.Tensor:
-        if self.embed_blocks is None:
-            return F.embedding(input_ids, self.embed)
-        return self.embed_blocks.rows(input_ids.cpu().numpy()).dequantize().to(input_ids.device)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden)  # [rows, vocab]
