@@ -65,6 +65,16 @@ class PrefillPlan:
         for name, t, dtype in (("block_tables", block_tables, torch.int32), ("seq_lens", seq_lens, torch.int32),
                                ("query_start_loc", query_start_loc, torch.int32), ("rows", rows, torch.int64)):
             _check_step_tensor(name, t, dtype)
+        num_seqs = block_tables.shape[0]
+        if seq_lens.numel() != num_seqs or query_start_loc.numel() != num_seqs + 1:
+            raise ValueError("seq_lens needs one entry per block-table row, query_start_loc one more")
+        if rows.numel() and (int(rows.min()) < 0 or int(rows.max()) >= num_seqs):
+            raise ValueError(f"rows must index the {num_seqs} sequences")
+        # What the C++ side trusts, summarised once per step and checked against each layer's tensors.
+        self.num_query_tokens = int(query_start_loc[-1]) if num_seqs else 0
+        self.max_seq_len = int(seq_lens.max()) if num_seqs else 0
+        self.max_block = int(block_tables.max()) if block_tables.numel() else -1
+        self.table_width = block_tables.shape[1]
         self._keep = (block_tables, seq_lens, query_start_loc, rows)  # the pointers below stay valid
         self.tables, self.table_stride = block_tables.data_ptr(), block_tables.stride(0)
         self.seq_lens, self.query_start_loc = seq_lens.data_ptr(), query_start_loc.data_ptr()
@@ -90,6 +100,10 @@ class PrefillPlan:
             raise ValueError("key_cache, value_cache and out must be contiguous")
         if key_cache.shape[3] != head_dim:
             raise ValueError(f"the query's head_dim {head_dim} is not the cache's {key_cache.shape[3]}")
+        if out.shape != query.shape or query.shape[0] < self.num_query_tokens:
+            raise ValueError(f"query and out must both be [{self.num_query_tokens}+, heads, head_dim]")
+        if self.max_block >= key_cache.shape[0] or self.table_width * block_size < self.max_seq_len:
+            raise ValueError("the block tables point past the cache or cannot hold the longest context")
         rc = self.lib.streamengine_paged_prefill(
             query.data_ptr(), query.stride(0), key_cache.data_ptr(), value_cache.data_ptr(), code,
             block_size, num_heads, num_kv_heads, head_dim, self.tables, self.table_stride, self.seq_lens,

@@ -127,6 +127,15 @@ def test_bad_inputs_raise_clear_errors():
     with pytest.raises(ValueError, match="float32 or float16 caches"):
         paged_prefill(q, kc.bfloat16(), vc.bfloat16(), tables, lens, starts, torch.tensor([0]), 1.0,
                       torch.empty_like(q))
+    # What the C++ side would read or write out of bounds for.
+    with pytest.raises(ValueError, match="rows must index"):
+        paged_prefill(q, kc, vc, tables, lens, starts, torch.tensor([1]), 1.0, torch.empty_like(q))
+    with pytest.raises(ValueError, match="query and out must both be"):
+        paged_prefill(q, kc, vc, tables, lens, starts, torch.tensor([0]), 1.0, torch.empty_like(q[:3]))
+    with pytest.raises(ValueError, match="point past the cache"):
+        paged_prefill(q, kc[:1], vc[:1], tables + 1, lens, starts, torch.tensor([0]), 1.0, torch.empty_like(q))
+    with pytest.raises(ValueError, match="cannot hold the longest context"):
+        paged_prefill(q, kc, vc, tables, lens + 16, starts, torch.tensor([0]), 1.0, torch.empty_like(q))
 
 
 def mixed_step(block_size: int, cache_dtype: torch.dtype = torch.float32):
