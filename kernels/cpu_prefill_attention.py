@@ -15,8 +15,8 @@ import functools
 import torch
 
 from . import cpu_build
+from .cpu_attention import PagedPlan
 from .cpu_build import F32, I64, PTR
-from .cpu_ops import cache_type
 
 
 @functools.lru_cache(maxsize=1)
@@ -46,39 +46,12 @@ def prefill_supported(num_heads: int, num_kv_heads: int, head_dim: int, block_si
     )
 
 
-def _check_step_tensor(name: str, t: torch.Tensor, dtype: torch.dtype) -> None:
-    if t.dtype != dtype or t.device.type != "cpu":
-        raise ValueError(f"{name} must be a CPU {dtype} tensor, got {t.dtype} on {t.device}")
-    if not t.is_contiguous():
-        raise ValueError(f"{name} must be contiguous")
-
-
-class PrefillPlan:
-    """The per-step part of a `paged_prefill` call, checked once per step and reused by every
-    layer (the per-layer call then only passes the query, the layer's caches and `out`)."""
+class PrefillPlan(PagedPlan):
+    """A `paged_prefill` step: every query token of the listed sequences."""
 
     def __init__(self, block_tables: torch.Tensor, seq_lens: torch.Tensor, query_start_loc: torch.Tensor,
                  rows: torch.Tensor) -> None:
-        self.lib = load_library()
-        if self.lib is None:
-            raise RuntimeError("the CPU prefill-attention kernel is not available here")
-        for name, t, dtype in (("block_tables", block_tables, torch.int32), ("seq_lens", seq_lens, torch.int32),
-                               ("query_start_loc", query_start_loc, torch.int32), ("rows", rows, torch.int64)):
-            _check_step_tensor(name, t, dtype)
-        num_seqs = block_tables.shape[0]
-        if seq_lens.numel() != num_seqs or query_start_loc.numel() != num_seqs + 1:
-            raise ValueError("seq_lens needs one entry per block-table row, query_start_loc one more")
-        if rows.numel() and (int(rows.min()) < 0 or int(rows.max()) >= num_seqs):
-            raise ValueError(f"rows must index the {num_seqs} sequences")
-        # What the C++ side trusts, summarised once per step and checked against each layer's tensors.
-        self.num_query_tokens = int(query_start_loc[-1]) if num_seqs else 0
-        self.max_seq_len = int(seq_lens.max()) if num_seqs else 0
-        self.max_block = int(block_tables.max()) if block_tables.numel() else -1
-        self.table_width = block_tables.shape[1]
-        self._keep = (block_tables, seq_lens, query_start_loc, rows)  # the pointers below stay valid
-        self.tables, self.table_stride = block_tables.data_ptr(), block_tables.stride(0)
-        self.seq_lens, self.query_start_loc = seq_lens.data_ptr(), query_start_loc.data_ptr()
-        self.rows, self.num_rows = rows.data_ptr(), rows.numel()
+        super().__init__(load_library(), block_tables, seq_lens, query_start_loc, rows)
 
     @staticmethod
     def takes(query: torch.Tensor, key_cache: torch.Tensor) -> bool:
@@ -88,34 +61,11 @@ class PrefillPlan:
 
     def run(self, query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor, scale: float,
             out: torch.Tensor) -> None:
-        _, num_heads, head_dim = query.shape
-        _, block_size, num_kv_heads, _ = key_cache.shape
-        if query.stride(2) != 1 or query.stride(1) != head_dim:
-            query = query.contiguous()
-        for name, t in (("query", query), ("out", out)):
-            if t.dtype != torch.float32 or t.device.type != "cpu":
-                raise ValueError(f"{name} must be a CPU torch.float32 tensor, got {t.dtype} on {t.device}")
-        code = cache_type(key_cache, value_cache)
-        if not (key_cache.is_contiguous() and value_cache.is_contiguous() and out.is_contiguous()):
-            raise ValueError("key_cache, value_cache and out must be contiguous")
-        if key_cache.shape[3] != head_dim:
-            raise ValueError(f"the query's head_dim {head_dim} is not the cache's {key_cache.shape[3]}")
-        if out.shape != query.shape or query.shape[0] < self.num_query_tokens:
-            raise ValueError(f"query and out must both be [{self.num_query_tokens}+, heads, head_dim]")
-        if self.max_block >= key_cache.shape[0] or self.table_width * block_size < self.max_seq_len:
-            raise ValueError("the block tables point past the cache or cannot hold the longest context")
-        rc = self.lib.streamengine_paged_prefill(
-            query.data_ptr(), query.stride(0), key_cache.data_ptr(), value_cache.data_ptr(), code,
-            block_size, num_heads, num_kv_heads, head_dim, self.tables, self.table_stride, self.seq_lens,
-            self.query_start_loc, self.rows, self.num_rows, scale, out.data_ptr(),
-        )
+        rc = self._launch(self.lib.streamengine_paged_prefill, query, key_cache, value_cache, scale, out)
         if rc == -2:
             raise ValueError("a listed row has more query tokens (query_start_loc) than context (seq_lens)")
         if rc != 0:
-            raise ValueError(
-                f"paged_prefill does not support heads={num_heads} kv_heads={num_kv_heads} "
-                f"head_dim={head_dim} block_size={block_size}"
-            )
+            raise self._unsupported("paged_prefill", query, key_cache)
 
 
 def paged_prefill(
