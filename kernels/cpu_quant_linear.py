@@ -42,6 +42,7 @@ FORMATS = {f.type_id: f for f in (
     BlockFormat("Q8_0", 8, 34, False, 8),
 )}
 FORMAT_NAMES = frozenset(f.name for f in FORMATS.values())
+Q8_0_TYPE = 8  # the GGUF type id of Q8_0: the int8 weight-only mode's blocks
 
 
 def block_format(quant_type: int) -> BlockFormat:
@@ -79,6 +80,21 @@ def dequantize(blocks: np.ndarray | torch.Tensor, quant_type: int, shape: tuple[
     else:
         w = scale * codes
     return w.reshape(n, k)
+
+
+def quantize_q8_0(weight: torch.Tensor) -> np.ndarray:
+    """[N, K] float weights as Q8_0 blocks [N, K / 32 * 34] (the int8 weight-only mode): per 32
+    weights one float16 scale d = max |w| / 127 and codes round(w / d). Not exact: each weight
+    moves by up to d / 2."""
+    n, k = weight.shape
+    if k % QK:
+        raise ValueError(f"in_features {k} is not a multiple of {QK}")
+    w = weight.detach().float().cpu().numpy().reshape(n, k // QK, QK)
+    d = (np.abs(w).max(axis=-1, keepdims=True) / 127).astype(np.float16)  # [N, nb, 1]
+    scale = d.astype(np.float32)
+    inverse = np.divide(1.0, scale, out=np.zeros_like(scale), where=scale > 0)
+    codes = np.clip(np.rint(w * inverse), -127, 127).astype(np.int8)
+    return np.concatenate([d.view(np.uint8), codes.view(np.uint8)], axis=-1).reshape(n, -1)
 
 
 def pack_blocks(blocks: np.ndarray, quant_type: int, shape: tuple[int, int], width: int) -> np.ndarray:

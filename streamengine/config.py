@@ -23,7 +23,7 @@ PREEMPTION_MODES = ("auto", "recompute", "swap")
 DTYPES = ("float32", "float16", "bfloat16")
 KV_CACHE_DTYPES = ("auto", *DTYPES)
 MODEL_IMPLS = ("auto", "native", "transformers")
-WEIGHT_FORMATS = ("auto", "dequantized", "packed")
+WEIGHT_FORMATS = ("auto", "dequantized", "packed", "int8")
 SCHEDULING_POLICIES = ("fair", "fcfs")
 
 
@@ -89,7 +89,9 @@ class EngineConfig:
         "Q8_0), multiplied by the native decoder's fused dequantizing GEMM (needs AVX-512); "
         "\"dequantized\": float32 copies; \"auto\": packed where it can run, else dequantized. "
         "Both give the same tokens (the packed kernels compute the float32 GEMM over the "
-        "dequantized weights).",
+        "dequantized weights). \"int8\" (opt-in, any float32 model on the native CPU path): "
+        "every weight matrix quantized to Q8_0 blocks at load and run by the same kernels; "
+        "not exact (greedy tokens may diverge from the float model's).",
         choices=WEIGHT_FORMATS)
     preemption_mode: str = _option(
         "recompute", "how a sequence gives up its blocks when the pool runs out", choices=PREEMPTION_MODES)

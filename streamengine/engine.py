@@ -101,7 +101,8 @@ class AsyncEngine:
 
     @property
     def weight_format(self) -> str:
-        """How the weights run: "packed" (a GGUF file's blocks as stored) or "dequantized"."""
+        """How the weights run: "packed" (a GGUF file's blocks as stored), "dequantized" (float,
+        as loaded) or "int8" (quantized to Q8_0 at load)."""
         return self.core.runner.weight_format
 
     @property

@@ -62,6 +62,8 @@ def select_native(config: EngineConfig, loaded: LoadedModel, device: torch.devic
         raise ValueError(f"EngineConfig.model_impl='native' cannot run this model: {reason}")
     if reason is None and not (model_impl == "native" or device.type == "cpu"):
         reason = f"model_impl='auto' on {device.type}"
+    if config.weight_format == "int8":
+        return int8_native(config, loaded, device, backend, reason)
     packed = select_packed(config, loaded, device, native_reason=reason)
     if reason is not None:
         return None
@@ -71,6 +73,18 @@ def select_native(config: EngineConfig, loaded: LoadedModel, device: torch.devic
         if native.num_packed == 0 and config.weight_format == "packed":
             raise ValueError(f"EngineConfig.weight_format='packed' cannot run: no tensor of {loaded.gguf.name} "
                              f"has a packed kernel ({packed.type_counts()})")
+    return native
+
+
+def int8_native(config: EngineConfig, loaded: LoadedModel, device: torch.device, backend: AttentionBackend,
+                native_reason: str | None) -> NativeDecoder:
+    """The native decoder with every weight matrix quantized to Q8_0 (weight_format "int8")."""
+    reason = packed_unavailable(config, loaded, device, native_reason, needs_gguf=False)
+    if reason is not None:
+        raise ValueError(f"EngineConfig.weight_format='int8' cannot run: {reason}")
+    native = NativeDecoder(loaded.model, backend, int8=True)
+    log.info("weights: int8 weight-only (Q8_0 blocks quantized at load, not exact): %d of %d weight matrices",
+             native.num_packed, native.num_linears)
     return native
 
 
@@ -105,9 +119,9 @@ def select_packed(config: EngineConfig, loaded: LoadedModel, device: torch.devic
 
 
 def packed_unavailable(config: EngineConfig, loaded: LoadedModel, device: torch.device,
-                       native_reason: str | None) -> str | None:
+                       native_reason: str | None, needs_gguf: bool = True) -> str | None:
     """Why the weights cannot run packed here, or None."""
-    if loaded.gguf is None:
+    if needs_gguf and loaded.gguf is None:
         return "the model is not a GGUF file"  # its weights run as loaded
     if device.type != "cpu" or config.dtype != "float32":
         return f"packed weights run on CPU in float32, not {device.type} {config.dtype}"
@@ -193,7 +207,8 @@ class ModelRunner:
         self.decoder = self.model.get_decoder()
         self.lm_head = self.model.get_output_embeddings()
         self.native = select_native(config, loaded, device, self.backend)
-        self.weight_format = "packed" if self.native is not None and self.native.num_packed else "dequantized"
+        packed = self.native is not None and self.native.num_packed > 0
+        self.weight_format = "int8" if config.weight_format == "int8" else "packed" if packed else "dequantized"
         self.masker = TokenMasker()  # grammar masks, of sampled rows and of beams alike
         self.sampler = Sampler(self.masker)
         self.generator = torch.Generator().manual_seed(config.seed)

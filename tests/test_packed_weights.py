@@ -115,3 +115,16 @@ def test_without_the_kernels_auto_falls_back_with_the_same_tokens(packed_outputs
     assert result["format"] == "dequantized"
     assert "the C++ kernels do not run here" in result["refused"]
     assert result["tokens"] == [t for t, _ in packed_outputs]
+
+
+@needs_kernels
+async def test_int8_weight_only_mode_is_close_to_the_float_model(smollm_dir):
+    """Opt-in and not exact: every weight matrix quantized to Q8_0 at load. A regression guard
+    on how close it stays (greedy, deterministic): every first token agrees with the float
+    model's, and at least half the prompts agree on all their tokens."""
+    folder = load_model(str(smollm_dir), "float32", "cpu")
+    fmt, int8 = await run(folder, PROMPTS, weight_format="int8")
+    assert fmt == "int8"
+    _, exact = await run(folder, PROMPTS, weight_format="dequantized")
+    assert all(a[0] == b[0] for (a, _), (b, _) in zip(int8, exact, strict=True))
+    assert sum(a == b for (a, _), (b, _) in zip(int8, exact, strict=True)) >= len(PROMPTS) / 2

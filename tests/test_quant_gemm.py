@@ -15,7 +15,13 @@ import torch
 from gguf import GGMLQuantizationType, quants
 from streamengine.kernels import cpu_build, cpu_quant_linear
 from streamengine.kernels.cpu_linear import SMALL_M_MAX, make_linear
-from streamengine.kernels.cpu_quant_linear import QuantLinear, dequantize, pack_blocks
+from streamengine.kernels.cpu_quant_linear import (
+    Q8_0_TYPE,
+    QuantLinear,
+    dequantize,
+    pack_blocks,
+    quantize_q8_0,
+)
 
 FORMATS = [GGMLQuantizationType.Q4_0, GGMLQuantizationType.Q4_1, GGMLQuantizationType.Q8_0]
 SHAPES = [(1, 32), (47, 64), (49, 96), (97, 576), (200, 1536)]  # (out, in): panel tails of 48 columns
@@ -111,3 +117,19 @@ def test_an_avx2_build_links_and_reports_no_kernels(tmp_path, monkeypatch):
         pytest.skip(str(exc))
     done = subprocess.run([sys.executable, "-c", AVX2_PROBE, str(library)], capture_output=True, text=True, check=True)
     assert done.stdout.split() == ["0", "0", "0"]
+
+
+def test_int8_quantization_moves_each_weight_by_at_most_half_a_step():
+    """The int8 weight-only mode's quantizer: Q8_0 blocks whose dequantized weights sit within
+    half a step (d / 2, d the block's float16 scale) of the float weights; zero blocks stay zero."""
+    w = torch.randn(50, 96, generator=torch.Generator().manual_seed(3)) * 0.05
+    w[7, 32:64] = 0
+    blocks = quantize_q8_0(w)
+    assert blocks.shape == (50, 96 // 32 * 34)
+    got = dequantize(blocks, Q8_0_TYPE, (50, 96))
+    step = torch.from_numpy(blocks.reshape(50, 3, 34)[..., :2].copy().view(np.float16).astype(np.float32))  # [50, 3, 1]
+    error = (got - w).abs().reshape(50, 3, 32)
+    assert (error <= step * 0.5 + 1e-7).all()
+    assert torch.equal(got[7, 32:64], torch.zeros(32))
+    with pytest.raises(ValueError, match="not a multiple of 32"):
+        quantize_q8_0(torch.randn(4, 40))

@@ -74,7 +74,8 @@ class NativeDecoder:
     format the kernels support runs as stored; the rest run as float32 panels.
     """
 
-    def __init__(self, model, backend: AttentionBackend, packed: GgufWeights | None = None) -> None:
+    def __init__(self, model, backend: AttentionBackend, packed: GgufWeights | None = None,
+                 int8: bool = False) -> None:
         reason = unsupported_reason(model)
         if reason is not None:
             raise ValueError(f"native decoder cannot run this model: {reason}")
@@ -88,9 +89,9 @@ class NativeDecoder:
         self.rotary = decoder.rotary_emb
         self.final_norm = decoder.norm.weight
         blocks = packed.layers if packed else [None] * len(decoder.layers)
-        self.layers = [self._layer(layer, b) for layer, b in zip(decoder.layers, blocks, strict=True)]
+        self.layers = [self._layer(layer, b, int8) for layer, b in zip(decoder.layers, blocks, strict=True)]
         head = model.get_output_embeddings()
-        self.lm_head = _projection([head.weight], [packed.output] if packed else None, head.bias)
+        self.lm_head = _projection([head.weight], [packed.output] if packed else None, head.bias, int8)
         linears = [self.lm_head, *(lin for layer in self.layers for lin in (layer.qkv, layer.o, layer.gate_up, layer.down))]
         self.num_packed = sum(isinstance(lin, QuantLinear) for lin in linears)  # of len(linears) weight matrices
         self.num_linears = len(linears)
@@ -100,7 +101,7 @@ class NativeDecoder:
         )
 
     @staticmethod
-    def _layer(layer, blocks: dict[str, BlockTensor] | None) -> NativeLayer:
+    def _layer(layer, blocks: dict[str, BlockTensor] | None, int8: bool) -> NativeLayer:
         attn, mlp = layer.self_attn, layer.mlp
 
         def of(*names: str) -> list[BlockTensor] | None:
@@ -114,11 +115,11 @@ class NativeDecoder:
             ])
         return NativeLayer(
             input_norm=layer.input_layernorm.weight,
-            qkv=_projection([p.weight for p in projections], of("q_proj", "k_proj", "v_proj"), qkv_bias),
-            o=_projection([attn.o_proj.weight], of("o_proj"), attn.o_proj.bias),
+            qkv=_projection([p.weight for p in projections], of("q_proj", "k_proj", "v_proj"), qkv_bias, int8),
+            o=_projection([attn.o_proj.weight], of("o_proj"), attn.o_proj.bias, int8),
             post_norm=layer.post_attention_layernorm.weight,
-            gate_up=_projection([mlp.gate_proj.weight, mlp.up_proj.weight], of("gate_proj", "up_proj")),
-            down=_projection([mlp.down_proj.weight], of("down_proj")),
+            gate_up=_projection([mlp.gate_proj.weight, mlp.up_proj.weight], of("gate_proj", "up_proj"), None, int8),
+            down=_projection([mlp.down_proj.weight], of("down_proj"), None, int8),
         )
 
     def _fused_layers(self) -> list[cpu_layer.FusedLayer] | None:
@@ -192,9 +193,15 @@ class NativeDecoder:
 
 
 def _projection(weights: list[torch.Tensor], blocks: list[BlockTensor] | None,
-                bias: torch.Tensor | None = None) -> Linear:
+                bias: torch.Tensor | None = None, int8: bool = False) -> Linear:
     """One linear over the row-wise concatenation of `weights`: from their GGUF blocks when
-    given, all of one type and that type runs packed here; else from the float32 weights."""
+    given, all of one type and that type runs packed here; quantized to Q8_0 for `int8` (where
+    the kernels run and in_features is whole blocks); else from the float32 weights."""
+    lib = cpu_quant_linear.load_library()
+    if int8 and lib is not None and weights[0].shape[1] % cpu_quant_linear.QK == 0:
+        weight = torch.cat(weights) if len(weights) > 1 else weights[0]
+        blocks_q8 = cpu_quant_linear.quantize_q8_0(weight)
+        return QuantLinear(blocks_q8, cpu_quant_linear.Q8_0_TYPE, tuple(weight.shape), bias, lib)
     if blocks is not None and len({b.quant_type for b in blocks}) == 1 and cpu_quant_linear.supported(blocks[0].quant_type):
         rows = np.concatenate([b.blocks for b in blocks])
         shape = (sum(b.shape[0] for b in blocks), blocks[0].shape[1])
