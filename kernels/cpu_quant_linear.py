@@ -1,5 +1,5 @@
-"""Linear layers whose weights stay in GGUF block formats (Q4_0, Q4_1, Q8_0), multiplied by
-csrc/cpu_quant_gemm.cpp with the dequantization fused into the GEMM.
+"""Linear layers whose weights stay in GGUF block formats (Q4_0, Q4_1, Q8_0) or bfloat16,
+multiplied by csrc/cpu_quant_gemm.cpp with the dequantization fused into the GEMM.
 
 `QuantLinear(blocks, quant_type, shape)` takes a weight as the file stores it (rows of GGUF
 blocks, `blocks[n]` the bytes of output row n) and repacks it once into the kernel's panels:
@@ -40,9 +40,11 @@ FORMATS = {f.type_id: f for f in (
     BlockFormat("Q4_0", 2, 18, False, 4),
     BlockFormat("Q4_1", 3, 20, True, 4),
     BlockFormat("Q8_0", 8, 34, False, 8),
+    BlockFormat("BF16", 30, 64, False, 16),  # no scales: each weight is the upper half of a float32
 )}
 FORMAT_NAMES = frozenset(f.name for f in FORMATS.values())
 Q8_0_TYPE = 8  # the GGUF type id of Q8_0: the int8 weight-only mode's blocks
+BF16_TYPE = 30
 
 
 def block_format(quant_type: int) -> BlockFormat:
@@ -70,6 +72,9 @@ def _fields(blocks: np.ndarray, fmt: BlockFormat, k: int) -> tuple[np.ndarray, n
 def dequantize(blocks: np.ndarray | torch.Tensor, quant_type: int, shape: tuple[int, int]) -> torch.Tensor:
     """[N, K] float32 weights of GGUF blocks, computed as GGUF defines them."""
     fmt, (n, k) = block_format(quant_type), shape
+    if fmt.code_bits == 16:
+        bits = np.ascontiguousarray(blocks, dtype=np.uint8).view(np.uint16).astype(np.int32) << 16
+        return torch.from_numpy(bits.view(np.float32)).reshape(n, k)
     d, m, q = _fields(np.asarray(blocks), fmt, k)
     scale = torch.from_numpy(d.astype(np.float32))[..., None]  # [N, nb, 1]
     codes = torch.from_numpy(q.astype(np.float32))  # [N, nb, 32]
@@ -97,20 +102,32 @@ def quantize_q8_0(weight: torch.Tensor) -> np.ndarray:
     return np.concatenate([d.view(np.uint8), codes.view(np.uint8)], axis=-1).reshape(n, -1)
 
 
+def bfloat16_rows(weight: torch.Tensor) -> np.ndarray | None:
+    """A float32 weight's bfloat16 bytes [N, 2K] when every value is exactly a bfloat16 (a
+    bfloat16 checkpoint loaded as float32), else None."""
+    bits = weight.detach().float().contiguous().view(torch.int32)
+    if bool((bits & 0xFFFF).any()):
+        return None
+    return (bits >> 16).to(torch.int16).numpy().view(np.uint8).reshape(weight.shape[0], -1)
+
+
 def pack_blocks(blocks: np.ndarray, quant_type: int, shape: tuple[int, int], width: int) -> np.ndarray:
     """The kernel's panels (uint8, flat) of a weight given as GGUF blocks [N, bytes per row]."""
     fmt, (n, k) = block_format(quant_type), shape
     if k % QK:
         raise ValueError(f"in_features {k} is not a multiple of {QK}")
-    d, m, q = _fields(blocks, fmt, k)
-    if fmt.code_bits == 4:  # byte i of a block: weights 2i (low nibble) and 2i + 1 (high)
-        q = (q[..., 0::2] | (q[..., 1::2] << 4)).astype(np.uint8)  # [N, nb, 16]
     padded, nb = -(-n // width) * width, k // QK
 
     def by_panel(a: np.ndarray) -> np.ndarray:  # [N, nb, ...] -> [P, 48, nb, ...], zero columns past N
         a = np.concatenate([a, np.zeros((padded - n, *a.shape[1:]), a.dtype)]) if padded != n else a
         return a.reshape(padded // width, width, *a.shape[1:])
 
+    if fmt.code_bits == 16:  # [P, 48, nb, 32] -> [P, nb, 32, 48] bfloat16, no scales
+        halves = np.ascontiguousarray(blocks, dtype=np.uint8).view(np.uint16).reshape(n, nb, QK)
+        return np.ascontiguousarray(by_panel(halves).transpose(0, 2, 3, 1)).view(np.uint8).reshape(-1)
+    d, m, q = _fields(blocks, fmt, k)
+    if fmt.code_bits == 4:  # byte i of a block: weights 2i (low nibble) and 2i + 1 (high)
+        q = (q[..., 0::2] | (q[..., 1::2] << 4)).astype(np.uint8)  # [N, nb, 16]
     scales = [by_panel(s).transpose(0, 2, 1).copy().view(np.uint8) for s in (d, m) if s is not None]  # [P, nb, 96]
     if fmt.code_bits == 4:  # [P, 48, nb, 4 units, 4 bytes] -> [P, nb, units, 48, bytes]: a column's unit is one int32
         codes = by_panel(q.reshape(n, nb, 4, 4)).transpose(0, 2, 3, 1, 4)

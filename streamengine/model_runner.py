@@ -67,7 +67,12 @@ def select_native(config: EngineConfig, loaded: LoadedModel, device: torch.devic
     packed = select_packed(config, loaded, device, native_reason=reason)
     if reason is not None:
         return None
-    native = NativeDecoder(model, backend, packed)
+    # "auto" keeps float weights that are all bfloat16 values (a bfloat16 checkpoint) as bfloat16: exact.
+    bf16 = config.weight_format == "auto" and packed_unavailable(config, loaded, device, None, needs_gguf=False) is None
+    native = NativeDecoder(model, backend, packed, unpacked="bfloat16" if bf16 else "float32")
+    if packed is None and native.num_packed:
+        log.info("weights: %d of %d weight matrices are bfloat16 values, kept as bfloat16 (exact)",
+                 native.num_packed, native.num_linears)
     if packed is not None:
         log.info("weights: %d of %d weight matrices packed", native.num_packed, native.num_linears)
         if native.num_packed == 0 and config.weight_format == "packed":
@@ -82,7 +87,7 @@ def int8_native(config: EngineConfig, loaded: LoadedModel, device: torch.device,
     reason = packed_unavailable(config, loaded, device, native_reason, needs_gguf=False)
     if reason is not None:
         raise ValueError(f"EngineConfig.weight_format='int8' cannot run: {reason}")
-    native = NativeDecoder(loaded.model, backend, int8=True)
+    native = NativeDecoder(loaded.model, backend, unpacked="int8")
     log.info("weights: int8 weight-only (Q8_0 blocks quantized at load, not exact): %d of %d weight matrices",
              native.num_packed, native.num_linears)
     return native

@@ -128,3 +128,19 @@ async def test_int8_weight_only_mode_is_close_to_the_float_model(smollm_dir):
     _, exact = await run(folder, PROMPTS, weight_format="dequantized")
     assert all(a[0] == b[0] for (a, _), (b, _) in zip(int8, exact, strict=True))
     assert sum(a == b for (a, _), (b, _) in zip(int8, exact, strict=True)) >= len(PROMPTS) / 2
+
+
+@needs_kernels
+async def test_a_bfloat16_checkpoint_runs_as_bfloat16_bit_for_bit(tiny_llama_dir):
+    """Float weights that are all bfloat16 values (a bfloat16 checkpoint loaded as float32) are
+    kept as bfloat16 under "auto", half the bytes, with the float32 results exactly."""
+    loaded = load_model(str(tiny_llama_dir), "float32", "cpu")
+    loaded.model.to(torch.bfloat16).to(torch.float32)  # every weight now a bfloat16 value
+    fmt, halves = await run(loaded, PROMPTS)
+    assert fmt == "packed"
+    fmt, floats = await run(loaded, PROMPTS, weight_format="dequantized")
+    assert fmt == "dequantized"
+    assert halves == floats
+    unrounded = load_model(str(tiny_llama_dir), "float32", "cpu")
+    fmt, _ = await run(unrounded, PROMPTS[:1])
+    assert fmt == "dequantized"  # float32 values that are not bfloat16 stay float32

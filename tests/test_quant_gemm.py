@@ -1,5 +1,5 @@
-"""The packed-weight GEMM (kernels/csrc/cpu_quant_gemm.cpp) per GGUF format, against gguf-py's
-own NumPy dequantization: odd shapes, panel tails, every row-count path (in registers, one
+"""The packed-weight GEMM (kernels/csrc/cpu_quant_gemm.cpp) per GGUF format (Q4_0, Q4_1, Q8_0,
+BF16), against gguf-py's own NumPy dequantization: odd shapes, panel tails, every row-count path (in registers, one
 group at a time, through an unpacked panel, and past SMALL_M_MAX through a float32 matmul).
 The kernel claims more than closeness: it is the float32 GEMM over the dequantized weights, so
 it must equal the packed float32 kernel on those weights bit for bit."""
@@ -23,7 +23,7 @@ from streamengine.kernels.cpu_quant_linear import (
     quantize_q8_0,
 )
 
-FORMATS = [GGMLQuantizationType.Q4_0, GGMLQuantizationType.Q4_1, GGMLQuantizationType.Q8_0]
+FORMATS = [GGMLQuantizationType.Q4_0, GGMLQuantizationType.Q4_1, GGMLQuantizationType.Q8_0, GGMLQuantizationType.BF16]
 SHAPES = [(1, 32), (47, 64), (49, 96), (97, 576), (200, 1536)]  # (out, in): panel tails of 48 columns
 ROWS = [0, 1, 2, 3, 4, 5, 7, 8, 9, 17, 33]
 

@@ -1,12 +1,12 @@
-// GEMM with weights kept in GGUF block formats (Q4_0, Q4_1, Q8_0): y[M, N] = x[M, K] @ W^T,
-// dequantization fused into the multiply.
+// GEMM with weights kept in GGUF block formats (Q4_0, Q4_1, Q8_0) or as bfloat16:
+// y[M, N] = x[M, K] @ W^T, dequantization fused into the multiply.
 //
 // Why: a decode step reads every weight once, so its time is the weight stream. A Q4_1 weight
 // is 5 bits (a 4-bit code plus a share of its block's float16 scale and minimum) against 32
 // for float32. Each weight is unpacked in registers right before its multiply-add.
 //
 // Exactness: a weight's dequantized value is computed exactly as GGUF defines it (d * q + m,
-// d * (q - 8), d * q), and each of those is exact in float32 (a 4- or 8-bit integer times a
+// d * (q - 8), d * q; a bfloat16 widened), and each of those is exact in float32 (a 4- or 8-bit integer times a
 // float16 scale fits in 24 bits; the one addition rounds once, as the reference's does). Every
 // output is accumulated over k in order, one fused multiply-add per weight, as the float32
 // kernel (cpu_gemm_panel.h) does: the result equals the float32 GEMM over the dequantized
@@ -15,7 +15,7 @@
 // Layout (made by kernels/cpu_quant_linear.py from the file's blocks): panels of NR = 48
 // output columns, as in the float32 kernel; a panel is K / 32 blocks, each holding the 48
 // columns' float16 scales, then (Q4_1) their float16 minimums, then the codes k-major:
-// Q8_0 32 rows of 48 int8; Q4 4 units of 8 k, each 48 columns x 4 bytes, byte b of column j
+// Q8_0 32 rows of 48 int8; BF16 (no scales) 32 rows of 48 bfloat16; Q4 4 units of 8 k, each 48 columns x 4 bytes, byte b of column j
 // holding its codes for k = 2b (low nibble) and 2b + 1 (high nibble) of the unit.
 //
 // Up to REGISTER_ROWS input rows the codes are unpacked in registers and used by every row at
@@ -42,7 +42,7 @@ constexpr int64_t QK = 32;           // weights per GGUF block
 constexpr int REGISTER_ROWS = 8;     // rows served by weights unpacked in registers
 constexpr int64_t SCALES = NR * 2;   // bytes of 48 float16 values
 
-enum Format : int64_t { F32 = 0, Q4_0 = 2, Q4_1 = 3, Q8_0 = 8 };
+enum Format : int64_t { F32 = 0, Q4_0 = 2, Q4_1 = 3, Q8_0 = 8, BF16 = 30 };
 
 inline __m512 half16(const uint8_t* p) {
   return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
@@ -87,6 +87,17 @@ struct Q8_0Format {
   static void unit(const uint8_t* codes, int64_t u, const Scales& s, int g, __m512 w[1]) {
     const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(codes + u * NR + g * 16));
     w[0] = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(bytes)), s.d);
+  }
+};
+
+// bfloat16 weights: the upper half of a float32, so each widens exactly with a shift.
+struct BF16Format {
+  static constexpr int64_t BLOCK_BYTES = QK * NR * 2, CODES = 0, K_PER_UNIT = 1;
+  struct Scales {};
+  static Scales scales(const uint8_t*, int) { return {}; }
+  static void unit(const uint8_t* codes, int64_t u, const Scales&, int g, __m512 w[1]) {
+    const __m256i half = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(codes + (u * NR + g * 16) * 2));
+    w[0] = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(half), 16));
   }
 };
 
@@ -199,6 +210,7 @@ extern "C" int64_t streamengine_quant_block_bytes(int64_t format) {
     case Q4_0: return Q4_0Format::BLOCK_BYTES;
     case Q4_1: return Q4_1Format::BLOCK_BYTES;
     case Q8_0: return Q8_0Format::BLOCK_BYTES;
+    case BF16: return BF16Format::BLOCK_BYTES;
     default: return 0;
   }
 }
@@ -213,6 +225,7 @@ extern "C" int streamengine_gemm(const int64_t* weight, const float* x, int64_t 
     case Q4_0: quant_gemm<Q4_0Format>(x, M, K, data, n_padded, y); return 0;
     case Q4_1: quant_gemm<Q4_1Format>(x, M, K, data, n_padded, y); return 0;
     case Q8_0: quant_gemm<Q8_0Format>(x, M, K, data, n_padded, y); return 0;
+    case BF16: quant_gemm<BF16Format>(x, M, K, data, n_padded, y); return 0;
     default: return -1;
   }
 }
@@ -225,6 +238,7 @@ extern "C" int streamengine_dequant_panels(const int64_t* weight, float* out) {
     case Q4_0: dequant_all<Q4_0Format>(data, K, n_padded, out); return 0;
     case Q4_1: dequant_all<Q4_1Format>(data, K, n_padded, out); return 0;
     case Q8_0: dequant_all<Q8_0Format>(data, K, n_padded, out); return 0;
+    case BF16: dequant_all<BF16Format>(data, K, n_padded, out); return 0;
     default: return -1;
   }
 }

@@ -8,7 +8,7 @@
 extern "C" {
 
 // A packed weight as four int64: {format, address of its panels, n_padded, K}. format is the
-// GGUF type id: 0 float32 panels (cpu_gemm.h), 2 Q4_0, 3 Q4_1, 8 Q8_0.
+// GGUF type id: 0 float32 panels (cpu_gemm.h), 2 Q4_0, 3 Q4_1, 8 Q8_0, 30 BF16.
 enum WeightField { WEIGHT_FORMAT, WEIGHT_DATA, WEIGHT_N_PADDED, WEIGHT_K, WEIGHT_FIELDS };
 
 // y[M, n_padded] = x[M, K] @ W^T for any packed weight; 0, or -1 on a format or shape it

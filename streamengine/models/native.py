@@ -75,7 +75,7 @@ class NativeDecoder:
     """
 
     def __init__(self, model, backend: AttentionBackend, packed: GgufWeights | None = None,
-                 int8: bool = False) -> None:
+                 unpacked: str = "float32") -> None:
         reason = unsupported_reason(model)
         if reason is not None:
             raise ValueError(f"native decoder cannot run this model: {reason}")
@@ -89,9 +89,9 @@ class NativeDecoder:
         self.rotary = decoder.rotary_emb
         self.final_norm = decoder.norm.weight
         blocks = packed.layers if packed else [None] * len(decoder.layers)
-        self.layers = [self._layer(layer, b, int8) for layer, b in zip(decoder.layers, blocks, strict=True)]
+        self.layers = [self._layer(layer, b, unpacked) for layer, b in zip(decoder.layers, blocks, strict=True)]
         head = model.get_output_embeddings()
-        self.lm_head = _projection([head.weight], [packed.output] if packed else None, head.bias, int8)
+        self.lm_head = _projection([head.weight], [packed.output] if packed else None, head.bias, unpacked)
         linears = [self.lm_head, *(lin for layer in self.layers for lin in (layer.qkv, layer.o, layer.gate_up, layer.down))]
         self.num_packed = sum(isinstance(lin, QuantLinear) for lin in linears)  # of len(linears) weight matrices
         self.num_linears = len(linears)
@@ -101,7 +101,7 @@ class NativeDecoder:
         )
 
     @staticmethod
-    def _layer(layer, blocks: dict[str, BlockTensor] | None, int8: bool) -> NativeLayer:
+    def _layer(layer, blocks: dict[str, BlockTensor] | None, unpacked: str) -> NativeLayer:
         attn, mlp = layer.self_attn, layer.mlp
 
         def of(*names: str) -> list[BlockTensor] | None:
@@ -115,11 +115,11 @@ class NativeDecoder:
             ])
         return NativeLayer(
             input_norm=layer.input_layernorm.weight,
-            qkv=_projection([p.weight for p in projections], of("q_proj", "k_proj", "v_proj"), qkv_bias, int8),
-            o=_projection([attn.o_proj.weight], of("o_proj"), attn.o_proj.bias, int8),
+            qkv=_projection([p.weight for p in projections], of("q_proj", "k_proj", "v_proj"), qkv_bias, unpacked),
+            o=_projection([attn.o_proj.weight], of("o_proj"), attn.o_proj.bias, unpacked),
             post_norm=layer.post_attention_layernorm.weight,
-            gate_up=_projection([mlp.gate_proj.weight, mlp.up_proj.weight], of("gate_proj", "up_proj"), None, int8),
-            down=_projection([mlp.down_proj.weight], of("down_proj"), None, int8),
+            gate_up=_projection([mlp.gate_proj.weight, mlp.up_proj.weight], of("gate_proj", "up_proj"), None, unpacked),
+            down=_projection([mlp.down_proj.weight], of("down_proj"), None, unpacked),
         )
 
     def _fused_layers(self) -> list[cpu_layer.FusedLayer] | None:
@@ -193,17 +193,23 @@ class NativeDecoder:
 
 
 def _projection(weights: list[torch.Tensor], blocks: list[BlockTensor] | None,
-                bias: torch.Tensor | None = None, int8: bool = False) -> Linear:
+                bias: torch.Tensor | None = None, unpacked: str = "float32") -> Linear:
     """One linear over the row-wise concatenation of `weights`: from their GGUF blocks when
-    given, all of one type and that type runs packed here; quantized to Q8_0 for `int8` (where
-    the kernels run and in_features is whole blocks); else from the float32 weights."""
+    given, all of one type and that type runs packed here; else from the float weights, kept
+    as `unpacked` says (where the kernels run and in_features is whole 32-weight blocks):
+    "int8" quantized to Q8_0, "bfloat16" as bfloat16 when every value is one (exact), else as
+    float32 panels."""
     lib = cpu_quant_linear.load_library()
-    if int8 and lib is not None and weights[0].shape[1] % cpu_quant_linear.QK == 0:
-        weight = torch.cat(weights) if len(weights) > 1 else weights[0]
-        blocks_q8 = cpu_quant_linear.quantize_q8_0(weight)
-        return QuantLinear(blocks_q8, cpu_quant_linear.Q8_0_TYPE, tuple(weight.shape), bias, lib)
+    weight = torch.cat(weights) if len(weights) > 1 else weights[0]
+    if blocks is None and unpacked != "float32" and lib is not None and weight.shape[1] % cpu_quant_linear.QK == 0:
+        if unpacked == "int8":
+            return QuantLinear(cpu_quant_linear.quantize_q8_0(weight), cpu_quant_linear.Q8_0_TYPE,
+                               tuple(weight.shape), bias, lib)
+        rows = cpu_quant_linear.bfloat16_rows(weight)
+        if rows is not None:
+            return QuantLinear(rows, cpu_quant_linear.BF16_TYPE, tuple(weight.shape), bias, lib)
     if blocks is not None and len({b.quant_type for b in blocks}) == 1 and cpu_quant_linear.supported(blocks[0].quant_type):
         rows = np.concatenate([b.blocks for b in blocks])
         shape = (sum(b.shape[0] for b in blocks), blocks[0].shape[1])
         return QuantLinear(rows, blocks[0].quant_type, shape, bias, cpu_quant_linear.load_library())
-    return make_linear(torch.cat(weights) if len(weights) > 1 else weights[0], bias)
+    return make_linear(weight, bias)

@@ -1,12 +1,17 @@
-"""The int8 weight-only mode (`weight_format="int8"`) against the float model it comes from.
+"""Weight precisions for float checkpoints, in one process on the default model's float32
+weights (the converted folder):
 
-The default model's float32 weights (the converted folder) run twice in one process: as
-loaded (`"dequantized"`) and with every weight matrix quantized to Q8_0 blocks at load
-(`"int8"`). Reports the greedy agreement over a set of prompts (the share of the float
-model's tokens that int8 reproduces before its first different token, and how many whole
-outputs are identical) and batch-1 decode speed of both.
+  float32    as loaded (`weight_format="dequantized"`: float32 panels)
+  int8       every weight matrix quantized to Q8_0 at load (`weight_format="int8"`; not exact)
+  bfloat16   the same weights rounded to bfloat16 values first (standing in for a bfloat16
+             checkpoint), which `"auto"` keeps as bfloat16 (exact), against the float32
+             panels of those same values
 
-    python bench/int8.py --json bench/results/int8.json
+Reports the int8 mode's greedy agreement with float32 over a set of prompts (the share of the
+float model's tokens it reproduces before its first different token, and how many whole
+outputs are identical), and batch-1 decode speed of each.
+
+    python bench/precisions.py --json bench/results/precisions.json
 """
 
 from __future__ import annotations
@@ -76,12 +81,19 @@ def main(argv: list[str] | None = None) -> int:
     loaded = load_model(str(default_model_folder()), "float32", "cpu")
     exact = asyncio.run(measure("dequantized", loaded, args))
     int8 = asyncio.run(measure("int8", loaded, args))
+    loaded.model.to(torch.bfloat16).to(torch.float32)  # now a bfloat16 checkpoint's values
+    halves = asyncio.run(measure("auto", loaded, args))
+    halves_float32 = asyncio.run(measure("dequantized", loaded, args))
     report = {**agreement(exact["outputs"], int8["outputs"]), "float_b1_tok_s": exact["b1_tok_s"],
-              "int8_b1_tok_s": int8["b1_tok_s"], "max_tokens": args.max_tokens, "threads": args.threads,
-              "software": software()}
-    print(f"greedy agreement {report['prefix_agreement']:.1%} of the float model's tokens, "
+              "int8_b1_tok_s": int8["b1_tok_s"], "bf16_weight_format": halves["weight_format"],
+              "bf16_b1_tok_s": halves["b1_tok_s"], "bf16_as_float32_b1_tok_s": halves_float32["b1_tok_s"],
+              "bf16_identical_to_float32": halves["outputs"] == halves_float32["outputs"],
+              "max_tokens": args.max_tokens, "threads": args.threads, "software": software()}
+    print(f"int8: greedy agreement {report['prefix_agreement']:.1%} of the float model's tokens, "
           f"{report['identical_outputs']}/{report['num_prompts']} outputs identical; batch-1 decode "
-          f"float {exact['b1_tok_s']:.1f} tok/s, int8 {int8['b1_tok_s']:.1f} tok/s")
+          f"float32 {exact['b1_tok_s']:.1f} tok/s, int8 {int8['b1_tok_s']:.1f} tok/s; bfloat16 values: kept as "
+          f"{halves['weight_format']} {halves['b1_tok_s']:.1f} tok/s vs float32 panels "
+          f"{halves_float32['b1_tok_s']:.1f} tok/s, outputs identical: {report['bf16_identical_to_float32']}")
     if args.json:
         write_report(report, Path(args.json), None, lambda *_: None)
     return 0
