@@ -17,7 +17,8 @@ counted in `tally.errors`.
 A warm-up of the same traffic runs first; the soak then runs SOAK_S seconds, and afterwards:
 no request in the engine, every block free, no WebSocket or HTTP request held by the server, no
 task left over, no exception reported to the event loop, RSS within RSS_MARGIN_MB of its value
-after the warm-up, and a normal request answered exactly as before the traffic.
+after the warm-up (or, when not, across a second round of the same length: a leak grows again),
+and a normal request answered exactly as before the traffic.
 """
 
 from __future__ import annotations
@@ -152,7 +153,7 @@ async def test_soak_mixed_traffic_leaves_nothing_behind(tiny_llama_dir):
     app = create_app(engine, model_name="tiny", max_message_bytes=MAX_MESSAGE_BYTES)
     state = app[STATE_KEY]
     try:
-        async with asyncio.timeout(WARMUP_S + SOAK_S + 90), serve(app) as port:
+        async with asyncio.timeout(WARMUP_S + 2 * SOAK_S + 90), serve(app) as port:
             reference = await normal_request(port)
 
             def traffic(seed: int) -> object:
@@ -188,6 +189,16 @@ async def test_soak_mixed_traffic_leaves_nothing_behind(tiny_llama_dir):
             growth = rss_mb() - rss_before
             print(f"RSS {rss_before:.0f} MiB after the warm-up, growth across the soak {growth:+.1f} MiB; "
                   f"preemptions {stats['num_preemptions']}")
+            if growth >= RSS_MARGIN_MB:
+                # On a loaded machine the traffic batches differently and allocator pools can fill
+                # further during the soak (seen once: +22.9 MiB). That growth does not repeat; a leak
+                # grows again with the same traffic, so a second round decides.
+                rss_again = rss_mb()
+                again = await traffic(SEED + 2).run(SOAK_S)
+                assert again.errors == 0, again.error_examples
+                await settle(engine, app)
+                growth = rss_mb() - rss_again
+                print(f"a second round: growth {growth:+.1f} MiB")
             assert growth < RSS_MARGIN_MB, f"RSS grew {growth:.1f} MiB across the soak (margin {RSS_MARGIN_MB})"
             assert len(asyncio.all_tasks()) <= tasks_before, [t.get_name() for t in asyncio.all_tasks()]
             assert not loop_problems, loop_problems[:5]
