@@ -26,7 +26,8 @@ Work, with the same thread count on both sides:
             G + 1 tokens take G decode steps like llama.cpp's G), over the wall time from
             the start to the last token: llama-batched-bench's `S t/s`.
 
-llama.cpp runs the file as stored (Q4_1) and its F32 copy; its best of the two is the peer.
+llama.cpp runs the file as stored (Q4_1) and its F32 copy, each with flash attention off and on
+(`-fa 0,1`; `-fa off|on` for llama-batched-bench); its best file and setting is the peer.
 The engine runs `weight_format="packed"` (when EngineConfig has the field) and
 "dequantized"; packed is the headline, dequantized is for the record. Every figure is the best
 of `--reps` repetitions (the machine is shared: noise only slows a run down); means are kept
@@ -215,22 +216,33 @@ def parse_batched_bench(text: str) -> list[dict]:
 
 def llama_bench(tools: Path, model: Path, args, *, prompts: list[int], gen: int) -> list[dict]:
     cmd = [str(tools / "llama-bench"), "-m", str(model), "-t", str(args.threads), "-r", str(args.reps),
-           "-p", ",".join(map(str, prompts)) or "0", "-n", str(gen), "-o", "json"]
+           "-p", ",".join(map(str, prompts)) or "0", "-n", str(gen), "-fa", "0,1", "-o", "json"]
     return parse_llama_bench(run_tool(cmd, timeout=3600))
+
+
+def best_row(rows: list[dict]) -> dict:
+    """llama.cpp's best setting (flash attention off or on) for one test: the row with the
+    fastest repetition."""
+    return max(rows, key=lambda r: max(r["samples_ts"]))
 
 
 def batched_bench(tools: Path, model: Path, args) -> dict:
     """Best of `args.tput_reps` runs of N parallel sequences; the context holds all of them."""
     n, p, g = args.parallel, args.tput_prompt, args.tput_gen
     ctx = n * (p + g)  # exactly: llama.cpp rounds the context down to a multiple of -npl
-    cmd = [str(tools / "llama-batched-bench"), "-m", str(model), "-t", str(args.threads), "-tb", str(args.threads),
-           "-c", str(ctx), "-b", "2048", "-ub", "512", "-npp", str(p), "-ntg", str(g), "-npl", str(n),
-           "--output-format", "jsonl"]
-    rows = [parse_batched_bench(run_tool(cmd, timeout=3600))[-1] for _ in range(args.tput_reps)]
+    runs = {}
+    for flash_attn in ("off", "on"):  # its best setting counts
+        cmd = [str(tools / "llama-batched-bench"), "-m", str(model), "-t", str(args.threads), "-tb", str(args.threads),
+               "-c", str(ctx), "-b", "2048", "-ub", "512", "-npp", str(p), "-ntg", str(g), "-npl", str(n),
+               "-fa", flash_attn, "--output-format", "jsonl"]
+        runs[flash_attn] = (cmd, [parse_batched_bench(run_tool(cmd, timeout=3600))[-1] for _ in range(args.tput_reps)])
+    best = max(runs, key=lambda fa: max(r["speed"] for r in runs[fa][1]))
+    cmd, rows = runs[best]
     speeds = [r["speed"] for r in rows]
     return {"tok_s": max(speeds), "mean_tok_s": statistics.mean(speeds), "samples_tok_s": speeds,
             "prefill_tok_s": max(r["speed_pp"] for r in rows), "decode_tok_s": max(r["speed_tg"] for r in rows),
-            "command": " ".join(cmd[1:]), "runs": rows}
+            "flash_attn": best, "command": " ".join(cmd[1:]), "runs": rows,
+            "other_settings": {fa: [r["speed"] for r in rs] for fa, (_, rs) in runs.items() if fa != best}}
 
 
 def _bench_figures(row: dict) -> dict:
@@ -242,8 +254,11 @@ def measure_llamacpp_file(tools: Path, model: Path, args) -> tuple[dict, list[di
     """b1, prefill and tput figures of llama.cpp on one file; also the raw llama-bench rows."""
     b1_rows = llama_bench(tools, model, args, prompts=[], gen=args.decode_tokens)
     pp_rows = llama_bench(tools, model, args, prompts=args.prefill_lens, gen=0)
-    prefill = {str(r["n_prompt"]): _bench_figures(r) for r in pp_rows if r["n_gen"] == 0}
-    result = {"file": str(model), "b1": _bench_figures(b1_rows[0]), "prefill": prefill, "tput": batched_bench(tools, model, args)}
+    lengths = sorted({r["n_prompt"] for r in pp_rows if r["n_gen"] == 0})
+    prefill = {str(n): _bench_figures(best_row([r for r in pp_rows if r["n_gen"] == 0 and r["n_prompt"] == n]))
+               for n in lengths}
+    result = {"file": str(model), "b1": _bench_figures(best_row(b1_rows)), "prefill": prefill,
+              "tput": batched_bench(tools, model, args)}
     return result, b1_rows + pp_rows
 
 
