@@ -17,14 +17,17 @@ from . import cpu_build
 from .cpu_build import F32, I64, PTR
 from .cpu_ops import cache_type
 
+# The C signature both paged-attention kernels share (decode here, prefill in
+# cpu_prefill_attention.py), in `PagedPlan._launch`'s order, and that of their shape probes.
+PAGED_ATTENTION_ARGS = [PTR, I64, PTR, PTR, I64, I64, I64, I64, I64, PTR, I64, PTR, PTR, PTR, I64, F32, PTR]
+SUPPORTED_ARGS = [I64, I64, I64, I64]
+
 
 @functools.lru_cache(maxsize=1)
 def load_library() -> ctypes.CDLL | None:
     return cpu_build.bind({
-        "streamengine_paged_decode_supported": [I64, I64, I64, I64],
-        "streamengine_paged_decode": [
-            PTR, I64, PTR, PTR, I64, I64, I64, I64, I64, PTR, I64, PTR, PTR, PTR, I64, F32, PTR,
-        ],
+        "streamengine_paged_decode_supported": SUPPORTED_ARGS,
+        "streamengine_paged_decode": PAGED_ATTENTION_ARGS,
     })
 
 

@@ -1,8 +1,7 @@
 """The fused CPU decoder layer (kernels/csrc/cpu_layer.cpp): two calls per layer around attention.
 
 `FusedLayer` holds one layer's packed weights (the native model's `PanelLinear`s: float32
-panels or GGUF blocks) and
-runs `layer_in` (q/k/v GEMM, RoPE, K/V store) and `layer_out` (output projection, residual,
+panels or GGUF blocks) and runs `layer_in` (q/k/v GEMM, RoPE, K/V store) and `layer_out` (output projection, residual,
 RMSNorm, gate/up GEMM, SiLU-times-up, down GEMM, residual, next RMSNorm). `DecodeStack` runs
 every layer of a decode-only step, attention included, in one call. `available()` says
 whether the library runs here; callers keep their op-by-op path otherwise.
@@ -91,8 +90,8 @@ class FusedLayer:
         rc = self.lib.streamengine_layer_out(
             attn.data_ptr(), t, attn.shape[1], self.o.kernel_weight.data_ptr(), _ptr(self.o.bias),
             h.data_ptr(), self.hidden, self.post_norm.data_ptr(), self.gate_up.kernel_weight.data_ptr(),
-            self.intermediate, self.down.kernel_weight.data_ptr(), next_norm.data_ptr(), self.eps, o.data_ptr(), x.data_ptr(), gu.data_ptr(), act.data_ptr(),
-            down.data_ptr(), x_out.data_ptr(),
+            self.intermediate, self.down.kernel_weight.data_ptr(), next_norm.data_ptr(), self.eps, o.data_ptr(),
+            x.data_ptr(), gu.data_ptr(), act.data_ptr(), down.data_ptr(), x_out.data_ptr(),
         )
         if rc != 0:
             raise RuntimeError("fused layer rejected its shapes")

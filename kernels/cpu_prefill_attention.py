@@ -15,17 +15,14 @@ import functools
 import torch
 
 from . import cpu_build
-from .cpu_attention import PagedPlan
-from .cpu_build import F32, I64, PTR
+from .cpu_attention import PAGED_ATTENTION_ARGS, SUPPORTED_ARGS, PagedPlan
 
 
 @functools.lru_cache(maxsize=1)
 def load_library() -> ctypes.CDLL | None:
     return cpu_build.bind({
-        "streamengine_paged_prefill_supported": [I64, I64, I64, I64],
-        "streamengine_paged_prefill": [
-            PTR, I64, PTR, PTR, I64, I64, I64, I64, I64, PTR, I64, PTR, PTR, PTR, I64, F32, PTR,
-        ],
+        "streamengine_paged_prefill_supported": SUPPORTED_ARGS,
+        "streamengine_paged_prefill": PAGED_ATTENTION_ARGS,
     })
 
 

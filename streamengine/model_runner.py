@@ -55,57 +55,44 @@ def select_backend(
 def select_native(config: EngineConfig, loaded: LoadedModel, device: torch.device,
                   backend: AttentionBackend) -> NativeDecoder | None:
     """The native decoder for "native", and for "auto" on CPU when the model qualifies;
-    None means transformers' own modules run (with the paged attention hook)."""
+    None means transformers' own modules run (with the paged attention hook). Its weights are
+    kept as `config.weight_format` says, where the C++ kernels can hold them."""
     model_impl, model = config.model_impl, loaded.model
     reason = "model_impl='transformers'" if model_impl == "transformers" else unsupported_reason(model)
     if model_impl == "native" and reason is not None:
         raise ValueError(f"EngineConfig.model_impl='native' cannot run this model: {reason}")
     if reason is None and not (model_impl == "native" or device.type == "cpu"):
         reason = f"model_impl='auto' on {device.type}"
-    if config.weight_format == "int8":
-        return int8_native(config, loaded, device, backend, reason)
-    packed = select_packed(config, loaded, device, native_reason=reason)
+    kernels = kernels_unavailable(config, device, reason)
+    if config.weight_format == "int8" and kernels is not None:
+        raise ValueError(f"EngineConfig.weight_format='int8' cannot run: {kernels}")
+    packed = select_packed(config, loaded, kernels)
     if reason is not None:
         return None
-    # "auto" keeps float weights that are all bfloat16 values (a bfloat16 checkpoint) as bfloat16: exact.
-    bf16 = config.weight_format == "auto" and packed_unavailable(config, loaded, device, None, needs_gguf=False) is None
-    native = NativeDecoder(model, backend, packed, unpacked="bfloat16" if bf16 else "float32")
-    if packed is None and native.num_packed:
-        log.info("weights: %d of %d weight matrices are bfloat16 values, kept as bfloat16 (exact)",
-                 native.num_packed, native.num_linears)
-    if packed is not None:
-        log.info("weights: %d of %d weight matrices packed", native.num_packed, native.num_linears)
-        if native.num_packed == 0 and config.weight_format == "packed":
-            raise ValueError(f"EngineConfig.weight_format='packed' cannot run: no tensor of {loaded.gguf.name} "
-                             f"has a packed kernel ({packed.type_counts()})")
+    # Float weights: "int8" quantizes them; "auto" keeps those that are all bfloat16 values
+    # (a bfloat16 checkpoint) as bfloat16, which is exact.
+    unpacked = {"int8": "int8", "auto": "bfloat16"}.get(config.weight_format, "float32") if kernels is None else "float32"
+    native = NativeDecoder(model, backend, packed, unpacked)
+    log.info("weights: %d of %d weight matrices packed (%s)", native.num_packed, native.num_linears,
+             "GGUF blocks" if packed is not None else f"float weights kept as {unpacked}")
+    if packed is not None and native.num_packed == 0 and config.weight_format == "packed":
+        raise ValueError(f"EngineConfig.weight_format='packed' cannot run: no tensor of {loaded.gguf.name} "
+                         f"has a packed kernel ({packed.type_counts()})")
     return native
 
 
-def int8_native(config: EngineConfig, loaded: LoadedModel, device: torch.device, backend: AttentionBackend,
-                native_reason: str | None) -> NativeDecoder:
-    """The native decoder with every weight matrix quantized to Q8_0 (weight_format "int8")."""
-    reason = packed_unavailable(config, loaded, device, native_reason, needs_gguf=False)
-    if reason is not None:
-        raise ValueError(f"EngineConfig.weight_format='int8' cannot run: {reason}")
-    native = NativeDecoder(loaded.model, backend, unpacked="int8")
-    log.info("weights: int8 weight-only (Q8_0 blocks quantized at load, not exact): %d of %d weight matrices",
-             native.num_packed, native.num_linears)
-    return native
-
-
-def select_packed(config: EngineConfig, loaded: LoadedModel, device: torch.device,
-                  native_reason: str | None) -> GgufWeights | None:
+def select_packed(config: EngineConfig, loaded: LoadedModel, kernels_reason: str | None) -> GgufWeights | None:
     """The GGUF file's blocks when the weights run packed (weight_format "packed", or "auto"
     where it can), else None; "packed" where it cannot run is an error saying why. Logs the
     choice either way."""
-    if config.weight_format == "dequantized":
-        log.info("weights: dequantized to float32 (weight_format='dequantized')")
+    if config.weight_format in ("dequantized", "int8"):
+        log.info("weights: not packed from the file (weight_format=%r)", config.weight_format)
         return None
-    reason = packed_unavailable(config, loaded, device, native_reason)
+    reason = "the model is not a GGUF file" if loaded.gguf is None else kernels_reason
     if reason is not None:
         if config.weight_format == "packed":
             raise ValueError(f"EngineConfig.weight_format='packed' cannot run: {reason}")
-        log.info("weights: dequantized to float32 (%s)", reason)
+        log.info("weights: not packed from the file (%s)", reason)
         return None
     shape = AttentionShape.of(loaded.model.config)
     try:
@@ -123,11 +110,8 @@ def select_packed(config: EngineConfig, loaded: LoadedModel, device: torch.devic
     return packed
 
 
-def packed_unavailable(config: EngineConfig, loaded: LoadedModel, device: torch.device,
-                       native_reason: str | None, needs_gguf: bool = True) -> str | None:
-    """Why the weights cannot run packed here, or None."""
-    if needs_gguf and loaded.gguf is None:
-        return "the model is not a GGUF file"  # its weights run as loaded
+def kernels_unavailable(config: EngineConfig, device: torch.device, native_reason: str | None) -> str | None:
+    """Why the C++ kernels cannot hold the weights here (packed, bfloat16 or int8), or None."""
     if device.type != "cpu" or config.dtype != "float32":
         return f"packed weights run on CPU in float32, not {device.type} {config.dtype}"
     if native_reason is not None:
@@ -212,8 +196,8 @@ class ModelRunner:
         self.decoder = self.model.get_decoder()
         self.lm_head = self.model.get_output_embeddings()
         self.native = select_native(config, loaded, device, self.backend)
-        packed = self.native is not None and self.native.num_packed > 0
-        self.weight_format = "int8" if config.weight_format == "int8" else "packed" if packed else "dequantized"
+        packed = self.native is not None and self.native.num_packed > 0  # what was built, not what was asked
+        self.weight_format = ("int8" if config.weight_format == "int8" else "packed") if packed else "dequantized"
         self.masker = TokenMasker()  # grammar masks, of sampled rows and of beams alike
         self.sampler = Sampler(self.masker)
         self.generator = torch.Generator().manual_seed(config.seed)

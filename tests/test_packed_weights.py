@@ -126,6 +126,7 @@ async def test_int8_weight_only_mode_is_close_to_the_float_model(smollm_dir):
     fmt, int8 = await run(folder, PROMPTS, weight_format="int8")
     assert fmt == "int8"
     _, exact = await run(folder, PROMPTS, weight_format="dequantized")
+    assert [lp for _, lp in int8] != [lp for _, lp in exact]  # the weights really were quantized
     assert all(a[0] == b[0] for (a, _), (b, _) in zip(int8, exact, strict=True))
     assert sum(a == b for (a, _), (b, _) in zip(int8, exact, strict=True)) >= len(PROMPTS) / 2
 

@@ -200,16 +200,17 @@ def _projection(weights: list[torch.Tensor], blocks: list[BlockTensor] | None,
     "int8" quantized to Q8_0, "bfloat16" as bfloat16 when every value is one (exact), else as
     float32 panels."""
     lib = cpu_quant_linear.load_library()
-    weight = torch.cat(weights) if len(weights) > 1 else weights[0]
-    if blocks is None and unpacked != "float32" and lib is not None and weight.shape[1] % cpu_quant_linear.QK == 0:
+    if blocks is not None and len({b.quant_type for b in blocks}) == 1 and cpu_quant_linear.supported(blocks[0].quant_type):
+        shape = (sum(b.shape[0] for b in blocks), blocks[0].shape[1])
+        return QuantLinear(np.concatenate([b.blocks for b in blocks]), blocks[0].quant_type, shape, bias, lib)
+    weight = torch.cat(weights) if len(weights) > 1 else weights[0]  # not built when the blocks serve
+    if blocks is not None:
+        return make_linear(weight, bias)
+    if unpacked != "float32" and lib is not None and weight.shape[1] % cpu_quant_linear.QK == 0:
         if unpacked == "int8":
             return QuantLinear(cpu_quant_linear.quantize_q8_0(weight), cpu_quant_linear.Q8_0_TYPE,
                                tuple(weight.shape), bias, lib)
         rows = cpu_quant_linear.bfloat16_rows(weight)
         if rows is not None:
             return QuantLinear(rows, cpu_quant_linear.BF16_TYPE, tuple(weight.shape), bias, lib)
-    if blocks is not None and len({b.quant_type for b in blocks}) == 1 and cpu_quant_linear.supported(blocks[0].quant_type):
-        rows = np.concatenate([b.blocks for b in blocks])
-        shape = (sum(b.shape[0] for b in blocks), blocks[0].shape[1])
-        return QuantLinear(rows, blocks[0].quant_type, shape, bias, cpu_quant_linear.load_library())
     return make_linear(weight, bias)
