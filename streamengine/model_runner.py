@@ -85,14 +85,16 @@ def select_packed(config: EngineConfig, loaded: LoadedModel, kernels_reason: str
     """The GGUF file's blocks when the weights run packed (weight_format "packed", or "auto"
     where it can), else None; "packed" where it cannot run is an error saying why. Logs the
     choice either way."""
-    if config.weight_format in ("dequantized", "int8"):
-        log.info("weights: not packed from the file (weight_format=%r)", config.weight_format)
+    if config.weight_format == "int8":
+        return None  # select_native logs what the quantization built
+    if config.weight_format == "dequantized":
+        log.info("weights: dequantized to float32 (weight_format='dequantized')")
         return None
     reason = "the model is not a GGUF file" if loaded.gguf is None else kernels_reason
     if reason is not None:
         if config.weight_format == "packed":
             raise ValueError(f"EngineConfig.weight_format='packed' cannot run: {reason}")
-        log.info("weights: not packed from the file (%s)", reason)
+        log.info("weights: dequantized to float32 (%s)", reason)
         return None
     shape = AttentionShape.of(loaded.model.config)
     try:
