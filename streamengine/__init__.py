@@ -10,23 +10,29 @@ import importlib
 from typing import TYPE_CHECKING
 
 __all__ = [
+    "AllBlocksCleared",
     "AsyncEngine",
+    "BlockRemoved",
+    "BlockStored",
     "Choice",
     "CompletionOutput",
     "EngineConfig",
     "EngineDeadError",
     "EngineError",
     "EngineOverloadedError",
+    "EventBatch",
     "Grammar",
     "GrammarError",
     "JsonObject",
     "JsonSchema",
+    "KVEventSubscription",
     "LimitExceededError",
     "Regex",
     "RequestFailedError",
     "RequestOutput",
     "SamplingParams",
     "StructuredOutput",
+    "prompt_block_hashes",
 ]
 __version__ = "0.1.0"
 
@@ -48,9 +54,16 @@ _WHERE = {
     "JsonSchema": "streamengine.structured_params",
     "Regex": "streamengine.structured_params",
     "StructuredOutput": "streamengine.structured_params",
+    "AllBlocksCleared": "streamengine.kv_events",
+    "BlockRemoved": "streamengine.kv_events",
+    "BlockStored": "streamengine.kv_events",
+    "EventBatch": "streamengine.kv_events",
+    "KVEventSubscription": "streamengine.kv_events",
+    "prompt_block_hashes": "streamengine.block_manager",
 }
 
 if TYPE_CHECKING:
+    from streamengine.block_manager import prompt_block_hashes
     from streamengine.config import EngineConfig
     from streamengine.engine import AsyncEngine
     from streamengine.errors import (
@@ -60,6 +73,13 @@ if TYPE_CHECKING:
         GrammarError,
         LimitExceededError,
         RequestFailedError,
+    )
+    from streamengine.kv_events import (
+        AllBlocksCleared,
+        BlockRemoved,
+        BlockStored,
+        EventBatch,
+        KVEventSubscription,
     )
     from streamengine.outputs import CompletionOutput, RequestOutput
     from streamengine.sampling_params import SamplingParams

@@ -36,6 +36,15 @@ own hashes are cached. Of those:
   block before it may be an unsalted one that anyone can compute.
 Not covered: load. Other tenants' traffic changes queueing delays, admission order and how soon
 one's own unpinned blocks are evicted; that shows how much others use, not their tokens.
+
+KV events
+---------
+While recording (someone subscribed to the engine's KV events), every change to `cached` is
+noted as it happens: BlockStored when blocks get their hash in `cache_full_blocks`,
+BlockRemoved when lazy eviction forgets one in `_pop_free`, AllBlocksCleared (then the pinned
+blocks, which keep their hashes) on `reset_prefix_cache`. Applied in order, they rebuild
+`cached`'s keys exactly; `kv_snapshot()` describes the whole set at once. Events carry hashes
+and token ids, never a salt.
 """
 
 from __future__ import annotations
@@ -46,6 +55,7 @@ from collections import Counter
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
+from streamengine.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVCacheEvent
 from streamengine.sequence import Sequence
 
 
@@ -73,6 +83,11 @@ class KVBlock:
     pins: int = 0
     pin_owner: str | None = None  # shown by block_tenants() while no sequence holds it
     queue: FreeBlockQueue | None = None  # the free queue it is in, while its refcount is 0
+    # While it holds a hash: its parent's hash and where its tokens are (the caching
+    # sequence's token list, only ever appended to, from token_start), for KV-event snapshots.
+    parent_hash: bytes | None = None
+    token_src: list[int] | None = None
+    token_start: int = 0
 
 
 class FreeBlockQueue:
@@ -136,6 +151,29 @@ def hash_block(parent: bytes | None, token_ids: list[int], extra: str | None) ->
     return h.digest()
 
 
+def prompt_block_hashes(
+    token_ids: list[int], block_size: int, salt_segments: tuple[tuple[int, str | None], ...] = (),
+    cache_salt: str | None = None,
+) -> list[bytes]:
+    """The chained hashes of every full block of `token_ids`, salted as a sequence with these
+    `salt_segments` and `cache_salt` is (see "Salts and isolation"): what a router computes to
+    find the engine that holds a request's blocks."""
+    return _extend_hashes([], token_ids, block_size, salt_segments, cache_salt)
+
+
+def _extend_hashes(
+    hashes: list[bytes], token_ids: list[int], block_size: int,
+    salt_segments: tuple[tuple[int, str | None], ...], cache_salt: str | None,
+) -> list[bytes]:
+    """Appends to `hashes` (those of the leading blocks) the hashes of the remaining full blocks."""
+    bs = block_size
+    for i in range(len(hashes), len(token_ids) // bs):
+        parent = hashes[i - 1] if i else None
+        salt = _segment_salt(salt_segments, cache_salt, (i + 1) * bs - 1)
+        hashes.append(hash_block(parent, token_ids[i * bs:(i + 1) * bs], salt))
+    return hashes
+
+
 @dataclass(slots=True)
 class PrefixCacheStats:
     queries: int = 0  # prompt tokens looked up
@@ -167,6 +205,9 @@ class BlockManager:
         self.num_cpu_blocks = num_cpu_blocks
         self.cpu_free: list[int] = list(range(num_cpu_blocks - 1, -1, -1))
         self._num_pinned = 0
+        # KV events since the last take_kv_events(); None while nobody records (no cost then).
+        self.kv_events: list[KVCacheEvent] | None = None
+        self.kv_medium: str | None = None
 
     # -- queries -------------------------------------------------------------------------
 
@@ -188,13 +229,7 @@ class BlockManager:
 
     def compute_block_hashes(self, seq: Sequence) -> list[bytes]:
         """Extends `seq.block_hashes` to cover every full block of its known tokens."""
-        bs = self.block_size
-        hashes = seq.block_hashes
-        for i in range(len(hashes), seq.num_tokens // bs):
-            parent = hashes[i - 1] if i else None
-            salt = _segment_salt(seq, (i + 1) * bs - 1)
-            hashes.append(hash_block(parent, seq.token_ids[i * bs:(i + 1) * bs], salt))
-        return hashes
+        return _extend_hashes(seq.block_hashes, seq.token_ids, self.block_size, seq.salt_segments, seq.cache_salt)
 
     def find_cached_blocks(self, seq: Sequence) -> list[KVBlock]:
         """Longest run of leading full blocks already in the cache.
@@ -226,12 +261,19 @@ class BlockManager:
         if num_full <= seq.num_cached_blocks:
             return
         hashes = self.compute_block_hashes(seq)
+        stored: list[int] | None = [] if self.kv_events is not None else None
         for i in range(seq.num_cached_blocks, num_full):
             block = self.blocks[seq.block_table[i]]
             if block.block_hash is None and hashes[i] not in self.cached:
                 block.block_hash = hashes[i]
+                block.parent_hash = hashes[i - 1] if i else None
+                block.token_src, block.token_start = seq.token_ids, i * self.block_size
                 self.cached[hashes[i]] = block
+                if stored is not None:
+                    stored.append(i)
         seq.num_cached_blocks = num_full
+        if stored:
+            self._record_stored(seq, stored)
 
     # -- allocation ----------------------------------------------------------------------
 
@@ -299,7 +341,9 @@ class BlockManager:
         if block.block_hash is not None:  # lazy eviction: forget the content only now
             if self.cached.get(block.block_hash) is block:
                 del self.cached[block.block_hash]
-            block.block_hash = None
+                if self.kv_events is not None:
+                    self._record_removed(block.block_hash)
+            _forget(block)
         _hold(block, tenant)
         return block
 
@@ -437,12 +481,14 @@ class BlockManager:
         kept = {h: b for h, b in self.cached.items() if b.pins}
         for block in self.blocks:
             if not block.pins:
-                block.block_hash = None
+                _forget(block)
         self.cached.clear()
         self.cached.update(kept)
         for block in list(self.wanted_queue):  # no content left to keep for anyone
             self.wanted_queue.remove(block)
             self.free_queue.appendleft(block)
+        if self.kv_events is not None:  # what came before the clear no longer matters
+            self.kv_events[:] = self.kv_snapshot()
 
     # -- pins ------------------------------------------------------------------------------
 
@@ -511,6 +557,73 @@ class BlockManager:
             raise ValueError(f"no block {block_id} in a pool of {self.num_blocks}")
         return self.blocks[block_id]
 
+    # -- KV events ---------------------------------------------------------------------------
+
+    def record_kv_events(self, medium: str | None, cleared: bool = False) -> None:
+        """Starts recording KV events, naming `medium` as where the pool lives. `cleared`:
+        first an AllBlocksCleared (a fresh manager replaces one a consumer knew)."""
+        if self.kv_events is None:
+            self.kv_events = []
+        self.kv_medium = medium
+        if cleared:
+            self.kv_events.append(AllBlocksCleared())
+
+    def stop_kv_events(self) -> None:
+        """Stops recording; events not taken yet are dropped."""
+        self.kv_events = None
+
+    def take_kv_events(self) -> list[KVCacheEvent]:
+        """The events recorded since the last call (empty when not recording)."""
+        events = self.kv_events
+        if not events:
+            return []
+        self.kv_events = []
+        return events
+
+    def kv_snapshot(self) -> list[KVCacheEvent]:
+        """AllBlocksCleared, then BlockStored runs covering every cached block, each parent
+        before its children: what rebuilds a consumer's view exactly."""
+        children: dict[bytes, list[KVBlock]] = {}
+        stack: list[KVBlock] = []
+        for block in self.cached.values():
+            if block.parent_hash is not None and block.parent_hash in self.cached:
+                children.setdefault(block.parent_hash, []).append(block)
+            else:  # a chain's root, or one whose parent was evicted first
+                stack.append(block)
+        stack.reverse()
+        events: list[KVCacheEvent] = [AllBlocksCleared()]
+        while stack:
+            run = [stack.pop()]
+            while kids := children.get(run[-1].block_hash):
+                run.append(kids[0])  # the run follows one child; its siblings start runs later
+                stack.extend(reversed(kids[1:]))
+            events.append(self._stored_event(run))
+        return events
+
+    def _record_stored(self, seq: Sequence, indices: list[int]) -> None:
+        """One BlockStored per run of consecutive block indices of `seq` just cached."""
+        start = 0
+        for k in range(1, len(indices) + 1):
+            if k == len(indices) or indices[k] != indices[k - 1] + 1:
+                run = [self.blocks[seq.block_table[i]] for i in indices[start:k]]
+                self.kv_events.append(self._stored_event(run))
+                start = k
+
+    def _stored_event(self, run: list[KVBlock]) -> BlockStored:
+        bs = self.block_size
+        tokens = [t for b in run for t in b.token_src[b.token_start:b.token_start + bs]]
+        return BlockStored(
+            [b.block_hash for b in run], run[0].parent_hash, tokens, bs, medium=self.kv_medium,
+        )
+
+    def _record_removed(self, block_hash: bytes) -> None:
+        """Evictions in a row go into one BlockRemoved."""
+        events = self.kv_events
+        if events and isinstance(events[-1], BlockRemoved):
+            events[-1].block_hashes.append(block_hash)
+        else:
+            events.append(BlockRemoved([block_hash], medium=self.kv_medium))
+
     # -- introspection -----------------------------------------------------------------------
 
     def block_states(self) -> list[int]:
@@ -531,13 +644,20 @@ class BlockManager:
         return [_owner_of(b.holders) if b.holders else b.pin_owner for b in self.blocks]
 
 
-def _segment_salt(seq: Sequence, last_token: int) -> str | None:
+def _segment_salt(
+    salt_segments: tuple[tuple[int, str | None], ...], cache_salt: str | None, last_token: int,
+) -> str | None:
     """The salt of the segment holding `last_token`; tokens before the first segment, or a
     sequence with none, get `cache_salt`."""
-    for start, salt in reversed(seq.salt_segments):
+    for start, salt in reversed(salt_segments):
         if start <= last_token:
             return salt
-    return seq.cache_salt
+    return cache_salt
+
+
+def _forget(block: KVBlock) -> None:
+    """The block's content no longer counts as cached."""
+    block.block_hash = block.parent_hash = block.token_src = None
 
 
 def _either(owner: str | None, other: str | None) -> str | None:

@@ -19,12 +19,13 @@ from typing import Any, TypeVar
 import torch
 
 from streamengine.beam_search import BeamSearch, BeamSearchState
-from streamengine.block_manager import BlockManager
+from streamengine.block_manager import BlockManager, prompt_block_hashes
 from streamengine.config import EngineConfig
 from streamengine.detokenizer import IncrementalDetokenizer
 from streamengine.grammar import CompiledGrammar, GrammarCompiler, GrammarMatcher
 from streamengine.intake import Intake
 from streamengine.kv_cache import plan_kv_cache
+from streamengine.kv_events import KVCacheEvent
 from streamengine.model_runner import ModelRunner
 from streamengine.models import LoadedModel, load_model
 from streamengine.output_processor import make_output
@@ -36,7 +37,7 @@ from streamengine.sampling_params import SamplingParams
 from streamengine.scheduler import PreemptionPolicy, Scheduler, SchedulerOutput
 from streamengine.sequence import Sequence, SequenceStatus
 from streamengine.stop_rules import StopRules
-from streamengine.tenants import DEFAULT_TENANT, Tenants
+from streamengine.tenants import DEFAULT_TENANT, TenantConfig, Tenants
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -117,7 +118,10 @@ class EngineCore:
         runner and its KV tensors stay (their contents are never read again: nothing is
         cached). Returns the ids of the requests that were dropped."""
         dropped = list(self.requests)
+        old = self.block_manager
         self.block_manager, self.scheduler = self._fresh_bookkeeping()
+        if old.kv_events is not None:  # subscribers knew the old blocks: they are all gone
+            self.block_manager.record_kv_events(old.kv_medium, cleared=True)
         self.requests.clear()
         self._owner.clear()
         self.pins.clear()  # their blocks went with the old block manager
@@ -180,6 +184,16 @@ class EngineCore:
             return ((0, None),)  # a shared prefix: hashed without any salt
         return self.pins.segments(prompt_ids, tenant, self.tenants.get(tenant).salt, user_salt)
 
+    def block_hashes(self, prompt: str | list[int], tenant: str | None = None, cache_salt: str | None = None) -> list[bytes]:
+        """The hashes of every full block of `prompt` as a request of `tenant` with this
+        per-user `cache_salt` would compute them now (the pins in place decide its salt
+        segments, as in add_request). Registers no tenant."""
+        tenant = tenant if tenant is not None else DEFAULT_TENANT
+        prompt_ids = self.intake.prompt_ids(prompt)
+        config = self.tenants.get(tenant) if tenant in self.tenants else TenantConfig(tenant)
+        segments = self.pins.segments(prompt_ids, tenant, config.salt, cache_salt)
+        return prompt_block_hashes(prompt_ids, self.config.block_size, segments, _seq_salt(segments))
+
     def _start_samples(self, req: Request, grammar: CompiledGrammar | None) -> None:
         params, prompt_ids = req.params, req.prompt_token_ids
         for i in range(params.n):
@@ -219,7 +233,7 @@ class EngineCore:
     def _new_seq(self, req: Request, group_size: int, token_ids: list[int] | None = None) -> Sequence:
         segments = req.salt_segments
         return Sequence(
-            next(self._seq_ids), req.request_id, req.prompt_token_ids, segments[-1][1] if segments else None,
+            next(self._seq_ids), req.request_id, req.prompt_token_ids, _seq_salt(segments),
             req.arrival_time, token_ids=list(token_ids or ()), group_size=group_size,
             tenant=req.tenant, salt_segments=segments,
         )
@@ -525,12 +539,32 @@ class EngineCore:
                 if not seq.is_finished:
                     yield seq
 
+    # -- KV events -----------------------------------------------------------------------
+
+    def record_kv_events(self, on: bool) -> None:
+        """Starts (or stops) recording KV events; the medium named is where the pool lives."""
+        if on:
+            self.block_manager.record_kv_events("GPU" if self.device.type == "cuda" else "CPU")
+        else:
+            self.block_manager.stop_kv_events()
+
+    def take_kv_events(self) -> list[KVCacheEvent]:
+        return self.block_manager.take_kv_events()
+
+    def kv_snapshot(self) -> list[KVCacheEvent]:
+        return self.block_manager.kv_snapshot()
+
     def kv_state(self) -> dict:
         bm = self.block_manager
         return {
             "block_size": bm.block_size, "num_blocks": bm.num_blocks, "blocks": bm.block_states(),
             "tenants": bm.block_tenants(),
         }
+
+
+def _seq_salt(segments: tuple[tuple[int, str | None], ...]) -> str | None:
+    """A sequence's `cache_salt`: its last segment's (what a block past every segment gets)."""
+    return segments[-1][1] if segments else None
 
 
 def eos_token_ids(loaded: LoadedModel) -> set[int]:

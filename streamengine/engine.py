@@ -34,6 +34,7 @@ from streamengine.errors import (
     RequestFailedError,
 )
 from streamengine.grammar import CompiledGrammar
+from streamengine.kv_events import KVEventHub, KVEventSubscription
 from streamengine.models import LoadedModel
 from streamengine.output_stream import RequestStream
 from streamengine.outputs import RequestOutput
@@ -88,6 +89,7 @@ class AsyncEngine:
         self._restart_times: deque[float] = deque()
         self._last_progress = time.monotonic()
         self.num_restarts = 0
+        self._kv_hub = KVEventHub(self.core.kv_snapshot, self.core.record_kv_events)
 
     # -- lifecycle -----------------------------------------------------------------------
 
@@ -152,6 +154,7 @@ class AsyncEngine:
         for stream in self._streams.values():
             stream.put_error(error)
         self._streams.clear()
+        self._kv_hub.end_all()
 
     async def __aenter__(self) -> AsyncEngine:
         await self.start()
@@ -352,6 +355,30 @@ class AsyncEngine:
             if self._wakeup is not None:
                 self._wakeup.set()
 
+    # -- KV events and block hashes ----------------------------------------------------------
+
+    def kv_events(self, max_batches: int = 1024) -> KVEventSubscription:
+        """Subscribes to the engine's KV cache events: an async iterator of `EventBatch`es
+        (streamengine.kv_events), one per engine step that changed the set of cached blocks,
+        buffering at most `max_batches` (past that: `dropped` counts, then one resync batch).
+        Its first batch is a snapshot of the blocks cached already, if any. Ends at `close()`
+        or when the engine stops; raises EngineDeadError for a dead engine."""
+        if self._state == "stopped" and self._reason not in ("not started", "stopped"):
+            raise EngineDeadError(f"engine stopped: {self._reason}")
+        self._publish_kv_events()  # events recorded so far belong to the earlier subscribers
+        return self._kv_hub.subscribe(max_batches)
+
+    def block_hashes(
+        self, prompt: str | list[int], tenant: str | None = None, cache_salt: str | None = None,
+    ) -> list[bytes]:
+        """The hashes of every full block of `prompt` that a request with these arguments
+        would look up now (salted as `generate` salts it), as KV events name them."""
+        return self.core.block_hashes(prompt, tenant, cache_salt)
+
+    def _publish_kv_events(self) -> None:
+        if self._kv_hub.active:
+            self._kv_hub.publish(self.core.take_kv_events())
+
     def stats(self) -> dict[str, int | float]:
         return self.core.stats()
 
@@ -413,6 +440,7 @@ class AsyncEngine:
         finally:
             self._in_flight = False
         self._last_progress = time.monotonic()
+        self._publish_kv_events()
         self._deliver(outputs)
         self._deliver_failures()
         for request_id in self._take_pending_aborts():
@@ -437,6 +465,7 @@ class AsyncEngine:
             stream = self._streams.get(request_id)
             if stream is not None:
                 stream.put_error(RequestFailedError(f"engine restarted: {why}"))
+        self._publish_kv_events()  # AllBlocksCleared: the fresh block manager holds nothing
         self._state, self._reason = "restarting", f"restarting after: {why}"
         await asyncio.sleep(RESTART_BACKOFF_S)
         self._state, self._reason = "ready", None
