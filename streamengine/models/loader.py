@@ -74,6 +74,18 @@ def load_model(model: str | None, dtype: str, device: str, cache_dir: str | None
     return LoadedModel(hf_model, tokenizer, name, folder, gguf)
 
 
+def load_tokenizer(model: str | None, cache_dir: str | None = None) -> tuple[PreTrainedTokenizerBase, str]:
+    """(tokenizer, model name) of `model` as `load_model` names it, without the weights: for a
+    process that routes and formats requests (the Ray ingress) but runs no model."""
+    path = resolve_default_model() if model is None else Path(model)
+    if not path.exists():
+        raise FileNotFoundError(f"model not found: {path}")
+    if path.suffix != ".gguf":
+        return AutoTokenizer.from_pretrained(path), path.name
+    folder = _converted_gguf(path, Path(cache_dir) if cache_dir else default_cache_dir())
+    return AutoTokenizer.from_pretrained(folder), DEFAULT_MODEL_NAME if model is None else path.stem
+
+
 def _converted_gguf(path: Path, cache_dir: Path) -> Path:
     st = path.stat()
     key = hashlib.sha256(f"{path.resolve()}:{st.st_size}:{st.st_mtime_ns}".encode()).hexdigest()[:16]

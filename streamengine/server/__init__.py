@@ -21,7 +21,7 @@ from streamengine.server.state import (
 )
 from streamengine.server.tenants_file import TenantsFile
 
-__all__ = ["create_app", "drain", "run_server"]
+__all__ = ["app_options", "create_app", "drain", "run_server"]
 
 _CLEANUP_TIMEOUT_S = 10.0
 """After the drain, how long aiohttp waits for handlers that are still running."""
@@ -63,13 +63,29 @@ def run_server(
 
     print(f"streamengine: loading {config.model or 'the default model (SmolLM2-135M-Instruct)'} ...", flush=True)
     engine = AsyncEngine(config)
-    app = create_app(
-        engine, api_key=api_key, admin_keys=list(admin_keys), allowed_origins=list(allowed_origins),
-        allowed_hosts=hosts_for_bind(host, list(allowed_hosts)), max_prompt_tokens=max_prompt_tokens,
-        model_name=engine.model_name, stall_timeout=stall_timeout, request_timeout=request_timeout,
-        max_connections=max_connections, tenants=tenants, tool_parser=tool_parser,
-    )
+    app = create_app(engine, model_name=engine.model_name, **app_options(
+        host, api_key=api_key, admin_keys=admin_keys, allowed_origins=allowed_origins,
+        allowed_hosts=allowed_hosts, max_prompt_tokens=max_prompt_tokens, stall_timeout=stall_timeout,
+        request_timeout=request_timeout, max_connections=max_connections, tenants=tenants,
+        tool_parser=tool_parser,
+    ))
     _run(_serve(app, host, port, engine.model_name, shutdown_timeout))
+
+
+def app_options(
+    host: str, *, api_key: str | Sequence[str] | None, admin_keys: Sequence[str],
+    allowed_origins: Sequence[str], allowed_hosts: Sequence[str], max_prompt_tokens: int | None,
+    stall_timeout: float, request_timeout: float | None, max_connections: int,
+    tenants: TenantsFile | None, tool_parser: str,
+) -> dict[str, Any]:
+    """`create_app`'s keyword arguments for a server bound to `host` (the Host names it
+    answers follow from the bind address): shared by this server and the Ray ingress."""
+    return {
+        "api_key": api_key, "admin_keys": list(admin_keys), "allowed_origins": list(allowed_origins),
+        "allowed_hosts": hosts_for_bind(host, list(allowed_hosts)), "max_prompt_tokens": max_prompt_tokens,
+        "stall_timeout": stall_timeout, "request_timeout": request_timeout,
+        "max_connections": max_connections, "tenants": tenants, "tool_parser": tool_parser,
+    }
 
 
 async def _serve(app: web.Application, host: str, port: int, model_name: str, shutdown_timeout: float) -> None:

@@ -31,27 +31,30 @@ async def apply_tenants_file(engine: AsyncEngine, tenants: TenantsFile) -> None:
     is refused (past `max_pinned_fraction`, or too long for the model)."""
     for config in tenants.tenants:
         engine.add_tenant(config)  # the CLI put them in EngineConfig too: this replaces them with themselves
+    for ids, tenant, what in file_pins(engine.tokenizer, tenants):
+        try:
+            await engine.pin_prefix(ids, tenant=tenant, shared=tenant is None)
+        except ValueError as exc:  # LimitExceededError("max_pinned_fraction") among them
+            raise TenantsFileError(f"tenants file {tenants.path!r}: cannot pin {what}: {exc}") from None
+
+
+def file_pins(tokenizer: Any, tenants: TenantsFile) -> list[tuple[list[int], str | None, str]]:
+    """(token ids, tenant or None for the shared prefix, what it is) of every prefix the file
+    pins. Tokenized as the server tokenizes prompts (ServerState.tokenize), so the pinned
+    blocks hold exactly the tokens requests start with."""
+    texts: list[tuple[str, str | None, str]] = []
     if tenants.shared_prefix is not None:
-        await _pin(engine, tenants, tenants.shared_prefix, None, "shared_prefix")
+        texts.append((tenants.shared_prefix, None, "shared_prefix"))
     for name, prompt in tenants.system_prompts.items():
-        await _pin(engine, tenants, system_prefix(engine, prompt), name, f"the system_prompt of tenant {name!r}")
+        texts.append((system_prefix(tokenizer, prompt), name, f"the system_prompt of tenant {name!r}"))
+    return [(tokenizer.encode(text, add_special_tokens=True), tenant, what) for text, tenant, what in texts]
 
 
-def system_prefix(engine: AsyncEngine, prompt: str) -> str:
+def system_prefix(tokenizer: Any, prompt: str) -> str:
     """`prompt` as the chat template renders a conversation's opening system message: the
     text every chat request of that bot starts with."""
     message = [{"role": "system", "content": prompt}]
-    return engine.tokenizer.apply_chat_template(message, tokenize=False, add_generation_prompt=False)
-
-
-async def _pin(engine: AsyncEngine, tenants: TenantsFile, text: str, tenant: str | None, what: str) -> None:
-    # Tokenized as the server tokenizes prompts (ServerState.tokenize), so the pinned blocks
-    # hold exactly the tokens requests start with.
-    ids = engine.tokenizer.encode(text, add_special_tokens=True)
-    try:
-        await engine.pin_prefix(ids, tenant=tenant, shared=tenant is None)
-    except ValueError as exc:  # LimitExceededError("max_pinned_fraction") among them
-        raise TenantsFileError(f"tenants file {tenants.path!r}: cannot pin {what}: {exc}") from None
+    return tokenizer.apply_chat_template(message, tokenize=False, add_generation_prompt=False)
 
 
 def tenants_view(engine: AsyncEngine) -> dict[str, Any]:

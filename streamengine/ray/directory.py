@@ -1,0 +1,112 @@
+"""The directory: where replicas publish their KV events and load, and routers read them.
+
+One small Ray actor per application (named, so replicas, routers and the ingress find it
+without being wired together). It keeps a bounded log of encoded event batches with sequence
+numbers, and its own block index so a router that starts late, or falls behind the log, gets
+a snapshot instead of the events it missed. Routers long-poll it (`poll`); every call is
+cheap and nothing is shipped twice except on a resync. A replica that stops reporting is
+forgotten after `stale_after_s`: its blocks go from the index, and routers are told.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any
+
+import ray
+
+from streamengine.kv_events import AllBlocksCleared, EventBatch, decode, encode
+from streamengine.ray.block_index import BlockIndex
+
+DIRECTORY_NAMESPACE = "streamengine"
+
+
+def directory_name(app_name: str) -> str:
+    return f"streamengine-directory-{app_name}"
+
+
+@dataclass(slots=True)
+class DirectoryUpdate:
+    """What a router gets from one poll: the batches after its cursor, or a whole snapshot."""
+
+    cursor: int
+    batches: list[tuple[str, bytes]] = field(default_factory=list)
+    snapshot: dict[str, list[bytes]] | None = None  # replica -> every hash it holds
+    loads: dict[str, dict[str, Any]] = field(default_factory=dict)  # replica -> its last report
+
+
+class ReplicaDirectory:
+    """The actor's class (see `get_or_create_directory`)."""
+
+    def __init__(self, max_log: int = 4096, stale_after_s: float = 10.0) -> None:
+        self._log: deque[tuple[int, str, bytes]] = deque(maxlen=max_log)
+        self._next = 0
+        self._index = BlockIndex()
+        self._loads: dict[str, dict[str, Any]] = {}
+        self._seen: dict[str, float] = {}
+        self._stale_after_s = stale_after_s
+        self._changed = asyncio.Event()
+
+    async def publish(self, replica: str, batches: list[bytes], load: dict[str, Any]) -> None:
+        """A replica's event batches since its last call, and its current load report."""
+        now = time.monotonic()
+        self._seen[replica] = now
+        self._loads[replica] = load
+        for data in batches:
+            self._index.apply(replica, decode(data))
+            self._append(replica, data)
+        self._drop_stale(now)
+        self._changed.set()
+
+    async def leave(self, replica: str) -> None:
+        """A replica shutting down: its blocks are gone."""
+        self._forget(replica)
+        self._changed.set()
+
+    async def poll(self, cursor: int, timeout_s: float = 1.0) -> DirectoryUpdate:
+        """Everything after `cursor` (-1: a snapshot), waiting up to `timeout_s` for news."""
+        if cursor >= self._next - 1:  # seen everything: wait for the next publish
+            self._changed.clear()
+            try:
+                await asyncio.wait_for(self._changed.wait(), timeout_s)
+            except TimeoutError:
+                pass
+        self._drop_stale(time.monotonic())
+        first = self._log[0][0] if self._log else self._next
+        if cursor < 0 or cursor < first - 1:
+            snapshot = {r: self._index.hashes(r) for r in self._index.replicas()}
+            return DirectoryUpdate(self._next - 1, snapshot=snapshot, loads=dict(self._loads))
+        batches = [(replica, data) for seq, replica, data in self._log if seq > cursor]
+        return DirectoryUpdate(self._next - 1, batches=batches, loads=dict(self._loads))
+
+    async def loads(self) -> dict[str, dict[str, Any]]:
+        self._drop_stale(time.monotonic())
+        return dict(self._loads)
+
+    def _append(self, replica: str, data: bytes) -> None:
+        self._log.append((self._next, replica, data))
+        self._next += 1
+
+    def _forget(self, replica: str) -> None:
+        self._seen.pop(replica, None)
+        self._loads.pop(replica, None)
+        self._index.forget(replica)
+        self._append(replica, encode(EventBatch(ts=time.time(), events=[AllBlocksCleared()])))
+
+    def _drop_stale(self, now: float) -> None:
+        for replica, seen in list(self._seen.items()):
+            if now - seen > self._stale_after_s:
+                self._forget(replica)
+
+
+def get_or_create_directory(app_name: str) -> ray.actor.ActorHandle:
+    """The application's directory actor, created by whoever asks first. Detached, so it
+    outlives the process that created it; `app.py` kills it when the application goes."""
+    actor = ray.remote(num_cpus=0)(ReplicaDirectory)
+    return actor.options(
+        name=directory_name(app_name), namespace=DIRECTORY_NAMESPACE, lifetime="detached",
+        get_if_exists=True,
+    ).remote()

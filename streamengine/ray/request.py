@@ -1,0 +1,23 @@
+"""What the ingress sends a replica for one request, and what the router reads to place it."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from streamengine.pinning import Segments
+from streamengine.sampling_params import SamplingParams
+
+
+@dataclass(slots=True)
+class ReplicaRequest:
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    request_id: str
+    cache_salt: str | None
+    tenant: str | None
+    # The salts of the prompt's blocks, computed by the ingress exactly as the engine does
+    # (Pins.segments): the router hashes the prompt with them to find where it is cached.
+    salt_segments: Segments = ()
+    # The prompt as text, for routers that match text (Ray's PrefixCacheAffinityRouter reads
+    # `.prompt`); ours reads the token ids.
+    prompt: str = ""

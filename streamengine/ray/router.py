@@ -1,0 +1,187 @@
+"""Routing by cached blocks: a Ray Serve request router that sends each request to the
+replica holding the longest chain of its prompt's block hashes.
+
+The hashes are the engine's own (`prompt_block_hashes` over the salt segments the ingress
+computed with `Pins.segments`), so a tenant's request matches only blocks hashed with its
+salt: the router can never send one tenant toward another's private blocks, because it
+cannot compute their hashes either. Where replicas hold blocks comes from their KV events
+(through the directory, mirrored in a BlockIndex), plus the router's own recent placements:
+a burst of requests for a prefix nobody has cached yet follows the first one, whose
+prefill the replica's engine then shares, instead of each replica computing it again.
+
+When the best replica is busier than the least busy one by more than
+`imbalance_threshold` requests in flight, or nobody holds any block, it falls back to
+power-of-two choices on load (two random replicas, the less loaded first).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import random
+import time
+from collections import Counter, deque
+from typing import Any
+
+import ray
+from ray.serve.request_router import PendingRequest, ReplicaID, RequestRouter, RunningReplica
+
+from streamengine.block_manager import prompt_block_hashes
+from streamengine.kv_events import decode
+from streamengine.ray.block_index import BlockIndex
+from streamengine.ray.directory import DirectoryUpdate, get_or_create_directory
+from streamengine.ray.request import ReplicaRequest
+
+log = logging.getLogger(__name__)
+
+DEFAULT_IMBALANCE_THRESHOLD = 4
+DEFAULT_AFFINITY_TTL_S = 10.0
+_POLL_TIMEOUT_S = 1.0
+_RETRY_S = 0.5
+
+
+class CachedBlockRouter(RequestRouter):
+    """See the module docstring. Configured through `RequestRouterConfig(
+    request_router_class=CachedBlockRouter, request_router_kwargs={"app_name": ...,
+    "block_size": ...})`."""
+
+    def initialize_state(
+        self, app_name: str = "streamengine", block_size: int = 16,
+        imbalance_threshold: int = DEFAULT_IMBALANCE_THRESHOLD,
+        affinity_ttl_s: float = DEFAULT_AFFINITY_TTL_S, **_: Any,
+    ) -> None:
+        self._app_name, self._block_size = app_name, block_size
+        self._imbalance = imbalance_threshold
+        self._ttl = affinity_ttl_s
+        self._index = BlockIndex()  # what the replicas' KV events say they hold
+        self._recent = BlockIndex()  # where this router sent prefixes lately
+        self._placements: deque[tuple[float, str, list[bytes]]] = deque()
+        self._in_flight: Counter[str] = Counter()
+        self._by_request: dict[str, str] = {}
+        self._sync_task: asyncio.Task | None = None
+        self.decisions: Counter[str] = Counter()  # "cached", "fresh", "balanced": why a replica won
+
+    async def choose_replicas(
+        self, candidate_replicas: list[RunningReplica], pending_request: PendingRequest | None = None,
+    ) -> list[list[RunningReplica]]:
+        self._start_sync()
+        if not candidate_replicas:
+            return []
+        request = _replica_request(pending_request)
+        if request is None:  # a call that is not a generate: any replica will do
+            return [self._two_choices(candidate_replicas)]
+        hashes = self.request_hashes(request)
+        ranked = self.rank(candidate_replicas, hashes)
+        return [[ranked[0]], ranked[1:]] if len(ranked) > 1 else [ranked]
+
+    def request_hashes(self, request: ReplicaRequest) -> list[bytes]:
+        ids = request.prompt_token_ids
+        # Only the blocks a lookup could hit: the engine always computes the last prompt token.
+        usable = ids[: (len(ids) - 1) // self._block_size * self._block_size]
+        return prompt_block_hashes(usable, self._block_size, request.salt_segments)
+
+    def rank(self, candidates: list[RunningReplica], hashes: list[bytes]) -> list[RunningReplica]:
+        """Candidates best first: the deepest cached chain (ties: the least loaded), unless it
+        is overloaded; else power-of-two choices."""
+        self._expire(time.monotonic())
+        by_id = {r.replica_id.unique_id: r for r in candidates}
+        cached = self._index.depths(hashes, by_id)
+        recent = self._recent.depths(hashes, by_id)
+        depth = {rid: max(cached[rid], recent[rid]) for rid in by_id}
+        load = {rid: self._in_flight[rid] for rid in by_id}
+        best = max(by_id, key=lambda rid: (depth[rid], -load[rid], random.random()))
+        if depth[best] == 0 or load[best] > min(load.values()) + self._imbalance:
+            self.decisions["fresh" if depth[best] == 0 else "balanced"] += 1
+            first = self._two_choices(candidates)
+        else:
+            self.decisions["cached"] += 1
+            first = [by_id[best]]
+        rest = sorted((r for r in candidates if r not in first), key=lambda r: load[r.replica_id.unique_id])
+        return first + rest
+
+    def _two_choices(self, candidates: list[RunningReplica]) -> list[RunningReplica]:
+        pair = random.sample(candidates, min(2, len(candidates)))
+        return sorted(pair, key=lambda r: self._in_flight[r.replica_id.unique_id])
+
+    # -- what Ray Serve tells the router ---------------------------------------------------
+
+    def on_request_routed(self, pending_request: PendingRequest, replica_id: ReplicaID, result: Any) -> None:
+        rid = replica_id.unique_id
+        self._in_flight[rid] += 1
+        self._by_request[pending_request.metadata.internal_request_id] = rid
+        request = _replica_request(pending_request)
+        if request is not None:
+            hashes = self.request_hashes(request)
+            self._recent.add(rid, hashes)
+            self._placements.append((time.monotonic(), rid, hashes))
+
+    def on_request_completed(self, replica_id: ReplicaID, internal_request_id: str) -> None:
+        rid = self._by_request.pop(internal_request_id, replica_id.unique_id)
+        if self._in_flight[rid] > 0:
+            self._in_flight[rid] -= 1
+
+    def on_replica_actor_died(self, replica_id: ReplicaID) -> None:
+        super().on_replica_actor_died(replica_id)
+        self._forget(replica_id.unique_id)
+
+    def update_replicas(self, replicas: list[RunningReplica]) -> None:
+        super().update_replicas(replicas)
+        live = {r.replica_id.unique_id for r in replicas}
+        for rid in (set(self._index.replicas()) | set(self._recent.replicas())) - live:
+            self._forget(rid)
+
+    def _forget(self, rid: str) -> None:
+        """Drops a replica that died or left, here and (sooner than its silence would) in the
+        directory, whose loads the ingress reports."""
+        self._index.forget(rid)
+        self._recent.forget(rid)
+        self._in_flight.pop(rid, None)
+        if ray.is_initialized():  # not in unit tests, which have no cluster
+            with contextlib.suppress(Exception):
+                get_or_create_directory(self._app_name).leave.remote(rid)
+
+    def _expire(self, now: float) -> None:
+        while self._placements and now - self._placements[0][0] > self._ttl:
+            _, rid, hashes = self._placements.popleft()
+            self._recent.remove(rid, hashes)
+
+    # -- the directory feed ----------------------------------------------------------------
+
+    def _start_sync(self) -> None:
+        if self._sync_task is None or self._sync_task.done():
+            self._sync_task = asyncio.get_running_loop().create_task(self._sync(), name="streamengine-router-sync")
+
+    async def _sync(self) -> None:
+        cursor = -1
+        directory = None
+        while True:
+            try:
+                directory = directory or get_or_create_directory(self._app_name)
+                update: DirectoryUpdate = await directory.poll.remote(cursor, _POLL_TIMEOUT_S)
+                cursor = self.apply(update)
+            except asyncio.CancelledError:
+                raise
+            except Exception:
+                log.warning("reading the KV directory failed; retrying", exc_info=True)
+                directory, cursor = None, -1
+                await asyncio.sleep(_RETRY_S)
+
+    def apply(self, update: DirectoryUpdate) -> int:
+        """Mirrors one directory update; returns the cursor to poll from next."""
+        if update.snapshot is not None:
+            self._index = BlockIndex()
+            for rid, hashes in update.snapshot.items():
+                self._index.add(rid, hashes)
+        for rid, data in update.batches:
+            self._index.apply(rid, decode(data))
+        return update.cursor
+
+
+def _replica_request(pending_request: PendingRequest | None) -> ReplicaRequest | None:
+    if pending_request is None:
+        return None
+    for arg in pending_request.args:
+        if isinstance(arg, ReplicaRequest):
+            return arg
+    return None

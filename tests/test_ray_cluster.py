@@ -1,0 +1,281 @@
+"""The Ray Serve deployment end to end: a local cluster on 127.0.0.1, two replicas of a tiny
+model behind the ingress, reached with the openai client, raw HTTP and the WebSocket.
+
+One cluster serves the whole module (starting one costs tens of seconds on two cores); the
+test that kills a replica runs last.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import socket
+import time
+
+import pytest
+
+ray = pytest.importorskip("ray")
+pytest.importorskip("ray.serve")
+
+from streamengine.config import EngineConfig  # noqa: E402
+from streamengine.server.tenants_file import parse_tenants  # noqa: E402
+
+pytestmark = pytest.mark.ray
+
+KEY_A, KEY_B = "key-a", "key-b"
+# Long enough for several full blocks: the part a bot's conversations share.
+SYSTEM = "You are the support bot of an example shop. " * 12
+STREAM_TIMEOUT_S = 60.0
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def cluster_model_dir(tmp_path_factory, smollm_dir):
+    """A random Llama wider and deeper than the tiny one: a step takes milliseconds, so a
+    long stream is still being generated when a test kills or removes its replica."""
+    from conftest import _TINY, _save_tiny
+    from transformers import LlamaConfig
+
+    config = LlamaConfig(**dict(_TINY, hidden_size=256, intermediate_size=1024, num_hidden_layers=6))
+    return _save_tiny(config, tmp_path_factory.mktemp("cluster_llama"), smollm_dir)
+
+
+@pytest.fixture(scope="module")
+def cluster(cluster_model_dir):
+    from ray import serve
+
+    from streamengine.ray import ClusterOptions, deploy
+
+    tenants = parse_tenants({"tenants": [
+        {"name": "bot-a", "api_key": KEY_A}, {"name": "bot-b", "api_key": KEY_B},
+    ]})
+    config = EngineConfig(model=str(cluster_model_dir), num_gpu_blocks=256, tenants=tenants.tenants)
+    options = ClusterOptions(
+        replicas=2, router="cached", app_name="test", port=_free_port(), replica_cpus=1.0,
+        tenants_file=tenants, graceful_shutdown_timeout_s=30.0,
+    )
+    ray.init(num_cpus=2, include_dashboard=False, namespace="streamengine", log_to_driver=False)
+    try:
+        app = deploy(config, options)
+        _wait_ready(app.url)
+        app.config, app.options = config, options  # for the test that scales it down
+        yield app
+        app.shutdown()
+    finally:
+        serve.shutdown()
+        ray.shutdown()
+
+
+def _wait_ready(url: str, timeout: float = 60.0) -> None:
+    """Until the ingress answers /ready (every replica already reported ready)."""
+    import urllib.request
+
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            with urllib.request.urlopen(f"{url}/ready", timeout=5) as r:
+                if json.loads(r.read())["status"] == "ready":
+                    return
+        except OSError:
+            pass
+        if time.monotonic() > deadline:
+            raise AssertionError("the ingress did not become ready")
+        time.sleep(0.2)
+
+
+def _client(app, key: str):
+    from openai import AsyncOpenAI
+
+    return AsyncOpenAI(base_url=f"{app.url}/v1", api_key=key, timeout=STREAM_TIMEOUT_S, max_retries=0)
+
+
+async def _chat(client, user: str, max_tokens: int = 4):
+    return await client.chat.completions.create(
+        model=(await client.models.list()).data[0].id,
+        messages=[{"role": "system", "content": SYSTEM}, {"role": "user", "content": user}],
+        max_tokens=max_tokens, temperature=0.0,
+    )
+
+
+def _cached(response) -> int:
+    return response.usage.prompt_tokens_details.cached_tokens
+
+
+async def test_a_tenants_requests_follow_its_cached_prefix(cluster):
+    """After one request computes bot A's system prompt, every later one of A lands on the
+    replica holding it (its cached tokens cover the prompt); bot B sending the very same
+    messages never hits A's blocks."""
+    a = _client(cluster, KEY_A)
+    first = await _chat(a, "Where is my order?")
+    assert _cached(first) == 0
+    prompt_tokens = first.usage.prompt_tokens
+    await asyncio.sleep(1.5)  # the replica's KV events reach the router
+    hits = [_cached(await _chat(a, f"Question number {i}: can I return it?")) for i in range(6)]
+    shared = len(SYSTEM) // 8  # at least the system prompt's blocks, far from 0
+    assert all(h >= shared for h in hits), (hits, prompt_tokens)
+    b = _client(cluster, KEY_B)
+    other = [_cached(await _chat(b, "Where is my order?")) for _ in range(2)]
+    # B's second request may hit B's own first one, never A's: at most what B computed itself.
+    assert other[0] == 0
+    assert other[1] <= prompt_tokens
+
+
+async def test_openai_client_streams_through_the_ingress(cluster):
+    a = _client(cluster, KEY_A)
+    models = await a.models.list()
+    model = models.data[0].id
+    whole = await a.completions.create(model=model, prompt="The sky is", max_tokens=8, temperature=0.0)
+    assert whole.choices[0].finish_reason == "length" and whole.usage.completion_tokens == 8
+    stream = await a.completions.create(model=model, prompt="The sky is", max_tokens=8, temperature=0.0,
+                                        stream=True)
+    pieces = [chunk.choices[0].text async for chunk in stream if chunk.choices]
+    assert len(pieces) >= 2  # token by token, not one blob
+    assert "".join(pieces) == whole.choices[0].text  # greedy: the same text either way
+
+
+async def test_bad_requests_get_the_servers_errors(cluster):
+    import openai
+
+    a = _client(cluster, KEY_A)
+    model = (await a.models.list()).data[0].id
+    with pytest.raises(openai.BadRequestError):
+        await a.completions.create(model=model, prompt="Hi", max_tokens=4, temperature=-1.0)
+    with pytest.raises(openai.AuthenticationError):
+        await _client(cluster, "wrong-key").models.list()
+
+
+async def test_websocket_streams_through_the_ingress(cluster):
+    import aiohttp
+
+    async with aiohttp.ClientSession() as session:
+        headers = {"Authorization": f"Bearer {KEY_A}"}
+        async with session.ws_connect(f"{cluster.url}/v1/stream", headers=headers) as ws:
+            ready = json.loads((await ws.receive(timeout=30)).data)
+            assert ready["type"] == "ready"
+            await ws.send_json({"type": "generate", "id": "w", "prompt": "Once upon a time",
+                                "params": {"max_tokens": 6, "temperature": 0.0}})
+            tokens, done = [], None
+            while done is None:
+                msg = json.loads((await ws.receive(timeout=30)).data)
+                if msg["type"] == "delta":
+                    tokens += msg["token_ids"]
+                elif msg["type"] == "done":
+                    done = msg
+                else:
+                    assert msg["type"] in ("stats", "kv_state"), msg
+            assert done["finish_reason"] == "length" and len(tokens) == 6
+            # An abort crosses the ingress and the replica: the stream ends as "abort".
+            await ws.send_json({"type": "generate", "id": "long", "prompt": "Once upon a time",
+                                "params": {"max_tokens": 900, "ignore_eos": True}})
+            aborted = None
+            while aborted is None:
+                msg = json.loads((await ws.receive(timeout=30)).data)
+                if msg["type"] == "delta" and msg["id"] == "long":
+                    await ws.send_json({"type": "abort", "id": "long"})
+                elif msg["type"] == "done":
+                    aborted = msg
+            assert aborted["id"] == "long" and aborted["finish_reason"] == "abort"
+            assert aborted["usage"]["completion_tokens"] < 900
+
+
+async def test_y_a_replica_killed_mid_stream_ends_its_request_and_others_go_on(cluster):
+    """Killing the replica serving a long stream ends that stream with an error (never a
+    hang); new requests are served by the replica left."""
+    a = _client(cluster, KEY_A)
+    model = (await a.models.list()).data[0].id
+    stream = await a.completions.create(model=model, prompt="Tell me a story.", max_tokens=900,
+                                        temperature=0.0, stream=True, extra_body={"ignore_eos": True})
+    received = 0
+    killed: str | None = None
+    error: Exception | None = None
+
+    async def consume():
+        nonlocal received, error, killed
+        try:
+            async for _chunk in stream:
+                received += 1
+                if received == 5:
+                    killed = await asyncio.to_thread(_kill_busy_replica, cluster)
+        except Exception as exc:  # the stream's end: an error event or a cut connection
+            error = exc
+
+    await asyncio.wait_for(consume(), STREAM_TIMEOUT_S)
+    assert killed is not None and received >= 5
+    # The stream ended early: an error reached the client, or it stopped well short of 900.
+    assert error is not None or received < 900, received
+    deadline = time.monotonic() + 10
+    while killed in cluster.replica_loads():  # the router tells the directory it is gone
+        assert time.monotonic() < deadline, "the directory still lists the dead replica"
+        await asyncio.sleep(0.1)
+    after = await asyncio.wait_for(_chat(a, "Still there?"), STREAM_TIMEOUT_S)
+    assert after.choices[0].message.content is not None
+
+
+def _kill_busy_replica(cluster) -> str:
+    """Kills the one replica running a request; returns its id."""
+    deadline = time.monotonic() + 10
+    while True:
+        busy = [rid for rid, load in cluster.replica_loads().items() if load["stats"]["num_running"] > 0]
+        if len(busy) == 1:
+            break
+        assert time.monotonic() < deadline, f"not one busy replica: {busy}"
+        time.sleep(0.02)
+    actor = ray.get_actor(f"SERVE_REPLICA::test#EngineReplica#{busy[0]}", namespace="serve")
+    ray.kill(actor, no_restart=True)
+    return busy[0]
+
+
+async def test_z_a_replica_scaled_down_finishes_its_streams_first(cluster):
+    """Streams running on both replicas; the deployment scales to one replica meanwhile:
+    every stream still ends normally with all its tokens."""
+    import dataclasses
+
+    from ray import serve
+
+    from streamengine.ray import build_app
+
+    await asyncio.to_thread(cluster.wait_ready)  # the replica killed before has been replaced
+    a = _client(cluster, KEY_A)
+    model = (await a.models.list()).data[0].id
+    n_tokens = 600
+
+    async def one(i: int):
+        stream = await a.completions.create(
+            model=model, prompt=f"Story {i}:", max_tokens=n_tokens, temperature=0.0, stream=True,
+            extra_body={"ignore_eos": True}, stream_options={"include_usage": True},
+        )
+        usage, reason = None, None
+        async for chunk in stream:
+            if chunk.choices and chunk.choices[0].finish_reason:
+                reason = chunk.choices[0].finish_reason
+            usage = chunk.usage or usage
+        return reason, usage.completion_tokens
+
+    # New streams until both replicas run some (the router may not list the replica that
+    # replaced the killed one yet).
+    streams: list[asyncio.Task] = []
+    deadline = time.monotonic() + 30
+    while not _both_busy(cluster):
+        assert time.monotonic() < deadline, f"the streams never ran on both replicas: {_running(cluster)}"
+        if len(streams) < 2 or all(t.done() for t in streams[-2:]):
+            streams += [asyncio.create_task(one(len(streams) + i)) for i in range(2)]
+        await asyncio.sleep(0.05)
+    smaller = dataclasses.replace(cluster.options, replicas=1)
+    await asyncio.to_thread(serve.run, build_app(cluster.config, smaller), name="test", route_prefix="/")
+    results = await asyncio.wait_for(asyncio.gather(*streams), STREAM_TIMEOUT_S)
+    assert results == [("length", n_tokens)] * len(streams)
+    assert len(cluster.replica_loads()) == 1
+
+
+def _running(cluster) -> dict[str, int]:
+    return {rid: load["stats"]["num_running"] for rid, load in cluster.replica_loads().items()}
+
+
+def _both_busy(cluster) -> bool:
+    loads = cluster.replica_loads()
+    return len(loads) == 2 and all(load["stats"]["num_running"] > 0 for load in loads.values())

@@ -1,0 +1,191 @@
+"""The routing state of the Ray deployment, without a cluster: the block index mirrored from
+KV events, the directory's log and snapshots, the router's ranking, and merged figures."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import dataclass
+
+import pytest
+
+pytest.importorskip("ray.serve")
+
+from streamengine.block_manager import prompt_block_hashes  # noqa: E402
+from streamengine.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, EventBatch, encode  # noqa: E402
+from streamengine.ray.block_index import BlockIndex  # noqa: E402
+from streamengine.ray.cluster_engine import merge_stats  # noqa: E402
+from streamengine.ray.directory import ReplicaDirectory  # noqa: E402
+from streamengine.ray.request import ReplicaRequest  # noqa: E402
+from streamengine.ray.router import CachedBlockRouter  # noqa: E402
+from streamengine.sampling_params import SamplingParams  # noqa: E402
+
+BS = 16
+SALT_A = ((0, "tenant:a"),)
+SALT_B = ((0, "tenant:b"),)
+
+
+def _stored(hashes, parent=None) -> BlockStored:
+    return BlockStored(block_hashes=list(hashes), parent_block_hash=parent, token_ids=[], block_size=BS)
+
+
+def _batch(*events) -> EventBatch:
+    return EventBatch(ts=time.time(), events=list(events))
+
+
+def _hashes(n_blocks: int, salt=SALT_A, start: int = 0) -> list[bytes]:
+    ids = list(range(start, start + n_blocks * BS))
+    return prompt_block_hashes(ids, BS, salt)
+
+
+# ---- the block index ----------------------------------------------------------------------
+
+
+def test_index_depth_is_the_leading_run_of_held_hashes():
+    h = _hashes(6)
+    index = BlockIndex()
+    index.apply("r1", _batch(_stored(h[:4])))
+    index.apply("r2", _batch(_stored(h[:2])))
+    index.apply("r3", _batch(_stored(h[1:6])))  # all but the first: matches nothing
+    assert index.depths(h, ["r1", "r2", "r3", "r4"]) == {"r1": 4, "r2": 2, "r3": 0, "r4": 0}
+    index.apply("r1", _batch(BlockRemoved(block_hashes=[h[2]])))
+    assert index.depths(h, ["r1"]) == {"r1": 2}
+    index.apply("r2", _batch(AllBlocksCleared()))
+    assert index.depths(h, ["r2"]) == {"r2": 0} and index.num_blocks("r2") == 0
+    index.forget("r1")
+    index.forget("r3")
+    assert len(index) == 0  # nothing left behind once every holder is gone
+
+
+def test_salted_hashes_of_the_same_tokens_never_match():
+    index = BlockIndex()
+    index.add("r1", _hashes(4, SALT_A))
+    assert index.depths(_hashes(4, SALT_B), ["r1"]) == {"r1": 0}
+    assert index.depths(_hashes(4, SALT_A), ["r1"]) == {"r1": 4}
+
+
+# ---- the directory ------------------------------------------------------------------------
+
+
+async def test_directory_serves_events_after_a_cursor_and_snapshots_late_readers():
+    d = ReplicaDirectory(max_log=3)
+    h = _hashes(5)
+    await d.publish("r1", [encode(_batch(_stored(h[:2])))], {"n": 1})
+    first = await d.poll(-1, timeout_s=0.01)
+    assert first.snapshot == {"r1": list(first.snapshot["r1"])} and set(first.snapshot["r1"]) == set(h[:2])
+    await d.publish("r1", [encode(_batch(_stored(h[2:3])))], {"n": 2})
+    news = await d.poll(first.cursor, timeout_s=0.01)
+    assert news.snapshot is None and len(news.batches) == 1 and news.loads == {"r1": {"n": 2}}
+    # Four more batches overflow a log of 3: a reader at the old cursor gets a snapshot.
+    for i in range(3, 5):
+        await d.publish("r1", [encode(_batch(_stored(h[i:i + 1]))), encode(_batch())], {"n": i})
+    late = await d.poll(news.cursor, timeout_s=0.01)
+    assert late.snapshot is not None and set(late.snapshot["r1"]) == set(h)
+
+
+async def test_directory_poll_waits_for_news_and_forgets_silent_replicas():
+    d = ReplicaDirectory(stale_after_s=0.2)
+    await d.publish("r1", [encode(_batch(_stored(_hashes(1))))], {})
+    cursor = (await d.poll(-1, timeout_s=0.01)).cursor
+    waiter = asyncio.create_task(d.poll(cursor, timeout_s=5.0))
+    await asyncio.sleep(0.05)
+    assert not waiter.done()  # a long poll: nothing new yet
+    await d.publish("r2", [encode(_batch(_stored(_hashes(1, start=999))))], {})
+    update = await asyncio.wait_for(waiter, 1.0)
+    assert [rid for rid, _ in update.batches] == ["r2"]
+    await asyncio.sleep(0.3)
+    await d.publish("r2", [], {})  # r1 said nothing for longer than stale_after_s
+    assert set(await d.loads()) == {"r2"}
+    gone = await d.poll(update.cursor, timeout_s=0.01)
+    assert any(rid == "r1" for rid, _ in gone.batches)  # routers are told to drop r1's blocks
+
+
+# ---- the router's ranking -----------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class _ID:
+    unique_id: str
+
+
+@dataclass(frozen=True)
+class _Replica:
+    replica_id: _ID
+
+
+def _router(**kwargs) -> CachedBlockRouter:
+    router = CachedBlockRouter.__new__(CachedBlockRouter)  # no Ray: only the routing state
+    router.initialize_state(app_name="t", block_size=BS, **kwargs)
+    return router
+
+
+def _request(ids, salt=SALT_A) -> ReplicaRequest:
+    return ReplicaRequest(list(ids), SamplingParams(), "r", None, "a", salt)
+
+
+def test_router_prefers_the_deepest_chain_then_the_least_loaded():
+    router = _router()
+    reps = [_Replica(_ID(f"r{i}")) for i in range(3)]
+    ids = list(range(5 * BS + 3))
+    hashes = router.request_hashes(_request(ids))
+    assert hashes == prompt_block_hashes(ids[: 5 * BS], BS, SALT_A)  # the engine's own hashes
+    router._index.add("r2", hashes[:3])
+    router._index.add("r1", hashes[:1])
+    assert router.rank(reps, hashes)[0] is reps[2]
+    router._index.add("r0", hashes[:3])
+    router._in_flight["r2"] = 2
+    assert router.rank(reps, hashes)[0] is reps[0]  # equal depth: the less loaded
+    assert router.decisions["cached"] == 2
+
+
+def test_router_balances_when_the_best_replica_is_overloaded():
+    router = _router(imbalance_threshold=2)
+    reps = [_Replica(_ID("r0")), _Replica(_ID("r1"))]
+    hashes = router.request_hashes(_request(range(4 * BS + 1)))
+    router._index.add("r0", hashes)
+    router._in_flight["r0"] = 3  # 3 > 0 + 2: too far ahead of r1
+    assert router.rank(reps, hashes)[0] is reps[1]
+    assert router.decisions["balanced"] == 1
+    router._in_flight["r0"] = 2
+    assert router.rank(reps, hashes)[0] is reps[0]
+
+
+def test_recent_placements_draw_a_burst_until_they_expire():
+    router = _router(affinity_ttl_s=0.05)
+    reps = [_Replica(_ID("r0")), _Replica(_ID("r1"))]
+    req = _request(range(4 * BS + 1))
+
+    class _Pending:
+        args = (req,)
+
+        class metadata:
+            internal_request_id = "x"
+
+    router.on_request_routed(_Pending(), reps[1].replica_id, None)
+    router.on_request_completed(reps[1].replica_id, "x")
+    hashes = router.request_hashes(req)
+    assert all(router.rank(reps, hashes)[0] is reps[1] for _ in range(10))
+    time.sleep(0.06)
+    router._expire(time.monotonic())
+    assert router._recent.depths(hashes, ["r1"]) == {"r1": 0}
+
+
+def test_router_forgets_replicas_that_left():
+    router = _router()
+    hashes = _hashes(2)
+    router._index.add("gone", hashes)
+    router._recent.add("gone", hashes)
+    router._forget("gone")
+    assert router._index.depths(hashes, ["gone"]) == {"gone": 0} and len(router._recent) == 0
+
+
+# ---- figures ------------------------------------------------------------------------------
+
+
+def test_merged_stats_sum_counters_and_average_usage():
+    one = {"num_running": 1, "kv_cache_usage": 0.5, "block_size": 16, "tenants": {"a": {"weight": 2.0, "prompt_tokens": 10}}}
+    two = {"num_running": 3, "kv_cache_usage": 0.1, "block_size": 16, "tenants": {"a": {"weight": 2.0, "prompt_tokens": 5}}}
+    merged = merge_stats([one, two])
+    assert merged["num_running"] == 4 and merged["num_replicas"] == 2 and merged["block_size"] == 16
+    assert merged["kv_cache_usage"] == pytest.approx(0.3)
+    assert merged["tenants"]["a"] == {"weight": 2.0, "prompt_tokens": 15}
