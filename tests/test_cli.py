@@ -349,3 +349,39 @@ def test_tenant_keys_count_as_keys_for_an_open_bind(tmp_path):
     assert "--allow-unauthenticated" not in str(info.value)
     with pytest.raises(ValueError, match="--allow-unauthenticated"):
         run_server(EngineConfig(model=str(tmp_path / "no-model")), **{**options, "tenants": None})
+
+
+def test_cluster_options_default_to_one_process():
+    a = serve_args()
+    assert a.replicas == 0 and a.ray_address is None and a.router == "cached" and a.replica_cpus == 1.0
+    a = serve_args("--replicas", "3", "--router", "pow2", "--ray-address", "10.0.0.1:6379")
+    assert (a.replicas, a.router, a.ray_address) == (3, "pow2", "10.0.0.1:6379")
+
+
+def test_cluster_serve_refuses_bad_options_before_starting_ray(monkeypatch, capsys):
+    monkeypatch.delenv("STREAMENGINE_API_KEY", raising=False)
+    monkeypatch.delenv("STREAMENGINE_ADMIN_KEY", raising=False)
+
+    def no_cluster(*_a, **_k):
+        raise AssertionError("Ray must not be started")
+
+    monkeypatch.setattr("streamengine.ray.app.serve_cluster", no_cluster)
+    assert cli.main(["serve", "--replicas", "-1"]) == 2
+    assert "--replicas must be >= 0" in capsys.readouterr().err
+    assert cli.main(["serve", "--replicas", "2", "--host", "0.0.0.0"]) == 2
+    assert "--allow-unauthenticated" in capsys.readouterr().err
+
+
+def test_cluster_serve_passes_the_server_options_to_the_ingress(monkeypatch):
+    seen = {}
+
+    def fake_serve_cluster(config, options, *, ray_address):
+        seen.update(config=config, options=options, ray_address=ray_address)
+
+    monkeypatch.setattr("streamengine.ray.app.serve_cluster", fake_serve_cluster)
+    assert cli.main(["serve", "--replicas", "2", "--api-key", "k1", "--max-prompt-tokens", "100",
+                     "--router", "ray_prefix", "--block-size", "32", "--shutdown-timeout", "7"]) == 0
+    options = seen["options"]
+    assert options.replicas == 2 and options.router == "ray_prefix" and options.graceful_shutdown_timeout_s == 7
+    assert options.server["api_key"] == ["k1"] and options.server["max_prompt_tokens"] == 100
+    assert options.server["allowed_hosts"] == [] and seen["config"].block_size == 32  # loopback only
