@@ -5,17 +5,19 @@ Imports are lazy: bench/serving.py's client side and bench/memory.py run without
 
 from __future__ import annotations
 
+import argparse
 import json
 import logging
 import os
 import platform
 import sys
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 __all__ = [
-    "default_model_folder", "load_bench_model", "model_folder", "pyplot", "quiet_transformers", "save_figure", "software",
+    "default_model_folder", "load_bench_model", "mode_defaults", "model_folder", "pyplot", "quiet_transformers",
+    "save_figure", "software",
     "write_report",
 ]
 
@@ -96,3 +98,20 @@ def write_report(report: dict, json_path: Path, png_path: Path | None, plot: Cal
     if png_path is not None:
         plot(report, png_path)
         print(f"wrote {png_path}", file=sys.stderr)
+
+
+def mode_defaults(
+    p: argparse.ArgumentParser, args: argparse.Namespace, quick: dict, full: dict, name: str,
+    results_dir: Path, systems: Sequence[str],
+) -> None:
+    """The options a run left unset take the --quick or full mode's values; --json and --png
+    default to results/<name>[_quick]; --systems (comma-separated) must name known systems."""
+    for key, value in (quick if args.quick else full).items():
+        if getattr(args, key) is None:
+            setattr(args, key, value)
+    suffix = "_quick" if args.quick else ""
+    args.json = args.json or results_dir / f"{name}{suffix}.json"
+    args.png = args.png or results_dir / f"{name}{suffix}.png"
+    args.systems = [s.strip() for s in args.systems.split(",") if s.strip()]
+    if not args.systems or any(s not in systems for s in args.systems):
+        p.error(f"--systems must name some of {', '.join(systems)}")

@@ -57,7 +57,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))  # run as a script: ben
 
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
-from common import load_bench_model, software, write_report  # noqa: E402
+from common import load_bench_model, mode_defaults, software, write_report  # noqa: E402
 from tqdm import tqdm  # noqa: E402
 from traces import normal_token_ids  # noqa: E402
 
@@ -669,15 +669,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def check_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> argparse.Namespace:
-    for key, value in (QUICK if args.quick else FULL).items():
-        if getattr(args, key) is None:
-            setattr(args, key, value)
-    suffix = "_quick" if args.quick else ""
-    args.json = args.json or RESULTS_DIR / f"multitenant{suffix}.json"
-    args.png = args.png or RESULTS_DIR / f"multitenant{suffix}.png"
-    args.systems = [s.strip() for s in args.systems.split(",") if s.strip()]
-    if not args.systems or any(s not in SYSTEMS for s in args.systems):
-        p.error(f"--systems must name some of {', '.join(SYSTEMS)}")
+    mode_defaults(p, args, QUICK, FULL, "multitenant", RESULTS_DIR, SYSTEMS)
     if args.bots < 2 or not 1 <= args.noisy_rank <= args.bots:
         p.error("--bots must be >= 2 and --noisy-rank in 1..bots")
     if min(args.rate, args.duration, args.scale, args.window, args.kv_fraction, args.zipf, args.sample_period) <= 0:

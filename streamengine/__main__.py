@@ -164,6 +164,8 @@ def _serve_args(p: argparse.ArgumentParser) -> None:
                         "longest chain of the prompt's blocks)")
     g.add_argument("--replica-cpus", type=float, default=1.0, metavar="X",
                    help="Ray CPUs per replica, also its torch threads unless --num-threads (default 1)")
+    g.add_argument("--replica-gpus", type=float, default=0.0, metavar="X",
+                   help="Ray GPUs per replica (default 0; 1 gives each replica a GPU of its own)")
     p.add_argument("--shutdown-timeout", type=float, default=DEFAULT_SHUTDOWN_TIMEOUT_S, metavar="SECONDS",
                    help=f"on SIGTERM/SIGINT, how long requests in flight may finish before they are "
                         f"aborted (default {DEFAULT_SHUTDOWN_TIMEOUT_S:g})")
@@ -225,6 +227,7 @@ def _serve_cluster(a: argparse.Namespace) -> None:
     server.pop("tenants")
     options = ClusterOptions(
         replicas=a.replicas, router=a.router, host=a.host, port=a.port, replica_cpus=a.replica_cpus,
+        replica_gpus=a.replica_gpus,
         graceful_shutdown_timeout_s=a.shutdown_timeout, server=server, tenants_file=tenants,
     )
     serve_cluster(config_from_args(a), options, ray_address=a.ray_address)

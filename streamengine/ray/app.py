@@ -42,6 +42,7 @@ class ClusterOptions:
     host: str = "127.0.0.1"
     port: int = 8000
     replica_cpus: float = 1.0  # Ray CPUs per replica; also its torch threads unless set
+    replica_gpus: float = 0.0  # Ray GPUs per replica (EngineConfig.device "auto" then uses CUDA)
     max_ongoing_requests: int = 256  # per replica, as Ray Serve counts them
     graceful_shutdown_timeout_s: float = 60.0  # a replica scaled down finishes its streams first
     report_interval_s: float = DEFAULT_REPORT_INTERVAL_S
@@ -98,7 +99,7 @@ def build_app(config: EngineConfig, options: ClusterOptions) -> serve.Applicatio
     router = _router_config(config, options)
     engine = serve.deployment(
         EngineReplica, name="EngineReplica", num_replicas=options.replicas,
-        ray_actor_options={"num_cpus": options.replica_cpus},
+        ray_actor_options={"num_cpus": options.replica_cpus, "num_gpus": options.replica_gpus},
         max_ongoing_requests=options.max_ongoing_requests,
         graceful_shutdown_timeout_s=options.graceful_shutdown_timeout_s,
         **({"request_router_config": router} if router is not None else {}),

@@ -243,7 +243,7 @@ class ClusterEngine:
 
     def kv_state(self) -> dict:
         """Every replica's blocks, one after the other."""
-        states = [load["kv_state"] for load in self._loads.values()]
+        states = [load["kv_state"] for load in self._loads.values() if "kv_state" in load]
         return {
             "block_size": self.config.block_size, "num_blocks": sum(s["num_blocks"] for s in states),
             "blocks": [b for s in states for b in s["blocks"]],

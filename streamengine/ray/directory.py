@@ -54,6 +54,8 @@ class ReplicaDirectory:
         """A replica's event batches since its last call, and its current load report."""
         now = time.monotonic()
         self._seen[replica] = now
+        if "kv_state" not in load and "kv_state" in self._loads.get(replica, {}):
+            load = {**load, "kv_state": self._loads[replica]["kv_state"]}  # sent less often
         self._loads[replica] = load
         for data in batches:
             self._index.apply(replica, decode(data))

@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any
@@ -27,6 +28,7 @@ from streamengine.ray.request import ReplicaRequest
 log = logging.getLogger(__name__)
 
 DEFAULT_REPORT_INTERVAL_S = 0.2
+KV_STATE_INTERVAL_S = 1.0
 _EVENT_BUFFER = 4096  # batches a slow publisher may fall behind before the stream resyncs
 
 
@@ -54,6 +56,7 @@ class EngineReplica:
         await self.engine.start()
         for pin in pins:
             await self.engine.pin_prefix(list(pin.token_ids), tenant=pin.tenant, shared=pin.shared)
+        self._app_name = app_name
         self._directory = get_or_create_directory(app_name)
         self._interval = report_interval_s
         self._pending: list[bytes] = []
@@ -77,25 +80,31 @@ class EngineReplica:
         if state == "stopped":
             raise RuntimeError(f"engine stopped: {self.engine.health()['reason']}")
 
-    def load(self) -> dict[str, Any]:
-        """What the directory shows routers and the ingress: stats, health, the KV map."""
-        return {
-            "stats": self.engine.stats(), "health": self.engine.health(),
-            "kv_state": self.engine.kv_state(), "model_name": self.engine.model_name,
-        }
+    def load(self, with_kv_state: bool = True) -> dict[str, Any]:
+        """What the directory shows routers and the ingress: stats, health and (the chat
+        page's KV map, one entry per block) the block states."""
+        load = {"stats": self.engine.stats(), "health": self.engine.health()}
+        if with_kv_state:
+            load["kv_state"] = self.engine.kv_state()
+        return load
 
     async def _collect(self) -> None:
         async for batch in self._events:
             self._pending.append(encode(batch))
 
     async def _report(self) -> None:
+        last_map = -float("inf")
         while True:
             batches, self._pending = self._pending, []
+            now = time.monotonic()
+            with_map = now - last_map >= KV_STATE_INTERVAL_S  # the map is big: once a second
             try:
-                await self._directory.publish.remote(self.replica_id, batches, self.load())
+                await self._directory.publish.remote(self.replica_id, batches, self.load(with_map))
+                last_map = now if with_map else last_map
             except Exception:  # the directory restarting: routing degrades to load only
-                log.exception("publishing to the directory failed")
+                log.exception("publishing to the directory failed; finding it again")
                 self._pending[:0] = batches  # sent again next time, so no event is lost
+                self._directory = get_or_create_directory(self._app_name)
             await asyncio.sleep(self._interval)
 
     async def __del__(self) -> None:
