@@ -684,7 +684,7 @@ FULL = {"duration": 180.0, "rate": 0.45, "scale": 1.0}
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    from multitenant import int_range
+    from multitenant import add_conversation_args
 
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--quick", action="store_true", help="lengths x0.7, 50 s of arrivals (< 10 min)")
@@ -695,10 +695,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--rate", type=float, help="conversation starts per second (0.6 quick, 0.45 full)")
     p.add_argument("--duration", type=float, help="seconds of arrivals (50 quick, 180 full)")
     p.add_argument("--scale", type=float, help="multiplies every length range (0.7 quick, 1 full)")
-    p.add_argument("--system-len", type=int_range, default=(300, 1500), help="system prompt tokens LO-HI")
-    p.add_argument("--user-len", type=int_range, default=(20, 80), help="user turn tokens LO-HI")
-    p.add_argument("--answer-len", type=int_range, default=(16, 64), help="answer tokens LO-HI")
-    p.add_argument("--turns", type=int_range, default=(3, 6), help="turns per conversation LO-HI")
+    add_conversation_args(p)
     p.add_argument("--kv-fraction", type=float, default=0.33, help="each replica's KV pool / tokens the run holds")
     p.add_argument("--single-threads", type=int, default=REPLICAS, help="torch threads of the single engine")
     p.add_argument("--index-hashes", type=int, default=100_000, help="hashes of the offline router-memory test")

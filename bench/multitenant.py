@@ -634,6 +634,14 @@ def int_range(text: str) -> tuple[int, int]:
     return bounds
 
 
+def add_conversation_args(p: argparse.ArgumentParser) -> None:
+    """The length ranges of the bots' conversations (shared with cluster.py)."""
+    p.add_argument("--system-len", type=int_range, default=(300, 1500), help="system prompt tokens LO-HI")
+    p.add_argument("--user-len", type=int_range, default=(20, 80), help="user turn tokens LO-HI")
+    p.add_argument("--answer-len", type=int_range, default=(16, 64), help="answer tokens LO-HI")
+    p.add_argument("--turns", type=int_range, default=(3, 6), help="turns per conversation LO-HI")
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--quick", action="store_true", help="same shape, lengths x0.3, 60 s of arrivals (< 5 min)")
@@ -648,10 +656,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--rate", type=float, help="conversation starts per second (0.75 quick, 0.16 full)")
     p.add_argument("--duration", type=float, help="seconds of arrivals (60 quick, 240 full)")
     p.add_argument("--scale", type=float, help="multiplies every length range (0.3 quick, 1 full)")
-    p.add_argument("--system-len", type=int_range, default=(300, 1500), help="system prompt tokens LO-HI")
-    p.add_argument("--user-len", type=int_range, default=(20, 80), help="user turn tokens LO-HI")
-    p.add_argument("--answer-len", type=int_range, default=(16, 64), help="answer tokens LO-HI")
-    p.add_argument("--turns", type=int_range, default=(3, 6), help="turns per conversation LO-HI")
+    add_conversation_args(p)
     p.add_argument("--kv-fraction", type=float, default=1 / 3, help="KV pool / tokens the run ever holds")
     p.add_argument("--window", type=float, help="fairness window, seconds (2 quick, 4 full)")
     p.add_argument("--sample-period", type=float, default=0.25, help="seconds between tenant-stats samples")
