@@ -88,6 +88,14 @@ def _wait_ready(url: str, timeout: float = 60.0) -> None:
         time.sleep(0.2)
 
 
+async def _until_cached(cluster, timeout: float = 30.0) -> None:
+    """Until some replica reports cached blocks to the directory."""
+    deadline = time.monotonic() + timeout
+    while not any(load["stats"]["num_cached_blocks"] for load in cluster.replica_loads().values()):
+        assert time.monotonic() < deadline, "no replica reported cached blocks"
+        await asyncio.sleep(0.1)
+
+
 def _client(app, key: str):
     from openai import AsyncOpenAI
 
@@ -114,7 +122,8 @@ async def test_a_tenants_requests_follow_its_cached_prefix(cluster):
     first = await _chat(a, "Where is my order?")
     assert _cached(first) == 0
     prompt_tokens = first.usage.prompt_tokens
-    await asyncio.sleep(1.5)  # the replica's KV events reach the router
+    await _until_cached(cluster)  # the replica's KV events are out (the router also remembers
+    # where it placed the first request, so this is not needed for the placement itself)
     hits = [_cached(await _chat(a, f"Question number {i}: can I return it?")) for i in range(6)]
     shared = len(SYSTEM) // 8  # at least the system prompt's blocks, far from 0
     assert all(h >= shared for h in hits), (hits, prompt_tokens)

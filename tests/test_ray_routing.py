@@ -84,7 +84,8 @@ async def test_directory_serves_events_after_a_cursor_and_snapshots_late_readers
 
 
 async def test_directory_poll_waits_for_news_and_forgets_silent_replicas():
-    d = ReplicaDirectory(stale_after_s=0.2)
+    clock = [1000.0]  # the directory's own clock, so a slow machine cannot make r1 stale early
+    d = ReplicaDirectory(stale_after_s=0.2, clock=lambda: clock[0])
     await d.publish("r1", [encode(_batch(_stored(_hashes(1))))], {})
     cursor = (await d.poll(-1, timeout_s=0.01)).cursor
     waiter = asyncio.create_task(d.poll(cursor, timeout_s=5.0))
@@ -93,7 +94,7 @@ async def test_directory_poll_waits_for_news_and_forgets_silent_replicas():
     await d.publish("r2", [encode(_batch(_stored(_hashes(1, start=999))))], {})
     update = await asyncio.wait_for(waiter, 1.0)
     assert [rid for rid, _ in update.batches] == ["r2"]
-    await asyncio.sleep(0.3)
+    clock[0] += 0.3
     await d.publish("r2", [], {})  # r1 said nothing for longer than stale_after_s
     assert set(await d.loads()) == {"r2"}
     gone = await d.poll(update.cursor, timeout_s=0.01)
@@ -151,7 +152,7 @@ def test_router_balances_when_the_best_replica_is_overloaded():
 
 
 def test_recent_placements_draw_a_burst_until_they_expire():
-    router = _router(affinity_ttl_s=0.05)
+    router = _router(affinity_ttl_s=5.0)
     reps = [_Replica(_ID("r0")), _Replica(_ID("r1"))]
     req = _request(range(4 * BS + 1))
 
@@ -165,8 +166,7 @@ def test_recent_placements_draw_a_burst_until_they_expire():
     router.on_request_completed(reps[1].replica_id, "x")
     hashes = router.request_hashes(req)
     assert all(router.rank(reps, hashes)[0] is reps[1] for _ in range(10))
-    time.sleep(0.06)
-    router._expire(time.monotonic())
+    router._expire(time.monotonic() + 5.1)  # past the time to live
     assert router._recent.depths(hashes, ["r1"]) == {"r1": 0}
 
 

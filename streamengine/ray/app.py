@@ -110,7 +110,10 @@ def build_app(config: EngineConfig, options: ClusterOptions) -> serve.Applicatio
         graceful_shutdown_timeout_s=options.graceful_shutdown_timeout_s,
     )
     server = dict(options.server, tenants=options.tenants_file)
-    return ingress.bind(engine, options.app_name, config, pins, server, options.graceful_shutdown_timeout_s)
+    return ingress.bind(
+        engine, options.app_name, config, pins, server, options.graceful_shutdown_timeout_s,
+        prompt_text=options.router == "ray_prefix",  # the only router that reads prompt text
+    )
 
 
 def deploy(config: EngineConfig, options: ClusterOptions, *, ray_address: str | None = None) -> ClusterApp:

@@ -26,7 +26,6 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 import ray
-from ray import serve
 from ray.serve.handle import DeploymentHandle
 
 from streamengine.config import EngineConfig
@@ -55,6 +54,7 @@ class ClusterEngine:
     def __init__(
         self, handle: DeploymentHandle, app_name: str, config: EngineConfig,
         pins: tuple[PinSpec, ...] = (), *, max_attempts: int = DEFAULT_MAX_ATTEMPTS,
+        prompt_text: bool = False,
     ) -> None:
         from streamengine.models.loader import load_tokenizer
 
@@ -65,6 +65,7 @@ class ClusterEngine:
         self._pins = Pins(config.block_size)
         self._pinned = [self._mirror_pin(spec) for spec in pins]
         self._max_attempts = max_attempts
+        self._prompt_text = prompt_text  # the router matches text (Ray's prefix router)
         self.tokenizer, self._model_name = load_tokenizer(config.model, config.cache_dir)
         self._loads: dict[str, dict[str, Any]] = {}
         self._live: dict[str, Any] = {}  # request id -> its streaming response
@@ -159,14 +160,14 @@ class ClusterEngine:
         self, prompt: str | list[int], params: SamplingParams | None, request_id: str | None,
         cache_salt: str | None, tenant: str | None,
     ) -> ReplicaRequest:
-        ids = self.tokenizer.encode(prompt, add_special_tokens=True) if isinstance(prompt, str) else list(prompt)
+        ids = self._prompt_ids(prompt)
         if not ids:
             raise ValueError("prompt must not be empty")
         if params is not None and not isinstance(params, SamplingParams):
             raise TypeError(f"params must be SamplingParams, got {type(params).__name__}")
         name = tenant if tenant is not None else DEFAULT_TENANT
         segments = self._pins.segments(ids, name, self._tenants.get(name).salt, cache_salt)
-        text = prompt if isinstance(prompt, str) else self.tokenizer.decode(ids)
+        text = "" if not self._prompt_text else prompt if isinstance(prompt, str) else self.tokenizer.decode(ids)
         return ReplicaRequest(
             ids, params if params is not None else SamplingParams(), request_id or uuid.uuid4().hex,
             cache_salt, tenant, segments, text,
@@ -199,7 +200,7 @@ class ClusterEngine:
 
     async def pin_prefix(self, prompt: str | list[int], tenant: str | None = None, shared: bool = False) -> PinnedPrefix:
         """The deployed pin with these tokens; pins are set when the cluster is deployed."""
-        ids = self.tokenizer.encode(prompt, add_special_tokens=True) if isinstance(prompt, str) else list(prompt)
+        ids = self._prompt_ids(prompt)
         owner = None if shared else (tenant if tenant is not None else DEFAULT_TENANT)
         for pin in self._pins.all():
             if pin.token_ids == tuple(ids) and pin.info.tenant == owner and pin.info.shared == shared:
@@ -209,6 +210,10 @@ class ClusterEngine:
     async def unpin(self, pin_id: str) -> None:
         raise ValueError("a cluster's pinned prefixes are set when it is deployed; redeploy to remove one")
 
+    def _prompt_ids(self, prompt: str | list[int]) -> list[int]:
+        """Tokenized as the engine's Intake does; the replica validates the ids."""
+        return self.tokenizer.encode(prompt, add_special_tokens=True) if isinstance(prompt, str) else list(prompt)
+
     def _mirror_pin(self, spec: PinSpec) -> PinnedPrefix:
         owner = None if spec.shared else (spec.tenant if spec.tenant is not None else DEFAULT_TENANT)
         bs = self.config.block_size
@@ -217,9 +222,6 @@ class ClusterEngine:
         return info
 
     # -- figures, from the replicas' reports -----------------------------------------------
-
-    def replica_loads(self) -> dict[str, dict[str, Any]]:
-        return dict(self._loads)
 
     def health(self) -> dict:
         """Ready while any replica is; the figures of all of them."""
@@ -306,7 +308,3 @@ def _unwrapped(exc: ray.exceptions.RayTaskError) -> BaseException:
 
 def _cause(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}".rstrip(": ")
-
-
-def get_handle(app_name: str, deployment: str = "EngineReplica") -> DeploymentHandle:
-    return serve.get_deployment_handle(deployment, app_name=app_name)

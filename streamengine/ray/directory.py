@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -41,7 +42,10 @@ class DirectoryUpdate:
 class ReplicaDirectory:
     """The actor's class (see `get_or_create_directory`)."""
 
-    def __init__(self, max_log: int = 4096, stale_after_s: float = 10.0) -> None:
+    def __init__(
+        self, max_log: int = 4096, stale_after_s: float = 10.0, clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self._clock = clock  # when replicas were last heard from
         self._log: deque[tuple[int, str, bytes]] = deque(maxlen=max_log)
         self._next = 0
         self._index = BlockIndex()
@@ -52,7 +56,7 @@ class ReplicaDirectory:
 
     async def publish(self, replica: str, batches: list[bytes], load: dict[str, Any]) -> None:
         """A replica's event batches since its last call, and its current load report."""
-        now = time.monotonic()
+        now = self._clock()
         self._seen[replica] = now
         if "kv_state" not in load and "kv_state" in self._loads.get(replica, {}):
             load = {**load, "kv_state": self._loads[replica]["kv_state"]}  # sent less often
@@ -68,24 +72,26 @@ class ReplicaDirectory:
         self._forget(replica)
         self._changed.set()
 
-    async def poll(self, cursor: int, timeout_s: float = 1.0) -> DirectoryUpdate:
-        """Everything after `cursor` (-1: a snapshot), waiting up to `timeout_s` for news."""
+    async def poll(self, cursor: int, timeout_s: float = 1.0, with_loads: bool = True) -> DirectoryUpdate:
+        """Everything after `cursor` (-1: a snapshot), waiting up to `timeout_s` for news;
+        the load reports too unless `with_loads` is False (the router reads only blocks)."""
         if cursor >= self._next - 1:  # seen everything: wait for the next publish
             self._changed.clear()
             try:
                 await asyncio.wait_for(self._changed.wait(), timeout_s)
             except TimeoutError:
                 pass
-        self._drop_stale(time.monotonic())
+        self._drop_stale(self._clock())
+        loads = dict(self._loads) if with_loads else {}
         first = self._log[0][0] if self._log else self._next
         if cursor < 0 or cursor < first - 1:
             snapshot = {r: self._index.hashes(r) for r in self._index.replicas()}
-            return DirectoryUpdate(self._next - 1, snapshot=snapshot, loads=dict(self._loads))
+            return DirectoryUpdate(self._next - 1, snapshot=snapshot, loads=loads)
         batches = [(replica, data) for seq, replica, data in self._log if seq > cursor]
-        return DirectoryUpdate(self._next - 1, batches=batches, loads=dict(self._loads))
+        return DirectoryUpdate(self._next - 1, batches=batches, loads=loads)
 
     async def loads(self) -> dict[str, dict[str, Any]]:
-        self._drop_stale(time.monotonic())
+        self._drop_stale(self._clock())
         return dict(self._loads)
 
     def _append(self, replica: str, data: bytes) -> None:

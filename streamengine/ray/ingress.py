@@ -25,11 +25,11 @@ class Ingress:
     async def __init__(
         self, engine: DeploymentHandle, app_name: str, config: EngineConfig,
         pins: tuple[PinSpec, ...] = (), server_options: dict[str, Any] | None = None,
-        drain_timeout_s: float = 5.0,
+        drain_timeout_s: float = 5.0, prompt_text: bool = False,
     ) -> None:
         from streamengine.server import create_app
 
-        self.engine = ClusterEngine(engine, app_name, config, pins)
+        self.engine = ClusterEngine(engine, app_name, config, pins, prompt_text=prompt_text)
         self._app = create_app(self.engine, model_name=self.engine.model_name, **(server_options or {}))
         self._drain_s = drain_timeout_s
         # The bridge answers 413 for bodies past the app's own limit (client_max_size).

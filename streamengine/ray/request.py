@@ -19,5 +19,8 @@ class ReplicaRequest:
     # (Pins.segments): the router hashes the prompt with them to find where it is cached.
     salt_segments: Segments = ()
     # The prompt as text, for routers that match text (Ray's PrefixCacheAffinityRouter reads
-    # `.prompt`); ours reads the token ids.
+    # `.prompt`); empty unless the application routes that way: ours reads the token ids.
     prompt: str = ""
+    # The hashes the router looked up, kept so that placing the request (choose_replicas, then
+    # on_request_routed, again on a retry) hashes the prompt once.
+    block_hashes: list[bytes] | None = None

@@ -76,10 +76,12 @@ class CachedBlockRouter(RequestRouter):
         return [[ranked[0]], ranked[1:]] if len(ranked) > 1 else [ranked]
 
     def request_hashes(self, request: ReplicaRequest) -> list[bytes]:
-        ids = request.prompt_token_ids
-        # Only the blocks a lookup could hit: the engine always computes the last prompt token.
-        usable = ids[: (len(ids) - 1) // self._block_size * self._block_size]
-        return prompt_block_hashes(usable, self._block_size, request.salt_segments)
+        if request.block_hashes is None:
+            ids = request.prompt_token_ids
+            # Only the blocks a lookup could hit: the engine always computes the last prompt token.
+            usable = ids[: (len(ids) - 1) // self._block_size * self._block_size]
+            request.block_hashes = prompt_block_hashes(usable, self._block_size, request.salt_segments)
+        return request.block_hashes
 
     def rank(self, candidates: list[RunningReplica], hashes: list[bytes]) -> list[RunningReplica]:
         """Candidates best first: the deepest cached chain (ties: the least loaded), unless it
@@ -158,7 +160,7 @@ class CachedBlockRouter(RequestRouter):
         while True:
             try:
                 directory = directory or get_or_create_directory(self._app_name)
-                update: DirectoryUpdate = await directory.poll.remote(cursor, _POLL_TIMEOUT_S)
+                update: DirectoryUpdate = await directory.poll.remote(cursor, _POLL_TIMEOUT_S, with_loads=False)
                 cursor = self.apply(update)
             except asyncio.CancelledError:
                 raise
