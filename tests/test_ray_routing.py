@@ -88,11 +88,11 @@ async def test_directory_poll_waits_for_news_and_forgets_silent_replicas():
     d = ReplicaDirectory(stale_after_s=0.2, clock=lambda: clock[0])
     await d.publish("r1", [encode(_batch(_stored(_hashes(1))))], {})
     cursor = (await d.poll(-1, timeout_s=0.01)).cursor
-    waiter = asyncio.create_task(d.poll(cursor, timeout_s=5.0))
+    waiter = asyncio.create_task(d.poll(cursor, timeout_s=60.0))
     await asyncio.sleep(0.05)
     assert not waiter.done()  # a long poll: nothing new yet
     await d.publish("r2", [encode(_batch(_stored(_hashes(1, start=999))))], {})
-    update = await asyncio.wait_for(waiter, 1.0)
+    update = await asyncio.wait_for(waiter, 10.0)  # woken by the publish, not its own timeout
     assert [rid for rid, _ in update.batches] == ["r2"]
     clock[0] += 0.3
     await d.publish("r2", [], {})  # r1 said nothing for longer than stale_after_s
