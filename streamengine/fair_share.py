@@ -44,7 +44,9 @@ prompt still gets at least one). A quiet tenant's lone cold prompt, such as a bo
 prompt that fell out of the cache, prefills in a quarter of the steps while a busy tenant's
 many prompts keep one chunk each: a step grows by at most three chunks per quiet tenant,
 and the time to first token of the tenants with little in flight stops depending on how
-many prompts a noisy one sends."""
+many prompts a noisy one sends. When the chunks of all prompts would overflow the step's
+budget anyway, each tenant may take its weighted slice of the budget instead (the step is
+full whatever the split, so a larger slice for the quiet tenant costs no step time)."""
 LOOKAHEAD = 32
 """Cache-aware order looks at this many of a tenant's waiting sequences (in arrival order), so
 one admission costs a bounded number of prefix-cache lookups however long the queue is."""

@@ -128,6 +128,8 @@ class Scheduler:
         self.watermark_blocks = block_manager.num_blocks // 100
         # "fair": each tenant's prompts in flight or waiting this step, for its chunk size.
         self._prefills: dict[str, int] = {}
+        # "fair", when the step is full: each tenant's weighted share of its prefill tokens.
+        self._prefill_slices: dict[str, int] = {}
 
     def add(self, seq: Sequence) -> None:
         seq.status = SequenceStatus.WAITING
@@ -203,20 +205,46 @@ class Scheduler:
         return n if self.max_prefill_chunk is None else min(n, self._prefill_chunk(seq))
 
     def _prefill_chunk(self, seq: Sequence) -> int:
-        """max_prefill_chunk; under "fair", the tenant's TENANT_PREFILL_CHUNKS shared by its
+        """max_prefill_chunk; under "fair", the tenant's share of the step's prefill tokens
+        (TENANT_PREFILL_CHUNKS chunks, or its weighted slice of a full step) split among its
         prompts in flight or waiting (`seq` among them), never less than one chunk each."""
+        return self.max_prefill_chunk if self.policy != "fair" else self._tenant_chunk(seq.tenant)
+
+    def _tenant_chunk(self, tenant: str) -> int:
         chunk = self.max_prefill_chunk
-        if self.policy != "fair":
-            return chunk
-        return max(chunk, TENANT_PREFILL_CHUNKS * chunk // max(1, self._prefills.get(seq.tenant, 0)))
+        share = max(TENANT_PREFILL_CHUNKS * chunk, self._prefill_slices.get(tenant, 0))
+        return max(chunk, share // max(1, self._prefills.get(tenant, 0)))
 
     def _count_prefills(self) -> None:
+        """"fair": each tenant's prompts still to prefill and, when the step's budget cannot
+        hold every prompt's chunk, each tenant's weighted slice of the prefill tokens."""
         self._prefills.clear()
+        self._prefill_slices.clear()
         if self.policy != "fair" or self.max_prefill_chunk is None:
             return
+        left: dict[str, list[int]] = {}
+        num_decodes = 0
         for seq in itertools.chain(self.running, self.waiting):
-            if seq.num_tokens - seq.num_computed_tokens > 1:
-                self._prefills[seq.tenant] = self._prefills.get(seq.tenant, 0) + 1
+            n = seq.num_tokens - seq.num_computed_tokens
+            if n > 1:
+                left.setdefault(seq.tenant, []).append(n)
+            elif seq.status is SequenceStatus.RUNNING:
+                num_decodes += 1
+        self._prefills.update((tenant, len(ns)) for tenant, ns in left.items())
+        if len(left) < 2:
+            return
+        # Slices are cleared, so _tenant_chunk gives the chunks before any slice.
+        demand = num_decodes + sum(min(n, self._tenant_chunk(t)) for t, ns in left.items() for n in ns)
+        if demand <= self.max_num_batched_tokens:
+            return  # every chunk fits: the step stays as short as the chunks make it
+        # The step is full whatever the split, so splitting it by weight costs nobody time
+        # and keeps a quiet tenant's lone prompt from prefilling a chunk at a time beside a
+        # busy tenant's dozens.
+        prefill_budget = max(0, self.max_num_batched_tokens - num_decodes)
+        weights = {tenant: self.share.tenants.get(tenant).weight for tenant in left}
+        total = sum(weights.values())
+        for tenant, weight in weights.items():
+            self._prefill_slices[tenant] = int(prefill_budget * weight / total)
 
     def _append(self, out: SchedulerOutput, seq: Sequence, n: int) -> None:
         item = ScheduledSeq.of(seq, n)

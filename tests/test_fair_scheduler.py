@@ -472,6 +472,24 @@ def test_a_tenants_prompts_in_flight_share_its_prefill_chunks() -> None:
         assert quiet.num_computed_tokens == lone
 
 
+def test_a_full_step_is_split_by_weight_between_tenants_prefilling() -> None:
+    """When every prompt's chunk would not fit the step's budget, a tenant's lone prompt takes
+    its weighted slice of the prefill tokens instead of TENANT_PREFILL_CHUNKS chunks; the busy
+    tenant's prompts keep one chunk each and fill the rest. fcfs: one chunk each, in arrival
+    order, so the quiet prompt waits for a later step."""
+    budget, chunk = 64, 4
+    for policy, weight, lone in (("fair", 1.0, budget // 2), ("fair", 3.0, budget * 3 // 4), ("fcfs", 1.0, 0)):
+        sim = Sim(512, tenants=[TenantConfig("busy"), TenantConfig("quiet", weight=weight)], chunk=chunk,
+                  policy=policy, budget=budget, max_num_seqs=32, prefix_caching=False)
+        busy = [sim.add("busy", tokens(40, 100 * k), max_tokens=1) for k in range(1, 21)]  # 80 tokens of chunks
+        quiet = sim.add("quiet", tokens(80, 9000), max_tokens=1)
+        out = sim.step()
+        assert quiet.num_computed_tokens == lone, policy
+        assert out.num_batched_tokens == budget
+        assert {s.num_computed_tokens for s in busy} <= {0, chunk}
+        assert sum(s.num_computed_tokens for s in busy) == budget - lone
+
+
 # -- fcfs and the policy switch ------------------------------------------------------------
 
 
