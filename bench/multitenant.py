@@ -34,6 +34,13 @@ the backlogged tenants' service, averaged over windows with two or more of them 
 is none: no two tenants waited a whole window side by side), and the largest service gap
 between two backlogged tenants of a window.
 
+Under fair share the bots seldom wait a whole window, so each system also runs a backlogged
+phase (bench/tenant_service.py) on a fresh engine with the same pool and budget: three tenants
+of weights 1, 1 and 2 keep 3:1:2 open requests, three pools' worth in all, for
+`--backlogged-s` seconds, so every one of them waits for admission throughout. Jain's index
+over `--backlogged-window`-second windows of that phase is `jain_fair` / `jain_baseline`; the
+bots' trace's own is `jain_fair_trace` / `jain_baseline_trace`.
+
     python bench/multitenant.py --quick     # < 5 min on a 2-core CPU
     python bench/multitenant.py             # full shape
 """
@@ -42,13 +49,12 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import bisect
 import gc
 import os
 import random
 import sys
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -58,6 +64,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))  # run as a script: ben
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 from common import load_bench_model, mode_defaults, software, write_report  # noqa: E402
+from tenant_service import (  # noqa: E402
+    TenantSamples,
+    backlogged_config,
+    fairness,
+    run_backlogged,
+    sample_tenants,
+)
 from tqdm import tqdm  # noqa: E402
 from traces import normal_token_ids  # noqa: E402
 
@@ -66,7 +79,6 @@ BLOCK_SIZE = 16
 SYSTEMS = ("baseline", "streamengine")
 POLICIES = {"baseline": "fcfs", "streamengine": "fair"}
 CLASSES = ("noisy", "popular", "rare")
-PROMPT_WEIGHT, OUTPUT_WEIGHT = 1.0, 2.0  # EngineConfig's fair_*_token_weight defaults
 GOALS = {  # report key: the least value that meets the goal
     "quiet_ttft_p99_ratio": 5.0,
     "hit_rate_gain_points": 15.0,
@@ -288,37 +300,6 @@ def engine_config(args, workload: Workload, system: str):
 
 
 @dataclass(slots=True)
-class TenantSamples:
-    """engine.stats()["tenants"] every `period` seconds: each tenant's cumulative weighted
-    service (prompt tokens computed * PROMPT_WEIGHT + output tokens * OUTPUT_WEIGHT) / weight
-    and whether it had a request waiting for admission."""
-
-    times: list[float] = field(default_factory=list)
-    service: dict[str, list[float]] = field(default_factory=dict)
-    waiting: dict[str, list[bool]] = field(default_factory=dict)
-
-    def add(self, now: float, tenants: dict[str, dict]) -> None:
-        self.times.append(now)
-        for name, t in tenants.items():
-            if name not in self.service:  # first seen now: nothing served or waiting before
-                self.service[name] = [0.0] * (len(self.times) - 1)
-                self.waiting[name] = [False] * (len(self.times) - 1)
-            work = t["prompt_tokens"] * PROMPT_WEIGHT + t["output_tokens"] * OUTPUT_WEIGHT
-            self.service[name].append(work / t.get("weight", 1.0))
-            self.waiting[name].append(t["num_waiting"] > 0)
-        for name in self.service.keys() - tenants.keys():
-            self.service[name].append(self.service[name][-1])
-            self.waiting[name].append(False)
-
-
-async def sample_tenants(engine, samples: TenantSamples, start: float, period: float) -> None:
-    """Until cancelled; nothing on a build whose stats() has no per-tenant figures."""
-    while "tenants" in (stats := engine.stats()):
-        samples.add(time.perf_counter() - start, stats["tenants"])
-        await asyncio.sleep(period)
-
-
-@dataclass(slots=True)
 class SystemRun:
     system: str
     turns: list[Turn]
@@ -353,6 +334,21 @@ async def run_system(loaded, args, workload: Workload, system: str) -> SystemRun
         stats["tenants"] = after["tenants"]
     turns = [t for run in runs for t in run]
     return SystemRun(system, turns, pinned, stats, after["num_total_blocks"] * BLOCK_SIZE, samples)
+
+
+async def run_backlogged_system(loaded, args, workload: Workload, system: str, token_ids: list[int]) -> dict:
+    """tenant_service's backlogged phase on a fresh engine of `system` (same pool and budget)."""
+    from streamengine import AsyncEngine
+
+    engine = AsyncEngine(backlogged_config(engine_config(args, workload, system)), loaded=loaded)
+    async with engine:
+        result = await run_backlogged(
+            engine, token_ids, duration=args.backlogged_s, window=args.backlogged_window, period=args.sample_period,
+            kv_tokens=args.kv_tokens, scale=args.scale, answer_len=scaled(args.answer_len, args.scale),
+            seed=args.seed)
+    del engine
+    gc.collect()
+    return result
 
 
 # -- metrics --------------------------------------------------------------------------------
@@ -415,48 +411,6 @@ def class_metrics(turns: list[Turn], period: tuple[float, float], span: float) -
     }
 
 
-def window_service(samples: TenantSamples, a: float, b: float) -> dict[str, float]:
-    """Weighted service of each tenant that had a request waiting at every sample of [a, b]."""
-    i0, i1 = bisect.bisect_left(samples.times, a), bisect.bisect_right(samples.times, b) - 1
-    if i1 <= i0:
-        return {}
-    return {name: service[i1] - service[i0] for name, service in samples.service.items()
-            if all(samples.waiting[name][i0 : i1 + 1])}
-
-
-def jain(xs: list[float]) -> float:
-    total, squares = sum(xs), sum(x * x for x in xs)
-    return total * total / (len(xs) * squares) if squares else 1.0  # all zero: equal
-
-
-def fairness(samples: TenantSamples, window: float) -> dict:
-    """Jain's index and the largest gap of weighted service among tenants backlogged for a
-    whole window, over the run's windows with two or more of them."""
-    if not samples.times:
-        return {"jain": None, "jain_min": None, "num_windows": 0, "num_windows_total": 0,
-                "max_service_gap": None, "max_service_gap_per_s": None, "worst_windows": []}
-    total = int(samples.times[-1] // window)
-    indices, gaps, worst = [], [], []
-    for k in range(total):
-        by_tenant = window_service(samples, k * window, (k + 1) * window)
-        service = list(by_tenant.values())
-        if len(service) >= 2:
-            indices.append(jain(service))
-            gaps.append(max(service) - min(service))
-            worst.append((indices[-1], k * window, {name: round(x) for name, x in by_tenant.items()}))
-    gap = max(gaps) if gaps else 0.0
-    return {
-        "jain": float(np.mean(indices)) if indices else 1.0,
-        "jain_min": min(indices) if indices else 1.0,
-        "num_windows": len(indices),
-        "num_windows_total": total,
-        "max_service_gap": gap,
-        "max_service_gap_per_s": gap / window,
-        # The least fair windows: (index, start in seconds, each backlogged tenant's service).
-        "worst_windows": sorted(worst, key=lambda w: w[0])[:5],
-    }
-
-
 def summarize(run: SystemRun, workload: Workload, window: float) -> dict:
     span = makespan(run.turns)
     period = burst_period(run.turns, workload)
@@ -514,11 +468,17 @@ def build_report(args, workload: Workload, systems: dict[str, dict]) -> dict:
         # The ceiling: no eviction at all, on the same turns (a gain past it is impossible).
         "hit_rate_unbounded": ours["hit_rate_unbounded"] if ours else None,
         "throughput_ratio": ratio(ours and ours["output_tok_s"], base and base["output_tok_s"]),
-        "jain_fair": ours["fairness"]["jain"] if ours else None,
-        "jain_baseline": base["fairness"]["jain"] if base else None,
+        # Jain's index: over the backlogged phase (tenants that all wait the whole time), and
+        # over the bots' trace, where few windows have two tenants waiting side by side.
+        "jain_fair": _backlogged_jain(ours),
+        "jain_baseline": _backlogged_jain(base),
+        "jain_fair_trace": ours["fairness"]["jain"] if ours else None,
+        "jain_baseline_trace": base["fairness"]["jain"] if base else None,
         # Windows with two or more backlogged tenants behind each index (none: 1.0, vacuously).
-        "jain_fair_windows": ours["fairness"]["num_windows"] if ours else None,
-        "jain_baseline_windows": base["fairness"]["num_windows"] if base else None,
+        "jain_fair_windows": _backlogged_windows(ours),
+        "jain_baseline_windows": _backlogged_windows(base),
+        "jain_fair_trace_windows": ours["fairness"]["num_windows"] if ours else None,
+        "jain_baseline_trace_windows": base["fairness"]["num_windows"] if base else None,
     }
     report["goals"] = goals(report)
     report["all_goals_met"] = all(g["met"] for g in report["goals"].values())
@@ -528,10 +488,20 @@ def build_report(args, workload: Workload, systems: dict[str, dict]) -> dict:
     return report
 
 
+def _backlogged_jain(system: dict | None) -> float | None:
+    phase = system and system.get("backlogged")
+    return phase["fairness"]["jain"] if phase else None
+
+
+def _backlogged_windows(system: dict | None) -> int | None:
+    phase = system and system.get("backlogged")
+    return phase["fairness"]["num_windows"] if phase else None
+
+
 def run_config(args) -> dict:
     keys = ("quick", "bots", "zipf", "noisy_rank", "popular", "burst_factor", "rate", "duration", "scale",
             "system_len", "user_len", "answer_len", "turns", "kv_fraction", "kv_tokens", "kv_bytes",
-            "window", "sample_period", "max_num_seqs", "max_num_batched_tokens", "threads", "device", "seed")
+            "window", "sample_period", "backlogged_s", "backlogged_window", "max_num_seqs", "max_num_batched_tokens", "threads", "device", "seed")
     return {"model": str(args.folder), **{k: getattr(args, k) for k in keys}, **software()}
 
 
@@ -565,6 +535,15 @@ def print_table(report: dict) -> None:
               f"windows with 2+ backlogged tenants, largest service gap {fmt_x(f['max_service_gap'], '.0f')}; "
               f"burst served {s['burst_period_s'][0]:.0f}-{s['burst_period_s'][1]:.0f} s; "
               f"{len(s['pinned_bots'])} bots pinned; makespan {s['makespan_s']:.0f} s")
+    for name, s in report["systems"].items():
+        if phase := s.get("backlogged"):
+            f, t = phase["fairness"], phase["tenants"]
+            shares = " / ".join(f"{k} {v['share']:.2f}" for k, v in t.items())
+            weights = ":".join(f"{v['weight']:g}" for v in t.values())
+            print(f"{name} backlogged {phase['duration_s']:g} s: Jain {fmt_x(f['jain'], '.3f')} over "
+                  f"{f['num_windows']} of {f['num_windows_total']} windows of {phase['window_s']:g} s "
+                  f"({phase['steps_per_window']:.1f} steps each); weighted-service shares {shares} "
+                  f"(weights {weights}, open requests {':'.join(str(v['open_requests']) for v in t.values())})")
     print(f"{'goal':<22} {'value':>8} {'target':>8}  met")
     for key, g in report["goals"].items():
         print(f"{key:<22} {fmt_x(g['value']):>8} {g['target']:>8}  {'yes' if g['met'] else 'NO'}")
@@ -619,8 +598,8 @@ def class_of_bots(report: dict) -> list[str]:
 # -- main -----------------------------------------------------------------------------------
 
 
-QUICK = {"duration": 60.0, "rate": 0.75, "scale": 0.3, "window": 2.0}
-FULL = {"duration": 240.0, "rate": 0.16, "scale": 1.0, "window": 4.0}
+QUICK = {"duration": 60.0, "rate": 0.75, "scale": 0.3, "window": 2.0, "backlogged_s": 32.0, "backlogged_window": 8.0}
+FULL = {"duration": 240.0, "rate": 0.16, "scale": 1.0, "window": 4.0, "backlogged_s": 96.0, "backlogged_window": 16.0}
 
 
 def int_range(text: str) -> tuple[int, int]:
@@ -659,6 +638,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     add_conversation_args(p)
     p.add_argument("--kv-fraction", type=float, default=1 / 3, help="KV pool / tokens the run ever holds")
     p.add_argument("--window", type=float, help="fairness window, seconds (2 quick, 4 full)")
+    p.add_argument("--backlogged-s", type=float,
+                   help="seconds of the backlogged phase per system (32 quick, 96 full; 0: none)")
+    p.add_argument("--backlogged-window", type=float,
+                   help="fairness window of the backlogged phase, seconds (8 quick, 16 full): several "
+                        "engine steps (steps_per_window in the JSON)")
     p.add_argument("--sample-period", type=float, default=0.25, help="seconds between tenant-stats samples")
     p.add_argument("--max-num-seqs", type=int, default=128)
     p.add_argument("--max-num-batched-tokens", type=int, default=2048)
@@ -677,6 +661,8 @@ def check_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> argparse
     mode_defaults(p, args, QUICK, FULL, "multitenant", RESULTS_DIR, SYSTEMS)
     if args.bots < 2 or not 1 <= args.noisy_rank <= args.bots:
         p.error("--bots must be >= 2 and --noisy-rank in 1..bots")
+    if args.backlogged_s < 0 or args.backlogged_window <= 0:
+        p.error("--backlogged-s must be >= 0 and --backlogged-window > 0")
     if min(args.rate, args.duration, args.scale, args.window, args.kv_fraction, args.zipf, args.sample_period) <= 0:
         p.error("--rate, --duration, --scale, --window, --kv-fraction, --zipf and --sample-period must be > 0")
     if args.burst_factor < 1 or args.threads < 1 or args.max_num_seqs < 1 or args.max_num_batched_tokens < 1:
@@ -696,13 +682,17 @@ def main(argv: list[str] | None = None) -> int:
 
     args = parse_args(argv)
     loaded = load_bench_model(args)
-    workload = make_workload(args, normal_token_ids(loaded.tokenizer, loaded.model.config.vocab_size))
+    token_ids = normal_token_ids(loaded.tokenizer, loaded.model.config.vocab_size)
+    workload = make_workload(args, token_ids)
     size_pool(args, workload, kv_bytes_per_block(loaded.model.config, BLOCK_SIZE, torch.float32))
     systems = {}
     for system in args.systems:
         began = time.perf_counter()
         run = asyncio.run(run_system(loaded, args, workload, system))
         systems[system] = summarize(run, workload, args.window)
+        if args.backlogged_s > 0:
+            systems[system]["backlogged"] = asyncio.run(
+                run_backlogged_system(loaded, args, workload, system, token_ids))
         systems[system]["wall_s"] = time.perf_counter() - began
     report = build_report(args, workload, systems)
     print_table(report)

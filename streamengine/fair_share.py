@@ -45,11 +45,35 @@ prompt that fell out of the cache, prefills in a quarter of the steps while a bu
 many prompts keep one chunk each: a step grows by at most three chunks per quiet tenant,
 and the time to first token of the tenants with little in flight stops depending on how
 many prompts a noisy one sends. When the chunks of all prompts would overflow the step's
-budget anyway, each tenant may take its weighted slice of the budget instead (the step is
-full whatever the split, so a larger slice for the quiet tenant costs no step time)."""
+budget anyway, the step's prefill tokens are split between the tenants by weight instead
+(weighted_split): each takes its slice, spread over its prompts, and no more. The step is
+full whatever the split, so the quiet tenant's larger slice costs no step time, and each
+step serves the tenants prefilling in proportion to their weights rather than in the order
+their prompts arrived."""
 LOOKAHEAD = 32
 """Cache-aware order looks at this many of a tenant's waiting sequences (in arrival order), so
 one admission costs a bounded number of prefix-cache lookups however long the queue is."""
+
+
+def weighted_split(budget: int, demands: dict[str, int], weights: dict[str, float]) -> dict[str, int]:
+    """Water-filling: `budget` tokens split in proportion to `weights`, nobody given more than
+    it demands, what one leaves shared by the others by weight. Whole tokens: those left
+    wanting get the floor of their share, and the rounding's remainder goes one token each to
+    those listed first."""
+    split = dict.fromkeys(demands, 0)
+    wanting = sorted((name for name in demands if demands[name] > 0), key=lambda n: demands[n] / weights[n])
+    left, total = budget, sum(weights[name] for name in wanting)
+    while wanting and demands[wanting[0]] * total <= left * weights[wanting[0]]:
+        name = wanting.pop(0)  # the least demand per weight fits under the level: met in full
+        split[name] = demands[name]
+        left -= demands[name]
+        total -= weights[name]
+    for name in wanting:
+        split[name] = int(left * weights[name] / total)
+    remainder = left - sum(split[name] for name in wanting)
+    for name in [n for n in demands if n in wanting][:remainder]:
+        split[name] += 1
+    return split
 
 
 @dataclass(slots=True)

@@ -28,6 +28,7 @@ from streamengine.fair_share import (
     MAX_YIELDS_PER_STEP,
     TENANT_PREFILL_CHUNKS,
     FairShare,
+    weighted_split,
 )
 from streamengine.sequence import Sequence, SequenceStatus
 from streamengine.tenants import Tenants
@@ -128,7 +129,9 @@ class Scheduler:
         self.watermark_blocks = block_manager.num_blocks // 100
         # "fair": each tenant's prompts in flight or waiting this step, for its chunk size.
         self._prefills: dict[str, int] = {}
-        # "fair", when the step is full: each tenant's weighted share of its prefill tokens.
+        # "fair", when the step is full: each tenant's weighted slice of its prefill tokens
+        # (weighted_split), and what is left of it as the step hands tokens out.
+        self._slice_sizes: dict[str, int] = {}
         self._prefill_slices: dict[str, int] = {}
 
     def add(self, seq: Sequence) -> None:
@@ -202,17 +205,24 @@ class Scheduler:
     def _num_new_tokens(self, seq: Sequence, num_computed: int, budget: int) -> int:
         """How many of `seq`'s tokens past `num_computed` to compute this step."""
         n = min(seq.num_tokens - num_computed, budget)
-        return n if self.max_prefill_chunk is None else min(n, self._prefill_chunk(seq))
+        if self.max_prefill_chunk is None:
+            return n
+        n = min(n, self._prefill_chunk(seq))
+        if n > 1 and seq.tenant in self._prefill_slices:
+            n = min(n, max(0, self._prefill_slices[seq.tenant]))
+        return n
 
     def _prefill_chunk(self, seq: Sequence) -> int:
-        """max_prefill_chunk; under "fair", the tenant's share of the step's prefill tokens
-        (TENANT_PREFILL_CHUNKS chunks, or its weighted slice of a full step) split among its
-        prompts in flight or waiting (`seq` among them), never less than one chunk each."""
-        return self.max_prefill_chunk if self.policy != "fair" else self._tenant_chunk(seq.tenant)
+        """max_prefill_chunk; under "fair", the tenant's TENANT_PREFILL_CHUNKS chunks (or, in a
+        full step, its slice) shared by its prompts in flight or waiting (`seq` among them),
+        never less than one chunk each."""
+        if self.policy != "fair":
+            return self.max_prefill_chunk
+        return self._tenant_chunk(seq.tenant, self._slice_sizes.get(seq.tenant, 0))
 
-    def _tenant_chunk(self, tenant: str) -> int:
+    def _tenant_chunk(self, tenant: str, slice_size: int = 0) -> int:
         chunk = self.max_prefill_chunk
-        share = max(TENANT_PREFILL_CHUNKS * chunk, self._prefill_slices.get(tenant, 0))
+        share = max(TENANT_PREFILL_CHUNKS * chunk, slice_size)
         return max(chunk, share // max(1, self._prefills.get(tenant, 0)))
 
     def _count_prefills(self) -> None:
@@ -220,33 +230,37 @@ class Scheduler:
         hold every prompt's chunk, each tenant's weighted slice of the prefill tokens."""
         self._prefills.clear()
         self._prefill_slices.clear()
+        self._slice_sizes.clear()
         if self.policy != "fair" or self.max_prefill_chunk is None:
             return
         left: dict[str, list[int]] = {}
+        running: dict[str, int] = {}  # prompt tokens left of each tenant's running prompts
         num_decodes = 0
         for seq in itertools.chain(self.running, self.waiting):
             n = seq.num_tokens - seq.num_computed_tokens
             if n > 1:
                 left.setdefault(seq.tenant, []).append(n)
+                if seq.status is SequenceStatus.RUNNING:
+                    running[seq.tenant] = running.get(seq.tenant, 0) + n
             elif seq.status is SequenceStatus.RUNNING:
                 num_decodes += 1
         self._prefills.update((tenant, len(ns)) for tenant, ns in left.items())
-        if len(left) < 2:
+        if len(running) < 2:
             return
-        # Slices are cleared, so _tenant_chunk gives the chunks before any slice.
         demand = num_decodes + sum(min(n, self._tenant_chunk(t)) for t, ns in left.items() for n in ns)
         if demand <= self.max_num_batched_tokens:
             return  # every chunk fits: the step stays as short as the chunks make it
-        # The step is full whatever the split, so splitting it by weight costs nobody time
-        # and keeps a quiet tenant's lone prompt from prefilling a chunk at a time beside a
-        # busy tenant's dozens.
-        prefill_budget = max(0, self.max_num_batched_tokens - num_decodes)
-        weights = {tenant: self.share.tenants.get(tenant).weight for tenant in left}
-        total = sum(weights.values())
-        for tenant, weight in weights.items():
-            self._prefill_slices[tenant] = int(prefill_budget * weight / total)
+        # The step is full whatever the split: split its prefill tokens by weight between the
+        # tenants whose prompts run (a waiting one may not start this step; its slice would
+        # go unused), each taking no more than its slice.
+        weights = {tenant: self.share.tenants.get(tenant).weight for tenant in running}
+        split = weighted_split(max(0, self.max_num_batched_tokens - num_decodes), running, weights)
+        self._slice_sizes.update(split)
+        self._prefill_slices.update(split)  # counts down as the step hands tokens out
 
     def _append(self, out: SchedulerOutput, seq: Sequence, n: int) -> None:
+        if n > 1 and seq.tenant in self._prefill_slices:
+            self._prefill_slices[seq.tenant] -= n
         item = ScheduledSeq.of(seq, n)
         out.scheduled.append(item)
         self.share.charge(seq, seq.num_computed_tokens, n, item.samples)
@@ -266,7 +280,7 @@ class Scheduler:
             if seq.status is not SequenceStatus.RUNNING:
                 continue  # preempted for an earlier one this step ("fcfs": all after it are too)
             n = self._num_new_tokens(seq, seq.num_computed_tokens, budget)
-            if n == 0:  # a beam waiting for its siblings' logits: nothing to compute
+            if n == 0:  # a beam waiting for its siblings' logits, or its tenant's slice is spent
                 continue
             if self._make_room(seq, n, out):
                 self._append(out, seq, n)
@@ -466,6 +480,9 @@ class Scheduler:
         queues = self._waiting_by_tenant()
         while queues and budget > 0 and len(self.running) < self.max_num_seqs:
             tenant = self.share.least_served(queues)
+            if self._prefill_slices.get(tenant, 1) <= 0:
+                del queues[tenant]  # its slice of this full step is spent
+                continue
             choice = self._pick_in_tenant(queues[tenant], in_flight)
             if choice is None or not self._may_admit(choice[0], choice[1]):
                 del queues[tenant]  # all wait for a prefix in flight, or over its quota

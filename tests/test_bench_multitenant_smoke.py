@@ -6,14 +6,15 @@ from __future__ import annotations
 from test_bench_perf_smoke import run_bench
 
 KEYS = ("quiet_ttft_p99_ratio", "hit_rate_fair", "hit_rate_baseline", "throughput_ratio", "jain_fair",
-        "jain_baseline")
+        "jain_baseline", "jain_fair_trace", "jain_baseline_trace")
 GOALS = ("quiet_ttft_p99_ratio", "hit_rate_gain_points", "throughput_ratio", "jain_fair")
 
 
 def test_multitenant_quick_on_tiny_model(tiny_llama_dir, tmp_path):
     report = run_bench("multitenant.py", [
         "--model", str(tiny_llama_dir), "--threads", "1", "--duration", "6", "--rate", "2",
-        "--scale", "0.1", "--window", "1", "--sample-period", "0.1",
+        "--scale", "0.1", "--window", "1", "--sample-period", "0.1", "--backlogged-s", "3",
+        "--backlogged-window", "1",
     ], tmp_path / "multitenant.json")
 
     for key in KEYS:
@@ -33,6 +34,12 @@ def test_multitenant_quick_on_tiny_model(tiny_llama_dir, tmp_path):
         assert sum(c["num_turns"] for c in system["classes"].values()) == work["num_turns"]
         assert 0.0 < system["hit_rate"] < 1.0  # later turns re-send cached history
         assert system["fairness"]["num_windows_total"] > 0  # the engine's tenant stats were sampled
+        phase = system["backlogged"]
+        assert [t["weight"] for t in phase["tenants"].values()] == [1.0, 1.0, 2.0]
+        assert all(t["weighted_service"] > 0 for t in phase["tenants"].values()), name
+        assert abs(sum(t["share"] for t in phase["tenants"].values()) - 1.0) < 1e-9
+        assert phase["fairness"]["num_windows_total"] == 3
+    assert report["jain_fair"] == report["systems"]["streamengine"]["backlogged"]["fairness"]["jain"]
     assert report["systems"]["baseline"]["pinned_bots"] == []
     assert report["systems"]["streamengine"]["pinned_bots"][0] == "bot00"  # most popular first
     assert report["hit_rate_fair"] == report["systems"]["streamengine"]["hit_rate"]

@@ -16,6 +16,7 @@ from streamengine.fair_share import (
     FAIRNESS_SLACK,
     MAX_PASS_OVERS,
     TENANT_PREFILL_CHUNKS,
+    weighted_split,
 )
 from streamengine.scheduler import Scheduler, SchedulerOutput
 from streamengine.sequence import Sequence, SequenceStatus
@@ -472,22 +473,46 @@ def test_a_tenants_prompts_in_flight_share_its_prefill_chunks() -> None:
         assert quiet.num_computed_tokens == lone
 
 
+def test_weighted_split_fills_by_weight_and_passes_on_what_a_tenant_leaves() -> None:
+    assert weighted_split(100, {"a": 10, "b": 1000, "c": 1000}, {"a": 1.0, "b": 1.0, "c": 2.0}) == \
+        {"a": 10, "b": 30, "c": 60}
+    assert weighted_split(100, {"a": 5, "b": 7}, {"a": 1.0, "b": 1.0}) == {"a": 5, "b": 7}
+    rng = random.Random(5)
+    for _ in range(300):
+        names = [f"t{i}" for i in range(rng.randint(1, 5))]
+        demands = {n: rng.choice([0, rng.randint(1, 50), rng.randint(1, 5000)]) for n in names}
+        weights = {n: rng.choice([0.5, 1.0, 2.0, 3.0]) for n in names}
+        budget = rng.randint(0, 3000)
+        split = weighted_split(budget, demands, weights)
+        assert sum(split.values()) == min(budget, sum(demands.values()))
+        assert all(0 <= split[n] <= demands[n] for n in names)
+        # Those left wanting got equal service per weight (within the rounding), and nobody
+        # whose demand was met got more per weight than they did.
+        wanting = [split[n] / weights[n] for n in names if split[n] < demands[n]]
+        if wanting:
+            assert max(wanting) - min(wanting) <= 1 / min(weights.values()) + 1e-9
+            assert all(split[n] / weights[n] <= max(wanting) + 1e-9 for n in names)
+
+
 def test_a_full_step_is_split_by_weight_between_tenants_prefilling() -> None:
-    """When every prompt's chunk would not fit the step's budget, a tenant's lone prompt takes
-    its weighted slice of the prefill tokens instead of TENANT_PREFILL_CHUNKS chunks; the busy
-    tenant's prompts keep one chunk each and fill the rest. fcfs: one chunk each, in arrival
-    order, so the quiet prompt waits for a later step."""
+    """When every prompt's chunk would not fit the step's budget, the tenants with prompts
+    running split the step's prefill tokens by weight: the quiet tenant's lone prompt takes its
+    slice instead of TENANT_PREFILL_CHUNKS chunks, the busy tenant's prompts one chunk each up
+    to its slice. fcfs: one chunk each, in arrival order, so the quiet prompt still waits."""
     budget, chunk = 64, 4
     for policy, weight, lone in (("fair", 1.0, budget // 2), ("fair", 3.0, budget * 3 // 4), ("fcfs", 1.0, 0)):
         sim = Sim(512, tenants=[TenantConfig("busy"), TenantConfig("quiet", weight=weight)], chunk=chunk,
                   policy=policy, budget=budget, max_num_seqs=32, prefix_caching=False)
         busy = [sim.add("busy", tokens(40, 100 * k), max_tokens=1) for k in range(1, 21)]  # 80 tokens of chunks
         quiet = sim.add("quiet", tokens(80, 9000), max_tokens=1)
+        first = sim.step()  # admits: the split applies to the prompts running
+        assert quiet.num_computed_tokens == (TENANT_PREFILL_CHUNKS * chunk if policy == "fair" else 0)
+        before = {s: s.num_computed_tokens for s in [*busy, quiet]}
         out = sim.step()
-        assert quiet.num_computed_tokens == lone, policy
-        assert out.num_batched_tokens == budget
-        assert {s.num_computed_tokens for s in busy} <= {0, chunk}
-        assert sum(s.num_computed_tokens for s in busy) == budget - lone
+        assert first.num_batched_tokens == out.num_batched_tokens == budget
+        assert quiet.num_computed_tokens - before[quiet] == lone, policy
+        assert {s.num_computed_tokens - before[s] for s in busy} <= {0, chunk}
+        assert sum(s.num_computed_tokens - before[s] for s in busy) == budget - lone
 
 
 # -- fcfs and the policy switch ------------------------------------------------------------
