@@ -26,6 +26,12 @@ Work, with the same thread count on both sides:
             G + 1 tokens take G decode steps like llama.cpp's G), over the wall time from
             the start to the last token: llama-batched-bench's `S t/s`.
 
+  b1, interleaved: `--b1-rounds` rounds of one `llama-bench -r 1` run of llama.cpp's best b1
+            file and setting, then one engine b1 request (the engine stays loaded). The
+            rounds above are minutes apart, and the machine's speed drifts; here each round's
+            ratio has both sides under the same conditions. Reported beside the goals, which
+            keep the figures above.
+
 llama.cpp runs the file as stored (Q4_1) and its F32 copy, each with flash attention off and on
 (`-fa 0,1`; `-fa off|on` for llama-batched-bench); its best file and setting is the peer.
 The engine runs `weight_format="packed"` (when EngineConfig has the field) and
@@ -274,10 +280,15 @@ def file_label(gguf: Path) -> str:
     return max(counts, key=counts.get)
 
 
-def measure_llamacpp(tools: Path, gguf: Path, args) -> tuple[dict, list[dict]]:
+def llamacpp_files(tools: Path, gguf: Path, args) -> dict[str, Path]:
+    """The files llama.cpp runs, by label: the file as stored and (unless --no-f32) its F32 copy."""
     files = {file_label(gguf): gguf}
     if not args.no_f32:
         files["F32"] = f32_copy(tools, gguf)
+    return files
+
+
+def measure_llamacpp(tools: Path, files: dict[str, Path], args) -> tuple[dict, list[dict]]:
     results, rows = {}, []
     for name, path in files.items():
         print(f"llama.cpp {name} ...", file=sys.stderr)
@@ -471,6 +482,53 @@ def measure_engine(args) -> dict:
     return results
 
 
+# -- batch-1, interleaved ------------------------------------------------------------------
+
+
+def llamacpp_b1_setting(llamacpp: dict, files: dict[str, Path]) -> tuple[str, Path, str] | None:
+    """llama.cpp's best batch-1 variant: (its file's label, path, flash-attention flag)."""
+    _, best = _best(llamacpp, lambda r: r["b1"]["tok_s"])
+    if best is None:
+        return None
+    return best, files[best], str(int(llamacpp[best]["b1"]["flash_attn"] or 0))
+
+
+def llamacpp_b1_once(tools: Path, model: Path, flash_attn: str, args) -> float:
+    cmd = [str(tools / "llama-bench"), "-m", str(model), "-t", str(args.threads), "-r", "1", "-p", "0",
+           "-n", str(args.decode_tokens), "-fa", flash_attn, "-o", "json"]
+    return max(parse_llama_bench(run_tool(cmd, timeout=600))[0]["samples_ts"])
+
+
+async def _b1_rounds(args, weight_format: str, llama_once) -> list[dict]:
+    from streamengine import AsyncEngine
+
+    async with AsyncEngine(engine_config(args, weight_format, whole_prompt=False)) as engine:
+        await decode_b1(engine, args.decode_tokens)  # warm
+        rounds = []
+        for _ in range(args.b1_rounds):
+            theirs = llama_once()  # blocks the loop; the engine has nothing to do meanwhile
+            ours = await decode_b1(engine, args.decode_tokens)
+            rounds.append({"engine": ours, "llamacpp": theirs, "ratio": ours / theirs})
+        return rounds
+
+
+def interleaved_b1(tools: Path, llamacpp: dict, files: dict[str, Path], engine: dict, args) -> dict | None:
+    """Batch-1 decode side by side: `--b1-rounds` rounds of one llama-bench run (its best file
+    and setting) then one engine request, so that a drift of the machine's speed during the
+    run (the other measurements take minutes apart) lands on both sides alike."""
+    setting, fmt = llamacpp_b1_setting(llamacpp, files), headline_format(engine)
+    if setting is None or fmt is None or args.b1_rounds == 0:
+        return None
+    label, model, flash_attn = setting
+    print(f"batch-1 interleaved: engine {fmt} vs llama.cpp {label} -fa {flash_attn} ...", file=sys.stderr)
+    rounds = asyncio.run(_b1_rounds(args, fmt, lambda: llamacpp_b1_once(tools, model, flash_attn, args)))
+    gc.collect()
+    return {"engine_weight_format": fmt, "llamacpp_variant": label, "llamacpp_flash_attn": flash_attn,
+            "rounds": rounds, "ratio_median": statistics.median(r["ratio"] for r in rounds),
+            "engine_best_tok_s": max(r["engine"] for r in rounds),
+            "llamacpp_best_tok_s": max(r["llamacpp"] for r in rounds)}
+
+
 # -- report ---------------------------------------------------------------------------------
 
 
@@ -545,6 +603,11 @@ def print_table(report: dict) -> None:
         print(f"{label:<40}{cells}{(f'{ratio:.2f}x' if ratio else '-'):>10}")
     for fmt, r in engine.items():
         print(f"engine {fmt}: {r.get('error') or r.get('weight_path') or 'no weight log line'}")
+    if inter := report.get("b1_interleaved"):
+        rounds = ", ".join(f"{r['engine']:.0f}/{r['llamacpp']:.0f}" for r in inter["rounds"])
+        print(f"batch-1 interleaved ({inter['engine_weight_format']} vs llama.cpp {inter['llamacpp_variant']} "
+              f"-fa {inter['llamacpp_flash_attn']}), engine/llama.cpp tok/s per round: {rounds}; "
+              f"median ratio {inter['ratio_median']:.2f}x")
     for name, g in report["goals"].items():
         r = g["ratio"]
         print(f"{name}: engine / llama.cpp best = {'-' if r is None else f'{r:.2f}'} "
@@ -596,6 +659,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--reps", type=int, help="repetitions of b1 and prefill (default 3, quick 1)")
     p.add_argument("--tput-reps", type=int, help="repetitions of the parallel run (default 2, quick 1)")
     p.add_argument("--decode-tokens", type=int, default=128)
+    p.add_argument("--b1-rounds", type=int, help="interleaved batch-1 rounds, engine beside llama.cpp "
+                   "(default 5, quick 2; 0: none)")
     p.add_argument("--prefill-lens", default="1000,4096", help="comma-separated prompt lengths")
     p.add_argument("--parallel", type=int, help="parallel sequences (default 32, quick 16)")
     p.add_argument("--tput-prompt", type=int, default=128)
@@ -613,6 +678,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args.reps = args.reps or (1 if args.quick else 3)
     args.tput_reps = args.tput_reps or (1 if args.quick else 2)
     args.parallel = args.parallel or (16 if args.quick else 32)
+    args.b1_rounds = (2 if args.quick else 5) if args.b1_rounds is None else args.b1_rounds
+    if args.b1_rounds < 0:
+        p.error("--b1-rounds must be >= 0")
     try:
         args.prefill_lens = sorted({int(n) for n in args.prefill_lens.split(",")})
     except ValueError:
@@ -632,8 +700,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def run_config(args) -> dict:
     from common import software
 
-    keys = ("quick", "threads", "reps", "tput_reps", "decode_tokens", "prefill_lens", "parallel", "tput_prompt",
-            "tput_gen", "weight_formats")
+    keys = ("quick", "threads", "reps", "tput_reps", "decode_tokens", "b1_rounds", "prefill_lens", "parallel",
+            "tput_prompt", "tput_gen", "weight_formats")
     return {"gguf": str(args.gguf), **{k: getattr(args, k) for k in keys}, **software()}
 
 
@@ -644,9 +712,11 @@ def main(argv: list[str] | None = None) -> int:
 
         args.gguf = resolve_default_model()
     tools = ensure_llamacpp(args)
-    llamacpp, rows = measure_llamacpp(tools, args.gguf, args)
+    files = llamacpp_files(tools, args.gguf, args)
+    llamacpp, rows = measure_llamacpp(tools, files, args)
     engine = measure_engine(args)
     report = build_report(engine, llamacpp, llamacpp_info(tools, rows), run_config(args))
+    report["b1_interleaved"] = interleaved_b1(tools, llamacpp, files, engine, args)
     print_table(report)
     from common import write_report
 

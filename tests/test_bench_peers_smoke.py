@@ -162,6 +162,7 @@ def test_peers_quick_with_stand_in_tools(peers, tiny_llama_dir, tmp_path):
     report = run_bench("peers.py", [
         "--llamacpp-dir", str(tools), "--gguf", str(tiny_llama_dir), "--threads", "1", "--reps", "2",
         "--decode-tokens", "6", "--prefill-lens", "24,40", "--parallel", "3", "--tput-prompt", "8", "--tput-gen", "4",
+        "--b1-rounds", "2",
     ], tmp_path / "peers.json")
     for key in ("engine_b1_tok_s", "llamacpp_b1_tok_s", "engine_tput_tok_s", "llamacpp_tput_tok_s",
                 "engine_prefill40_tok_s", "llamacpp_prefill40_tok_s"):
@@ -182,6 +183,13 @@ def test_peers_quick_with_stand_in_tools(peers, tiny_llama_dir, tmp_path):
     assert report["llamacpp_b1_tok_s"] == 11.0 and report["llamacpp_prefill40_tok_s"] == 21.0
     assert report["ratios"]["b1"] == pytest.approx(report["engine_b1_tok_s"] / 11.0)
     assert report["llamacpp_version"]["tools"] == str(tools)
+    # Interleaved batch-1: one stand-in llama-bench run (-r 1: 10 tok/s) beside one engine request a round.
+    inter = report["b1_interleaved"]
+    assert len(inter["rounds"]) == 2 and inter["engine_weight_format"] == fmt
+    assert inter["llamacpp_variant"] in report["llamacpp"] and inter["llamacpp_flash_attn"] == "-1"
+    for r in inter["rounds"]:
+        assert r["llamacpp"] == 10.0 and r["engine"] > 0 and r["ratio"] == pytest.approx(r["engine"] / 10.0)
+    assert inter["ratio_median"] == pytest.approx(sum(r["ratio"] for r in inter["rounds"]) / 2)
 
 
 def write_gguf(path: Path, tied: bool) -> Path:
