@@ -6,7 +6,8 @@ start by Poisson arrivals at `--rate` conversations/s over `--duration` seconds,
 re-sending the whole history (system prompt, every user turn of 20-80 random tokens and every
 answer so far). An answer is exactly the drawn 16-64 tokens (greedy, `ignore_eos`), and a
 conversation's next turn is sent when its previous answer finished (closed loop per
-conversation). During the middle third of the run one noisy bot (Zipf rank `--noisy-rank`)
+conversation), after an exponential pause of mean `--think-time` seconds (0 by default: at
+once). During the middle third of the run one noisy bot (Zipf rank `--noisy-rank`)
 starts `--burst-factor` times its share of conversations. The KV pool holds `--kv-fraction` of
 all tokens the run ever holds (every system prompt plus every conversation's full history).
 `--scale` multiplies every length range (`--quick` runs the same shape smaller and shorter).
@@ -107,6 +108,7 @@ class Conversation:
     users: tuple[tuple[int, ...], ...]  # one user turn per turn
     answer_lens: tuple[int, ...]
     burst: bool  # one of the noisy bot's extra conversations
+    think_s: tuple[float, ...] = ()  # the user's pause before each turn after the first (none: back to back)
 
     @property
     def history_tokens(self) -> int:
@@ -186,12 +188,16 @@ def make_workload(args, token_ids: list[int]) -> Workload:
     bots = make_bots(args, rng, token_ids)
     user_lo, user_hi = scaled(args.user_len, args.scale)
     ans_lo, ans_hi = scaled(args.answer_len, args.scale)
+    # Think times come from their own generator, so that the rest of the trace is the same
+    # with and without them.
+    think, think_rng = getattr(args, "think_time", 0.0), random.Random(f"{args.seed}:think")
     conversations = []
     for i, (t, bot, extra) in enumerate(arrivals(args, rng, bots)):
         turns = rng.randint(*args.turns)
         users = tuple(random_ids(rng, token_ids, rng.randint(user_lo, user_hi)) for _ in range(turns))
         answers = tuple(rng.randint(ans_lo, ans_hi) for _ in range(turns))
-        conversations.append(Conversation(i, bot, t, users, answers, extra))
+        pauses = tuple(think_rng.expovariate(1 / think) for _ in range(turns - 1)) if think > 0 else ()
+        conversations.append(Conversation(i, bot, t, users, answers, extra, pauses))
     burst = (args.duration / 3, 2 * args.duration / 3)
     return Workload(bots, tuple(conversations), args.duration, burst)
 
@@ -259,7 +265,9 @@ async def run_conversation(engine, workload: Workload, conv: Conversation, start
     bot = workload.bots[conv.bot]
     history = list(bot.system)
     turns = []
-    for user, answer_len in zip(conv.users, conv.answer_lens, strict=True):
+    for k, (user, answer_len) in enumerate(zip(conv.users, conv.answer_lens, strict=True)):
+        if k and conv.think_s:
+            await asyncio.sleep(conv.think_s[k - 1])
         prompt = history + list(user)
         turn = Turn(conv.bot, conv.index, time.perf_counter() - start)
         history = prompt + await run_turn(engine, turn, prompt, answer_len, bot.name, start)
@@ -500,7 +508,7 @@ def _backlogged_windows(system: dict | None) -> int | None:
 
 def run_config(args) -> dict:
     keys = ("quick", "bots", "zipf", "noisy_rank", "popular", "burst_factor", "rate", "duration", "scale",
-            "system_len", "user_len", "answer_len", "turns", "kv_fraction", "kv_tokens", "kv_bytes",
+            "system_len", "user_len", "answer_len", "turns", "think_time", "kv_fraction", "kv_tokens", "kv_bytes",
             "window", "sample_period", "backlogged_s", "backlogged_window", "max_num_seqs", "max_num_batched_tokens", "threads", "device", "seed")
     return {"model": str(args.folder), **{k: getattr(args, k) for k in keys}, **software()}
 
@@ -636,6 +644,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--duration", type=float, help="seconds of arrivals (60 quick, 240 full)")
     p.add_argument("--scale", type=float, help="multiplies every length range (0.3 quick, 1 full)")
     add_conversation_args(p)
+    p.add_argument("--think-time", type=float, default=0.0,
+                   help="mean seconds (exponential) a user takes before the next turn; 0: at once")
     p.add_argument("--kv-fraction", type=float, default=1 / 3, help="KV pool / tokens the run ever holds")
     p.add_argument("--window", type=float, help="fairness window, seconds (2 quick, 4 full)")
     p.add_argument("--backlogged-s", type=float,
@@ -661,6 +671,8 @@ def check_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> argparse
     mode_defaults(p, args, QUICK, FULL, "multitenant", RESULTS_DIR, SYSTEMS)
     if args.bots < 2 or not 1 <= args.noisy_rank <= args.bots:
         p.error("--bots must be >= 2 and --noisy-rank in 1..bots")
+    if args.think_time < 0:
+        p.error("--think-time must be >= 0")
     if args.backlogged_s < 0 or args.backlogged_window <= 0:
         p.error("--backlogged-s must be >= 0 and --backlogged-window > 0")
     if min(args.rate, args.duration, args.scale, args.window, args.kv_fraction, args.zipf, args.sample_period) <= 0:

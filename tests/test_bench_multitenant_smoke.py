@@ -44,3 +44,23 @@ def test_multitenant_quick_on_tiny_model(tiny_llama_dir, tmp_path):
     assert report["systems"]["streamengine"]["pinned_bots"][0] == "bot00"  # most popular first
     assert report["hit_rate_fair"] == report["systems"]["streamengine"]["hit_rate"]
     assert work["conversations_by_class"]["noisy"] > 0
+
+
+def test_think_time_pauses_turns_and_leaves_the_rest_of_the_trace_alone():
+    import dataclasses
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
+    import multitenant
+
+    def workload(think: float):
+        args = multitenant.parse_args(["--quick", "--think-time", str(think), "--no-png"])
+        return multitenant.make_workload(args, list(range(100, 400)))
+
+    plain, paused = workload(0.0), workload(8.0)
+    assert [c.think_s for c in plain.conversations] == [()] * len(plain.conversations)
+    assert [dataclasses.replace(c, think_s=()) for c in paused.conversations] == list(plain.conversations)
+    pauses = [t for c in paused.conversations for t in c.think_s]
+    assert all(len(c.think_s) == len(c.users) - 1 for c in paused.conversations)
+    assert 6.0 < sum(pauses) / len(pauses) < 10.0  # exponential, mean 8 s
