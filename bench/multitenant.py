@@ -478,13 +478,13 @@ def build_report(args, workload: Workload, systems: dict[str, dict]) -> dict:
         "throughput_ratio": ratio(ours and ours["output_tok_s"], base and base["output_tok_s"]),
         # Jain's index: over the backlogged phase (tenants that all wait the whole time), and
         # over the bots' trace, where few windows have two tenants waiting side by side.
-        "jain_fair": _backlogged_jain(ours),
-        "jain_baseline": _backlogged_jain(base),
+        "jain_fair": _backlogged(ours, "jain"),
+        "jain_baseline": _backlogged(base, "jain"),
         "jain_fair_trace": ours["fairness"]["jain"] if ours else None,
         "jain_baseline_trace": base["fairness"]["jain"] if base else None,
         # Windows with two or more backlogged tenants behind each index (none: 1.0, vacuously).
-        "jain_fair_windows": _backlogged_windows(ours),
-        "jain_baseline_windows": _backlogged_windows(base),
+        "jain_fair_windows": _backlogged(ours, "num_windows"),
+        "jain_baseline_windows": _backlogged(base, "num_windows"),
         "jain_fair_trace_windows": ours["fairness"]["num_windows"] if ours else None,
         "jain_baseline_trace_windows": base["fairness"]["num_windows"] if base else None,
     }
@@ -496,14 +496,10 @@ def build_report(args, workload: Workload, systems: dict[str, dict]) -> dict:
     return report
 
 
-def _backlogged_jain(system: dict | None) -> float | None:
+def _backlogged(system: dict | None, key: str) -> float | int | None:
+    """`key` of a system's backlogged-phase fairness; None when the phase did not run."""
     phase = system and system.get("backlogged")
-    return phase["fairness"]["jain"] if phase else None
-
-
-def _backlogged_windows(system: dict | None) -> int | None:
-    phase = system and system.get("backlogged")
-    return phase["fairness"]["num_windows"] if phase else None
+    return phase["fairness"][key] if phase else None
 
 
 def run_config(args) -> dict:

@@ -71,7 +71,8 @@ def weighted_split(budget: int, demands: dict[str, int], weights: dict[str, floa
     for name in wanting:
         split[name] = int(left * weights[name] / total)
     remainder = left - sum(split[name] for name in wanting)
-    for name in [n for n in demands if n in wanting][:remainder]:
+    short = set(wanting)
+    for name in [n for n in demands if n in short][:remainder]:
         split[name] += 1
     return split
 

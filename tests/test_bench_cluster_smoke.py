@@ -5,26 +5,16 @@ start here, tests/test_ray_cluster.py covers them)."""
 
 from __future__ import annotations
 
-import importlib.util
-import sys
-from pathlib import Path
-
 import pytest
-from test_bench_perf_smoke import run_bench
+from test_bench_perf_smoke import load_bench, run_bench
 
-BENCH = Path(__file__).resolve().parents[1] / "bench"
 HEADLINE = ("hit_rate_ours", "hit_rate_pow2", "hit_rate_ray_prefix", "hit_rate_single", "ttft_p50_ours",
             "ttft_p50_pow2", "ttft_p50_ray_prefix", "ttft_p99_ours", "throughput_ours")
 
 
 @pytest.fixture(scope="module")
 def cluster():
-    sys.path.insert(0, str(BENCH))
-    spec = importlib.util.spec_from_file_location("bench_cluster", BENCH / "cluster.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses look their module up while the class is built
-    spec.loader.exec_module(module)
-    return module
+    return load_bench("cluster.py")
 
 
 def _system(hit_rate: float, p50: float, p99: float = 1.0) -> dict:

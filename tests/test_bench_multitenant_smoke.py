@@ -3,7 +3,7 @@ same workload, and the JSON carries the keys and goals the issue and the README 
 
 from __future__ import annotations
 
-from test_bench_perf_smoke import run_bench
+from test_bench_perf_smoke import load_bench, run_bench
 
 KEYS = ("quiet_ttft_p99_ratio", "hit_rate_fair", "hit_rate_baseline", "throughput_ratio", "jain_fair",
         "jain_baseline", "jain_fair_trace", "jain_baseline_trace")
@@ -48,11 +48,8 @@ def test_multitenant_quick_on_tiny_model(tiny_llama_dir, tmp_path):
 
 def test_think_time_pauses_turns_and_leaves_the_rest_of_the_trace_alone():
     import dataclasses
-    import sys
-    from pathlib import Path
 
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
-    import multitenant
+    multitenant = load_bench("multitenant.py")
 
     def workload(think: float):
         args = multitenant.parse_args(["--quick", "--think-time", str(think), "--no-png"])

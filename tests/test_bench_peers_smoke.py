@@ -5,26 +5,18 @@ and the JSON are exercised end to end in seconds)."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import stat
 import sys
 from pathlib import Path
 
 import pytest
-from test_bench_perf_smoke import run_bench
-
-BENCH = Path(__file__).resolve().parents[1] / "bench"
+from test_bench_perf_smoke import load_bench, run_bench
 
 
 @pytest.fixture(scope="module")
 def peers():
-    sys.path.insert(0, str(BENCH))
-    spec = importlib.util.spec_from_file_location("bench_peers", BENCH / "peers.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses look their module up while the class is built
-    spec.loader.exec_module(module)
-    return module
+    return load_bench("peers.py")
 
 
 # Captured from llama-bench -o json (llama-cpp-python 0.3.36's vendored llama.cpp), fields trimmed.
@@ -214,11 +206,7 @@ def write_gguf(path: Path, tied: bool) -> Path:
 
 
 def test_roofline_packed_weight_bytes(tmp_path):
-    sys.path.insert(0, str(BENCH))
-    spec = importlib.util.spec_from_file_location("bench_roofline", BENCH / "roofline.py")
-    roofline = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = roofline
-    spec.loader.exec_module(roofline)
+    roofline = load_bench("roofline.py")
     # Tied: the Q8_0 embedding is the output projection (34 bytes per 32 weights) and counts.
     tied = roofline.packed_weights(write_gguf(tmp_path / "tied.gguf", tied=True))
     assert tied.bytes_by_type == {"Q8_0": 16 * 64 // 32 * 34, "Q4_1": 8 * 64 // 32 * 20, "F32": 64 * 4}

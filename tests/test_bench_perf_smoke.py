@@ -11,15 +11,29 @@ only with STREAMENGINE_BENCH_BASELINE=1.
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import subprocess
 import sys
 from pathlib import Path
+from types import ModuleType
 
 import pytest
 
 BENCH = Path(__file__).resolve().parents[1] / "bench"
+
+
+def load_bench(script: str) -> ModuleType:
+    """bench/`script` imported as module bench_<name>, with bench/ on sys.path (the scripts
+    import their siblings)."""
+    if str(BENCH) not in sys.path:
+        sys.path.insert(0, str(BENCH))
+    spec = importlib.util.spec_from_file_location(f"bench_{Path(script).stem}", BENCH / script)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up while the class is built
+    spec.loader.exec_module(module)
+    return module
 
 
 def run_script(script: str, args: list[str], timeout: float = 120) -> subprocess.CompletedProcess:
