@@ -1,8 +1,9 @@
 """The default model run from its GGUF file's blocks (weight_format="packed"): greedy tokens
-equal transformers' on the dequantized weights, and equal the dequantized engine's bit for bit
-(logprobs included), since the packed kernels compute the same float32 GEMM. Where the kernels
-cannot run, "auto" falls back to the dequantized weights with the same tokens and "packed"
-says why it cannot run."""
+equal transformers' on the dequantized weights and the dequantized engine's, with logprobs
+equal up to float32 rounding (the packed kernels compute the same float32 GEMM, decode-sized
+batches with each block's scale factored out of its sum). Where the kernels cannot run,
+"auto" falls back to the dequantized weights with the same tokens and "packed" says why it
+cannot run."""
 
 from __future__ import annotations
 
@@ -63,10 +64,12 @@ def packed_outputs(gguf_model):
 
 
 @needs_kernels
-async def test_packed_equals_dequantized_bit_for_bit_and_transformers(gguf_model, packed_outputs):
+async def test_packed_equals_dequantized_and_transformers(gguf_model, packed_outputs):
     fmt, dequantized = await run(gguf_model, PROMPTS, weight_format="dequantized")
     assert fmt == "dequantized"
-    assert packed_outputs == dequantized  # tokens and logprobs, exactly
+    assert [tokens for tokens, _ in packed_outputs] == [tokens for tokens, _ in dequantized]
+    for (_, packed_lp), (_, float_lp) in zip(packed_outputs, dequantized, strict=True):
+        torch.testing.assert_close(torch.tensor(packed_lp), torch.tensor(float_lp), rtol=0, atol=1e-3)
     reference = AutoModelForCausalLM.from_pretrained(gguf_model.source, dtype=torch.float32).eval()
     tok = gguf_model.tokenizer
     with torch.inference_mode():

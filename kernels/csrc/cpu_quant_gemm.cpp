@@ -5,12 +5,15 @@
 // is 5 bits (a 4-bit code plus a share of its block's float16 scale and minimum) against 32
 // for float32. Each weight is unpacked in registers right before its multiply-add.
 //
-// Exactness: a weight's dequantized value is computed exactly as GGUF defines it (d * q + m,
-// d * (q - 8), d * q; a bfloat16 widened), and each of those is exact in float32 (a 4- or 8-bit integer times a
-// float16 scale fits in 24 bits; the one addition rounds once, as the reference's does). Every
-// output is accumulated over k in order, one fused multiply-add per weight, as the float32
-// kernel (cpu_gemm_panel.h) does: the result equals the float32 GEMM over the dequantized
-// weights bit for bit.
+// Arithmetic. Up to REGISTER_ROWS input rows (decode) each block's scale is factored out of
+// its 32-term sum: y += d * sum_k x_k q_k + m * sum_k x_k (Q4_1; Q4_0 and Q8_0 alike), so a
+// weight costs one multiply-add instead of two (dequantize, then multiply). That is the float32
+// GEMM over the dequantized weights up to the order of float32 roundings, not bit for bit;
+// greedy parity with transformers is tested on the default model. Larger batches dequantize
+// each weight exactly as GGUF defines it (d * q + m, d * (q - 8), d * q; each exact in float32)
+// and accumulate over k in order, one fused multiply-add per weight, as the float32 kernel
+// (cpu_gemm_panel.h) does: there the result equals the float32 GEMM bit for bit. bfloat16
+// weights widen exactly and take that path at every batch size.
 //
 // Layout (made by kernels/cpu_quant_linear.py from the file's blocks): panels of NR = 48
 // output columns, as in the float32 kernel; a panel is K / 32 blocks, each holding the 48
@@ -49,18 +52,29 @@ inline __m512 half16(const uint8_t* p) {
 }
 
 // Q4 codes: per 32-bit lane (one column), the 4-bit codes of 8 consecutive k, k-th in bits
-// 4k..4k+3. Each is looked up with a lane permute (which reads only an index's low 4 bits)
-// rather than masked and converted: the permute runs beside the multiply-adds instead of
-// competing with them for the floating-point pipes.
+// 4k..4k+3. For exact dequantization each is looked up with a lane permute (which reads only an
+// index's low 4 bits) in a table of the 16 code values.
 template <typename Affine>
 inline void q4_unit(const uint8_t* codes, int64_t u, int g, __m512 values, Affine affine, __m512 w[8]) {
   const __m512i q = _mm512_loadu_si512(codes + (u * NR + g * 16) * 4);
   for (int t = 0; t < 8; ++t) w[t] = affine(_mm512_permutexvar_ps(_mm512_srli_epi32(q, 4 * t), values));
 }
 
+// Q4 codes for the factored kernels, without a lookup: nibble t of each lane masked in place
+// and converted, giving q * 16^t exactly; the input it multiplies was scaled by 16^-t
+// beforehand (exact too), so each product is x * q. On the Zen 4 cores this was measured on,
+// the lookup's shift and permute share two pipes and bound it; a mask and a conversion spread
+// over more.
+inline void q4_codes(const uint8_t* codes, int64_t u, int g, __m512 q[8]) {
+  const __m512i lanes = _mm512_loadu_si512(codes + (u * NR + g * 16) * 4);
+  for (int t = 0; t < 8; ++t)
+    q[t] = _mm512_cvtepu32_ps(_mm512_and_si512(lanes, _mm512_set1_epi32(static_cast<int>(0xFu << (4 * t)))));
+}
+
 // Each format: bytes per block; the scales of a block's 48 columns; `unit(...)`, the dequantized
 // weights of 16 columns (group g) for the K_PER_UNIT consecutive k of code unit u.
 struct Q4_1Format {
+  static constexpr bool FACTORED = true;
   static constexpr int64_t BLOCK_BYTES = 2 * SCALES + 16 * NR, CODES = 2 * SCALES, K_PER_UNIT = 8;
   struct Scales { __m512 d, m; };
   static Scales scales(const uint8_t* block, int g) { return {half16(block + g * 32), half16(block + SCALES + g * 32)}; }
@@ -68,9 +82,16 @@ struct Q4_1Format {
     const __m512 values = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
     q4_unit(codes, u, g, values, [&](__m512 q) { return _mm512_fmadd_ps(q, s.d, s.m); }, w);
   }
+  static constexpr bool NIBBLE_SCALED = true;
+  static void codes(const uint8_t* codes, int64_t u, int g, __m512 q[8]) { q4_codes(codes, u, g, q); }
+  // sum_k x_k (d q_k + m) = d sum_k x_k q_k + m sum_k x_k
+  static __m512 scale(const Scales& s, __m512 part, __m512 x_sum, __m512 acc) {
+    return _mm512_fmadd_ps(s.m, x_sum, _mm512_fmadd_ps(s.d, part, acc));
+  }
 };
 
 struct Q4_0Format {
+  static constexpr bool FACTORED = true;
   static constexpr int64_t BLOCK_BYTES = SCALES + 16 * NR, CODES = SCALES, K_PER_UNIT = 8;
   struct Scales { __m512 d; };
   static Scales scales(const uint8_t* block, int g) { return {half16(block + g * 32)}; }
@@ -78,9 +99,16 @@ struct Q4_0Format {
     const __m512 values = _mm512_setr_ps(-8, -7, -6, -5, -4, -3, -2, -1, 0, 1, 2, 3, 4, 5, 6, 7);
     q4_unit(codes, u, g, values, [&](__m512 q) { return _mm512_mul_ps(q, s.d); }, w);
   }
+  static constexpr bool NIBBLE_SCALED = true;
+  static void codes(const uint8_t* codes, int64_t u, int g, __m512 q[8]) { q4_codes(codes, u, g, q); }
+  // sum_k x_k d (q_k - 8) = d sum_k x_k q_k - 8 d sum_k x_k
+  static __m512 scale(const Scales& s, __m512 part, __m512 x_sum, __m512 acc) {
+    return _mm512_fmadd_ps(_mm512_mul_ps(s.d, _mm512_set1_ps(-8.0f)), x_sum, _mm512_fmadd_ps(s.d, part, acc));
+  }
 };
 
 struct Q8_0Format {
+  static constexpr bool FACTORED = true;
   static constexpr int64_t BLOCK_BYTES = SCALES + QK * NR, CODES = SCALES, K_PER_UNIT = 1;
   using Scales = Q4_0Format::Scales;
   static Scales scales(const uint8_t* block, int g) { return Q4_0Format::scales(block, g); }
@@ -88,10 +116,17 @@ struct Q8_0Format {
     const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(codes + u * NR + g * 16));
     w[0] = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(bytes)), s.d);
   }
+  static constexpr bool NIBBLE_SCALED = false;
+  static void codes(const uint8_t* codes, int64_t u, int g, __m512 q[1]) {
+    const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(codes + u * NR + g * 16));
+    q[0] = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(bytes));
+  }
+  static __m512 scale(const Scales& s, __m512 part, __m512, __m512 acc) { return _mm512_fmadd_ps(s.d, part, acc); }
 };
 
 // bfloat16 weights: the upper half of a float32, so each widens exactly with a shift.
 struct BF16Format {
+  static constexpr bool FACTORED = false;  // one multiply-add per weight already
   static constexpr int64_t BLOCK_BYTES = QK * NR * 2, CODES = 0, K_PER_UNIT = 1;
   struct Scales {};
   static Scales scales(const uint8_t*, int) { return {}; }
@@ -130,6 +165,59 @@ void register_rows(const float* x, int64_t K, const uint8_t* panel, float* y, in
     }
     for (int r = 0; r < ROWS; ++r)
       for (int g = 0; g < GROUPS; ++g) _mm512_storeu_ps(y + r * ldy + (g0 + g) * 16, acc[r][g]);
+  }
+}
+
+// The same with each block's scale factored out of its 32-term sum: a weight costs one
+// multiply-add (code times input) instead of two (dequantize, then multiply), and the block's
+// partial sum is scaled once per block. x_sums[r * K / 32 + b]: row r's inputs summed over block
+// b (for a minimum's term).
+template <typename Fmt, int ROWS, int GROUPS>
+void factored_rows(const float* x, const float* x_sums, int64_t K, const uint8_t* panel, float* y, int64_t ldy) {
+  constexpr int64_t KU = Fmt::K_PER_UNIT;
+  const int64_t blocks = K / QK;
+  for (int g0 = 0; g0 < 3; g0 += GROUPS) {
+    __m512 acc[ROWS][GROUPS];
+    for (int r = 0; r < ROWS; ++r)
+      for (int g = 0; g < GROUPS; ++g) acc[r][g] = _mm512_setzero_ps();
+    for (int64_t b = 0; b < blocks; ++b) {
+      const uint8_t* block = panel + b * Fmt::BLOCK_BYTES;
+      __m512 part[ROWS][GROUPS];
+      for (int r = 0; r < ROWS; ++r)
+        for (int g = 0; g < GROUPS; ++g) part[r][g] = _mm512_setzero_ps();
+      for (int64_t u = 0; u < QK / KU; ++u) {
+        const int64_t k = b * QK + u * KU;
+        for (int g = 0; g < GROUPS; ++g) {
+          __m512 q[KU];
+          Fmt::codes(block + Fmt::CODES, u, g0 + g, q);
+          for (int64_t t = 0; t < KU; ++t)
+            for (int r = 0; r < ROWS; ++r)
+              part[r][g] = _mm512_fmadd_ps(_mm512_set1_ps(x[r * K + k + t]), q[t], part[r][g]);
+        }
+      }
+      for (int g = 0; g < GROUPS; ++g) {
+        const typename Fmt::Scales s = Fmt::scales(block, g0 + g);
+        for (int r = 0; r < ROWS; ++r)
+          acc[r][g] = Fmt::scale(s, part[r][g], _mm512_set1_ps(x_sums[r * blocks + b]), acc[r][g]);
+      }
+    }
+    for (int r = 0; r < ROWS; ++r)
+      for (int g = 0; g < GROUPS; ++g) _mm512_storeu_ps(y + r * ldy + (g0 + g) * 16, acc[r][g]);
+  }
+}
+
+template <typename Fmt>
+void factored_panel(const float* x, const float* x_sums, int64_t M, int64_t K, const uint8_t* panel, float* y,
+                    int64_t ldy) {
+  switch (M) {
+    case 1: factored_rows<Fmt, 1, 3>(x, x_sums, K, panel, y, ldy); break;
+    case 2: factored_rows<Fmt, 2, 3>(x, x_sums, K, panel, y, ldy); break;
+    case 3: factored_rows<Fmt, 3, 1>(x, x_sums, K, panel, y, ldy); break;
+    case 4: factored_rows<Fmt, 4, 1>(x, x_sums, K, panel, y, ldy); break;
+    case 5: factored_rows<Fmt, 5, 1>(x, x_sums, K, panel, y, ldy); break;
+    case 6: factored_rows<Fmt, 6, 1>(x, x_sums, K, panel, y, ldy); break;
+    case 7: factored_rows<Fmt, 7, 1>(x, x_sums, K, panel, y, ldy); break;
+    default: factored_rows<Fmt, REGISTER_ROWS, 1>(x, x_sums, K, panel, y, ldy); break;
   }
 }
 
@@ -172,11 +260,48 @@ inline float* panel_buffer(int64_t K) {
   return buffer.data();
 }
 
+// What the factored kernels need besides x, made once per call in this thread's buffers: each
+// row's sums over its 32-input blocks (for a block minimum's or offset's term), and for Q4
+// codes the inputs scaled by 16^-t, t = k mod 8 the nibble that input k's code sits in. Both
+// are exact or in a fixed order, so every panel (and every thread) sees the same values.
+inline const float* prepare_inputs(const float* x, int64_t M, int64_t K, bool nibble_scaled, const float** xq) {
+  thread_local std::vector<float> sums, scaled;
+  const int64_t blocks = K / QK;
+  if (static_cast<int64_t>(sums.size()) < M * blocks) sums.resize(M * blocks);
+  for (int64_t r = 0; r < M; ++r)
+    for (int64_t b = 0; b < blocks; ++b) {
+      const float* v = x + r * K + b * QK;
+      sums[r * blocks + b] = _mm512_reduce_add_ps(_mm512_add_ps(_mm512_loadu_ps(v), _mm512_loadu_ps(v + 16)));
+    }
+  if (nibble_scaled) {
+    const float s = 1.0f / 16;
+    const __m512 pattern = _mm512_setr_ps(1, s, s * s, s * s * s, s * s * s * s, s * s * s * s * s,
+                                          s * s * s * s * s * s, s * s * s * s * s * s * s, 1, s, s * s, s * s * s,
+                                          s * s * s * s, s * s * s * s * s, s * s * s * s * s * s,
+                                          s * s * s * s * s * s * s);
+    if (static_cast<int64_t>(scaled.size()) < M * K) scaled.resize(M * K);
+    for (int64_t i = 0; i < M * K; i += 16)
+      _mm512_storeu_ps(scaled.data() + i, _mm512_mul_ps(_mm512_loadu_ps(x + i), pattern));
+    *xq = scaled.data();
+  }
+  return sums.data();
+}
+
 // Panels are handed out dynamically (guided), as in the float32 kernel: on a shared machine a
 // thread that is descheduled mid-GEMM leaves its share to the others instead of stalling them.
 template <typename Fmt>
 void quant_gemm(const float* x, int64_t M, int64_t K, const uint8_t* panels, int64_t n_padded, float* y) {
   const int64_t num_panels = n_padded / NR, panel_bytes = K / QK * Fmt::BLOCK_BYTES;
+  if constexpr (Fmt::FACTORED) {
+    if (M <= REGISTER_ROWS) {
+      const float* xq = x;
+      const float* x_sums = prepare_inputs(x, M, K, Fmt::NIBBLE_SCALED, &xq);
+#pragma omp parallel for schedule(guided)
+      for (int64_t p = 0; p < num_panels; ++p)
+        factored_panel<Fmt>(xq, x_sums, M, K, panels + p * panel_bytes, y + p * NR, n_padded);
+      return;
+    }
+  }
   if (M <= REGISTER_ROWS) {
 #pragma omp parallel for schedule(guided)
     for (int64_t p = 0; p < num_panels; ++p)
