@@ -32,12 +32,17 @@ Work, with the same thread count on both sides:
             ratio has both sides under the same conditions. Reported beside the goals, which
             keep the figures above.
 
+  tput, interleaved: `--tput-rounds` rounds of one llama-batched-bench run of llama.cpp's best
+            file and setting, then one engine run of its best variant, likewise.
+
 llama.cpp runs the file as stored (Q4_1) and its F32 copy, each with flash attention off and on
-(`-fa 0,1`; `-fa off|on` for llama-batched-bench); its best file and setting is the peer.
-The engine runs `weight_format="packed"` (when EngineConfig has the field) and
-"dequantized"; packed is the headline, dequantized is for the record. Every figure is the best
-of `--reps` repetitions (the machine is shared: noise only slows a run down); means are kept
-in the JSON beside the samples.
+(`-fa 0,1`; `-fa off|on` for llama-batched-bench), its KV cache in float16 (its default). The
+engine runs `weight_format="packed"` (when EngineConfig has the field) and "dequantized" (the
+F32 copy's counterpart), and the parallel work once more per format with a float16 KV cache
+(`--no-kv16` skips it). Each side's best variant per work is its figure, and the JSON names it
+(`engine_best_variant`, `llamacpp_best_variant`); packed stays the headline format the
+interleaved batch-1 rounds run. Every figure is the best of `--reps` repetitions (the machine is
+shared: noise only slows a run down); means are kept in the JSON beside the samples.
 
     python bench/peers.py --quick                  # builds llama.cpp first when missing
     python bench/peers.py                          # 3 repetitions of everything
@@ -232,15 +237,20 @@ def best_row(rows: list[dict]) -> dict:
     return max(rows, key=lambda r: max(r["samples_ts"]))
 
 
-def batched_bench(tools: Path, model: Path, args) -> dict:
-    """Best of `args.tput_reps` runs of N parallel sequences; the context holds all of them."""
+def batched_bench_cmd(tools: Path, model: Path, args, flash_attn: str) -> list[str]:
+    """N parallel sequences of P + G tokens; the context holds all of them."""
     n, p, g = args.parallel, args.tput_prompt, args.tput_gen
     ctx = n * (p + g)  # exactly: llama.cpp rounds the context down to a multiple of -npl
+    return [str(tools / "llama-batched-bench"), "-m", str(model), "-t", str(args.threads), "-tb", str(args.threads),
+            "-c", str(ctx), "-b", "2048", "-ub", "512", "-npp", str(p), "-ntg", str(g), "-npl", str(n),
+            "-fa", flash_attn, "--output-format", "jsonl"]
+
+
+def batched_bench(tools: Path, model: Path, args) -> dict:
+    """Best of `args.tput_reps` runs of `batched_bench_cmd`, flash attention off and on."""
     runs = {}
     for flash_attn in ("off", "on"):  # its best setting counts
-        cmd = [str(tools / "llama-batched-bench"), "-m", str(model), "-t", str(args.threads), "-tb", str(args.threads),
-               "-c", str(ctx), "-b", "2048", "-ub", "512", "-npp", str(p), "-ntg", str(g), "-npl", str(n),
-               "-fa", flash_attn, "--output-format", "jsonl"]
+        cmd = batched_bench_cmd(tools, model, args, flash_attn)
         runs[flash_attn] = (cmd, [parse_batched_bench(run_tool(cmd, timeout=3600))[-1] for _ in range(args.tput_reps)])
     best = max(runs, key=lambda fa: max(r["speed"] for r in runs[fa][1]))
     cmd, rows = runs[best]
@@ -305,10 +315,10 @@ def engine_formats() -> list[str]:
     return ["packed", "dequantized"]
 
 
-def engine_config(args, weight_format: str, whole_prompt: bool):
+def engine_config(args, weight_format: str, whole_prompt: bool, kv_cache_dtype: str = "auto"):
     from streamengine import EngineConfig
 
-    extra: dict = {"weight_format": weight_format}
+    extra: dict = {"weight_format": weight_format, "kv_cache_dtype": kv_cache_dtype}
     if whole_prompt:
         extra.update(max_prefill_chunk=None, max_num_batched_tokens=max(2048, *args.prefill_lens))
     return EngineConfig(model=str(args.gguf), dtype="float32", device="cpu", num_threads=args.threads, seed=0,
@@ -435,6 +445,18 @@ async def _session_default(args, weight_format: str) -> dict:
                 "max_prefill_chunk": engine.config.max_prefill_chunk, "weight_path": " / ".join(lines) or None}
 
 
+async def _session_tput(args, weight_format: str, kv_cache_dtype: str) -> dict:
+    """tput alone, on an engine whose KV cache is `kv_cache_dtype`."""
+    from streamengine import AsyncEngine
+
+    async with AsyncEngine(engine_config(args, weight_format, False, kv_cache_dtype)) as engine:
+        prompts = Prompts.of(engine, f"peers:{weight_format}:{kv_cache_dtype}")
+        await _warm_up(engine, prompts)
+        tput = [await parallel_tput(engine, [prompts.draw(args.tput_prompt) for _ in range(args.parallel)],
+                                    args.tput_gen) for _ in range(args.tput_reps)]
+        return {**figures(tput), "num_preemptions": engine.stats()["num_preemptions"]}
+
+
 async def _session_whole_prompt(args, weight_format: str) -> dict:
     from streamengine import AsyncEngine
 
@@ -461,10 +483,15 @@ def measure_engine_format(args, weight_format: str) -> dict:
         gc.collect()
         whole = asyncio.run(_session_whole_prompt(args, weight_format))
         gc.collect()
+        kv16 = asyncio.run(_session_tput(args, weight_format, "float16")) if args.kv16 else None
+        gc.collect()
     except ValueError as exc:  # e.g. packed weights cannot run on this CPU: say why, keep going
         return {"error": str(exc)}
-    return {"b1": default["b1"], "prefill": best_prefill(default["prefill"], whole), "tput": default["tput"],
-            "default_max_prefill_chunk": default["max_prefill_chunk"], "weight_path": default["weight_path"]}
+    out = {"b1": default["b1"], "prefill": best_prefill(default["prefill"], whole), "tput": default["tput"],
+           "default_max_prefill_chunk": default["max_prefill_chunk"], "weight_path": default["weight_path"]}
+    if kv16 is not None:
+        out["tput_kv_float16"] = kv16
+    return out
 
 
 def measure_engine(args) -> dict:
@@ -499,17 +526,26 @@ def llamacpp_b1_once(tools: Path, model: Path, flash_attn: str, args) -> float:
     return max(parse_llama_bench(run_tool(cmd, timeout=600))[0]["samples_ts"])
 
 
-async def _b1_rounds(args, weight_format: str, llama_once) -> list[dict]:
+async def _rounds(args, weight_format: str, kv_cache_dtype: str, num_rounds: int, engine_once, llama_once) -> list[dict]:
+    """`num_rounds` rounds of one llama.cpp run, then one `engine_once(engine, prompts)` on an
+    engine kept loaded."""
     from streamengine import AsyncEngine
 
-    async with AsyncEngine(engine_config(args, weight_format, whole_prompt=False)) as engine:
-        await decode_b1(engine, args.decode_tokens)  # warm
+    async with AsyncEngine(engine_config(args, weight_format, False, kv_cache_dtype)) as engine:
+        prompts = Prompts.of(engine, f"peers:{weight_format}:{kv_cache_dtype}:rounds")
+        await engine_once(engine, prompts)  # warm
         rounds = []
-        for _ in range(args.b1_rounds):
+        for _ in range(num_rounds):
             theirs = llama_once()  # blocks the loop; the engine has nothing to do meanwhile
-            ours = await decode_b1(engine, args.decode_tokens)
+            ours = await engine_once(engine, prompts)
             rounds.append({"engine": ours, "llamacpp": theirs, "ratio": ours / theirs})
         return rounds
+
+
+def _rounds_report(rounds: list[dict], **setting) -> dict:
+    return {**setting, "rounds": rounds, "ratio_median": statistics.median(r["ratio"] for r in rounds),
+            "engine_best_tok_s": max(r["engine"] for r in rounds),
+            "llamacpp_best_tok_s": max(r["llamacpp"] for r in rounds)}
 
 
 def interleaved_b1(tools: Path, llamacpp: dict, files: dict[str, Path], engine: dict, args) -> dict | None:
@@ -521,12 +557,31 @@ def interleaved_b1(tools: Path, llamacpp: dict, files: dict[str, Path], engine: 
         return None
     label, model, flash_attn = setting
     print(f"batch-1 interleaved: engine {fmt} vs llama.cpp {label} -fa {flash_attn} ...", file=sys.stderr)
-    rounds = asyncio.run(_b1_rounds(args, fmt, lambda: llamacpp_b1_once(tools, model, flash_attn, args)))
+    rounds = asyncio.run(_rounds(args, fmt, "auto", args.b1_rounds, lambda e, _: decode_b1(e, args.decode_tokens),
+                                 lambda: llamacpp_b1_once(tools, model, flash_attn, args)))
     gc.collect()
-    return {"engine_weight_format": fmt, "llamacpp_variant": label, "llamacpp_flash_attn": flash_attn,
-            "rounds": rounds, "ratio_median": statistics.median(r["ratio"] for r in rounds),
-            "engine_best_tok_s": max(r["engine"] for r in rounds),
-            "llamacpp_best_tok_s": max(r["llamacpp"] for r in rounds)}
+    return _rounds_report(rounds, engine_weight_format=fmt, llamacpp_variant=label, llamacpp_flash_attn=flash_attn)
+
+
+def interleaved_tput(tools: Path, report: dict, files: dict[str, Path], args) -> dict | None:
+    """Parallel throughput side by side, as for batch-1: `--tput-rounds` rounds of one
+    llama-batched-bench run (its best file and setting) then one engine run (its best variant)."""
+    ours, theirs = report["engine_best_variant"].get("tput"), report["llamacpp_best_variant"].get("tput")
+    if ours is None or theirs is None or args.tput_rounds == 0:
+        return None
+    fmt, _, kv = ours.partition(", KV ")
+    kv = kv or "auto"
+    flash_attn = report["llamacpp"][theirs]["tput"]["flash_attn"]
+    cmd = batched_bench_cmd(tools, files[theirs], args, flash_attn)
+    print(f"parallel interleaved: engine {ours} vs llama.cpp {theirs} -fa {flash_attn} ...", file=sys.stderr)
+
+    def engine_once(engine, prompts):
+        return parallel_tput(engine, [prompts.draw(args.tput_prompt) for _ in range(args.parallel)], args.tput_gen)
+
+    rounds = asyncio.run(_rounds(args, fmt, kv, args.tput_rounds, engine_once,
+                                 lambda: parse_batched_bench(run_tool(cmd, timeout=3600))[-1]["speed"]))
+    gc.collect()
+    return _rounds_report(rounds, engine_variant=ours, llamacpp_variant=theirs, llamacpp_flash_attn=flash_attn)
 
 
 # -- report ---------------------------------------------------------------------------------
@@ -539,7 +594,7 @@ def _best(variants: dict, pick) -> tuple[float | None, str | None]:
 
 
 def _prefill_of(n: int):
-    return lambda r: r["prefill"].get(str(n), {}).get("tok_s")
+    return lambda r: r["prefill"].get(str(n), {}).get("tok_s") if "prefill" in r else None
 
 
 def _ratio(a: float | None, b: float | None) -> float | None:
@@ -551,18 +606,39 @@ def headline_format(engine: dict) -> str | None:
     return next((f for f in engine if "error" not in engine[f]), None)
 
 
+def engine_variants(engine: dict) -> dict[str, dict]:
+    """Each weight format that ran, plus "<format>, KV float16" for its tput at a float16 KV
+    cache (llama.cpp's default cache type)."""
+    variants = {}
+    for fmt, r in engine.items():
+        if "error" in r:
+            continue
+        variants[fmt] = r
+        if "tput_kv_float16" in r:
+            variants[f"{fmt}, KV float16"] = {"tput": r["tput_kv_float16"]}
+    return variants
+
+
+def _pick_b1(r: dict) -> float | None:
+    return r["b1"]["tok_s"] if "b1" in r else None
+
+
+def _pick_tput(r: dict) -> float | None:
+    return r["tput"]["tok_s"] if "tput" in r else None
+
+
 def build_report(engine: dict, llamacpp: dict, info: dict, config: dict) -> dict:
-    """The issue's keys (engine headline vs llama.cpp's best) plus every variant's figures."""
+    """The issue's keys (the engine's best variant vs llama.cpp's best, per work) plus every
+    variant's figures."""
     fmt = headline_format(engine)
-    ours = {fmt: engine[fmt]} if fmt else {}
-    keys, best_of = {}, {}
-    work = {"b1": lambda r: r["b1"]["tok_s"], f"prefill{HEADLINE_PREFILL}": _prefill_of(HEADLINE_PREFILL),
-            "tput": lambda r: r["tput"]["tok_s"]}
+    ours = engine_variants(engine)
+    keys, best_of, ours_best = {}, {}, {}
+    work = {"b1": _pick_b1, f"prefill{HEADLINE_PREFILL}": _prefill_of(HEADLINE_PREFILL), "tput": _pick_tput}
     for n in config["prefill_lens"]:
         work.setdefault(f"prefill{n}", _prefill_of(n))
     ratios = {}
     for name, pick in work.items():
-        keys[f"engine_{name}_tok_s"], _ = _best(ours, pick)
+        keys[f"engine_{name}_tok_s"], ours_best[name] = _best(ours, pick)
         keys[f"llamacpp_{name}_tok_s"], best_of[name] = _best(llamacpp, pick)
         ratios[name] = _ratio(keys[f"engine_{name}_tok_s"], keys[f"llamacpp_{name}_tok_s"])
     goals = {name: {"goal": g, "done_at": d, "ratio": ratios[name],
@@ -573,6 +649,7 @@ def build_report(engine: dict, llamacpp: dict, info: dict, config: dict) -> dict
         "ratios": ratios,
         "goals": goals,
         "engine_weight_format": fmt,
+        "engine_best_variant": ours_best,
         "engine_prefill_best_config": {n: r.get("best_config") for n, r in engine[fmt]["prefill"].items()} if fmt else {},
         "llamacpp_best_variant": best_of,
         "engine": engine,
@@ -591,11 +668,12 @@ def print_table(report: dict) -> None:
     rows += [(f"prefill{n}", f"prompt processing, {n} tokens") for n in cfg["prefill_lens"]]
     rows.append(("tput", f"{cfg['parallel']} parallel, {cfg['tput_prompt']}+{cfg['tput_gen']} (total tok/s)"))
     engine, llama = report["engine"], report["llamacpp"]
-    cols = [(f"engine {f}", engine[f]) for f in engine] + [(f"llama.cpp {v}", llama[v]) for v in llama]
+    variants = {**engine_variants(engine), **{f: r for f, r in engine.items() if "error" in r}}
+    cols = [(f"engine {f}", r) for f, r in variants.items()] + [(f"llama.cpp {v}", llama[v]) for v in llama]
     head = f"{'work':<40}" + "".join(f"{c:>22}" for c, _ in cols) + f"{'ratio':>10}"
     print(head)
     print("-" * len(head))
-    picks = {"b1": lambda r: r["b1"]["tok_s"], "tput": lambda r: r["tput"]["tok_s"]}
+    picks = {"b1": _pick_b1, "tput": _pick_tput}
     for key, label in rows:
         pick = picks.get(key) or _prefill_of(int(key.removeprefix("prefill")))
         cells = "".join(f"{_cell(r, pick):>22}" for _, r in cols)
@@ -606,6 +684,11 @@ def print_table(report: dict) -> None:
     if inter := report.get("b1_interleaved"):
         rounds = ", ".join(f"{r['engine']:.0f}/{r['llamacpp']:.0f}" for r in inter["rounds"])
         print(f"batch-1 interleaved ({inter['engine_weight_format']} vs llama.cpp {inter['llamacpp_variant']} "
+              f"-fa {inter['llamacpp_flash_attn']}), engine/llama.cpp tok/s per round: {rounds}; "
+              f"median ratio {inter['ratio_median']:.2f}x")
+    if inter := report.get("tput_interleaved"):
+        rounds = ", ".join(f"{r['engine']:.0f}/{r['llamacpp']:.0f}" for r in inter["rounds"])
+        print(f"parallel interleaved ({inter['engine_variant']} vs llama.cpp {inter['llamacpp_variant']} "
               f"-fa {inter['llamacpp_flash_attn']}), engine/llama.cpp tok/s per round: {rounds}; "
               f"median ratio {inter['ratio_median']:.2f}x")
     for name, g in report["goals"].items():
@@ -661,11 +744,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--decode-tokens", type=int, default=128)
     p.add_argument("--b1-rounds", type=int, help="interleaved batch-1 rounds, engine beside llama.cpp "
                    "(default 5, quick 2; 0: none)")
+    p.add_argument("--tput-rounds", type=int, help="interleaved parallel rounds, engine beside llama.cpp "
+                   "(default 3, quick 1; 0: none)")
     p.add_argument("--prefill-lens", default="1000,4096", help="comma-separated prompt lengths")
     p.add_argument("--parallel", type=int, help="parallel sequences (default 32, quick 16)")
     p.add_argument("--tput-prompt", type=int, default=128)
     p.add_argument("--tput-gen", type=int, default=128)
     p.add_argument("--no-f32", action="store_true", help="skip llama.cpp on the F32 copy")
+    p.add_argument("--no-kv16", dest="kv16", action="store_false",
+                   help="skip the engine's tput at a float16 KV cache")
     p.add_argument("--weight-formats", help="engine weight formats, comma-separated, headline first "
                    "(default: packed,dequantized when EngineConfig has weight_format, else dequantized; quick: the first)")
     p.add_argument("--llamacpp-dir", type=Path, help="an existing llama.cpp build (folder with the tools or build/bin)")
@@ -679,8 +766,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args.tput_reps = args.tput_reps or (1 if args.quick else 2)
     args.parallel = args.parallel or (16 if args.quick else 32)
     args.b1_rounds = (2 if args.quick else 5) if args.b1_rounds is None else args.b1_rounds
-    if args.b1_rounds < 0:
-        p.error("--b1-rounds must be >= 0")
+    args.tput_rounds = (1 if args.quick else 3) if args.tput_rounds is None else args.tput_rounds
+    if args.b1_rounds < 0 or args.tput_rounds < 0:
+        p.error("--b1-rounds and --tput-rounds must be >= 0")
     try:
         args.prefill_lens = sorted({int(n) for n in args.prefill_lens.split(",")})
     except ValueError:
@@ -700,8 +788,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def run_config(args) -> dict:
     from common import software
 
-    keys = ("quick", "threads", "reps", "tput_reps", "decode_tokens", "b1_rounds", "prefill_lens", "parallel",
-            "tput_prompt", "tput_gen", "weight_formats")
+    keys = ("quick", "threads", "reps", "tput_reps", "decode_tokens", "b1_rounds", "tput_rounds", "prefill_lens", "parallel",
+            "tput_prompt", "tput_gen", "weight_formats", "kv16")
     return {"gguf": str(args.gguf), **{k: getattr(args, k) for k in keys}, **software()}
 
 
@@ -717,6 +805,7 @@ def main(argv: list[str] | None = None) -> int:
     engine = measure_engine(args)
     report = build_report(engine, llamacpp, llamacpp_info(tools, rows), run_config(args))
     report["b1_interleaved"] = interleaved_b1(tools, llamacpp, files, engine, args)
+    report["tput_interleaved"] = interleaved_tput(tools, report, files, args)
     print_table(report)
     from common import write_report
 

@@ -77,21 +77,25 @@ def _variant(b1: float, prefill: dict[str, float], tput: float) -> dict:
     return {"b1": {"tok_s": b1}, "prefill": {n: {"tok_s": v} for n, v in prefill.items()}, "tput": {"tok_s": tput}}
 
 
-def test_report_headline_is_packed_against_llamacpp_best(peers):
+def test_report_takes_each_sides_best_variant(peers):
     engine = {
-        "packed": {**_variant(150.0, {"1000": 600.0, "4096": 300.0}, 900.0),
+        "packed": {**_variant(150.0, {"1000": 600.0, "4096": 300.0}, 800.0),
                    "prefill": peers.best_prefill({"1000": {"tok_s": 600.0}, "4096": {"tok_s": 250.0}},
-                                                 {"1000": {"tok_s": 550.0}, "4096": {"tok_s": 300.0}})},
-        "dequantized": _variant(75.0, {"1000": 900.0, "4096": 900.0}, 9000.0),  # for the record only
+                                                 {"1000": {"tok_s": 550.0}, "4096": {"tok_s": 300.0}}),
+                   "tput_kv_float16": {"tok_s": 900.0}},
+        "dequantized": {**_variant(75.0, {"1000": 700.0, "4096": 280.0}, 850.0), "tput_kv_float16": {"tok_s": 880.0}},
     }
     llamacpp = {"Q4_1": _variant(120.0, {"1000": 300.0, "4096": 200.0}, 300.0),
                 "F32": _variant(60.0, {"1000": 500.0, "4096": 250.0}, 400.0)}
     config = {"prefill_lens": [1000, 4096]}
     report = peers.build_report(engine, llamacpp, {"pypi_version": "x"}, config)
-    assert report["engine_weight_format"] == "packed"
+    assert report["engine_weight_format"] == "packed"  # the headline format: interleaved batch-1 runs it
     assert report["engine_b1_tok_s"] == 150.0 and report["llamacpp_b1_tok_s"] == 120.0
     assert report["engine_prefill4096_tok_s"] == 300.0 and report["llamacpp_prefill4096_tok_s"] == 250.0
+    assert report["engine_prefill1000_tok_s"] == 700.0  # dequantized, the better here
     assert report["engine_tput_tok_s"] == 900.0 and report["llamacpp_tput_tok_s"] == 400.0
+    assert report["engine_best_variant"] == {"b1": "packed", "prefill4096": "packed", "tput": "packed, KV float16",
+                                             "prefill1000": "dequantized"}
     assert report["llamacpp_best_variant"] == {"b1": "Q4_1", "prefill4096": "F32", "tput": "F32", "prefill1000": "F32"}
     assert report["engine_prefill_best_config"] == {"1000": "default_chunk", "4096": "whole_prompt"}
     assert report["ratios"]["b1"] == pytest.approx(1.25)
@@ -154,7 +158,7 @@ def test_peers_quick_with_stand_in_tools(peers, tiny_llama_dir, tmp_path):
     report = run_bench("peers.py", [
         "--llamacpp-dir", str(tools), "--gguf", str(tiny_llama_dir), "--threads", "1", "--reps", "2",
         "--decode-tokens", "6", "--prefill-lens", "24,40", "--parallel", "3", "--tput-prompt", "8", "--tput-gen", "4",
-        "--b1-rounds", "2",
+        "--b1-rounds", "2", "--tput-rounds", "1",
     ], tmp_path / "peers.json")
     for key in ("engine_b1_tok_s", "llamacpp_b1_tok_s", "engine_tput_tok_s", "llamacpp_tput_tok_s",
                 "engine_prefill40_tok_s", "llamacpp_prefill40_tok_s"):
@@ -182,6 +186,17 @@ def test_peers_quick_with_stand_in_tools(peers, tiny_llama_dir, tmp_path):
     for r in inter["rounds"]:
         assert r["llamacpp"] == 10.0 and r["engine"] > 0 and r["ratio"] == pytest.approx(r["engine"] / 10.0)
     assert inter["ratio_median"] == pytest.approx(sum(r["ratio"] for r in inter["rounds"]) / 2)
+    # Each side's best variant is its peer figure; a float16 KV cache is one of the engine's.
+    assert ours["tput_kv_float16"]["num_preemptions"] == 0
+    tput_variants = {fmt: ours["tput"]["tok_s"], f"{fmt}, KV float16": ours["tput_kv_float16"]["tok_s"]}
+    best = report["engine_best_variant"]["tput"]
+    assert report["engine_tput_tok_s"] == tput_variants[best] == max(tput_variants.values())
+    assert report["engine_best_variant"]["b1"] == fmt  # only the weight formats measure batch-1
+    # Interleaved parallel runs: the stand-in llama-batched-bench prints one fixed line.
+    inter = report["tput_interleaved"]
+    assert inter["engine_variant"] == best and inter["llamacpp_variant"] == report["llamacpp_best_variant"]["tput"]
+    (r,) = inter["rounds"]
+    assert r["llamacpp"] == pytest.approx(32.89222) and r["ratio"] == pytest.approx(r["engine"] / r["llamacpp"])
 
 
 def write_gguf(path: Path, tied: bool) -> Path:
