@@ -52,14 +52,7 @@ inline __m512 half16(const uint8_t* p) {
 }
 
 // Q4 codes: per 32-bit lane (one column), the 4-bit codes of 8 consecutive k, k-th in bits
-// 4k..4k+3. For exact dequantization each is looked up with a lane permute (which reads only an
-// index's low 4 bits) in a table of the 16 code values.
-template <typename Affine>
-inline void q4_unit(const uint8_t* codes, int64_t u, int g, __m512 values, Affine affine, __m512 w[8]) {
-  const __m512i q = _mm512_loadu_si512(codes + (u * NR + g * 16) * 4);
-  for (int t = 0; t < 8; ++t) w[t] = affine(_mm512_permutexvar_ps(_mm512_srli_epi32(q, 4 * t), values));
-}
-
+// 4k..4k+3.
 // Q4 codes for the factored kernels, without a lookup: nibble t of each lane masked in place
 // and converted, giving q * 16^t exactly; the input it multiplies was scaled by 16^-t
 // beforehand (exact too), so each product is x * q. On the Zen 4 cores this was measured on,
@@ -71,6 +64,23 @@ inline void q4_codes(const uint8_t* codes, int64_t u, int g, __m512 q[8]) {
     q[t] = _mm512_cvtepu32_ps(_mm512_and_si512(lanes, _mm512_set1_epi32(static_cast<int>(0xFu << (4 * t)))));
 }
 
+// What exact dequantization of a Q4 block needs: the scale times 16^-t for each nibble t, and
+// the offset (the minimum m, or -8 d).
+struct Q4Exact { __m512 dt[8], offset; };
+
+inline Q4Exact q4_exact(__m512 d, __m512 offset) {
+  Q4Exact e;
+  for (int t = 0; t < 8; ++t) e.dt[t] = _mm512_mul_ps(d, _mm512_set1_ps(1.0f / static_cast<float>(1u << (4 * t))));
+  e.offset = offset;
+  return e;
+}
+
+inline void q4_unit(const uint8_t* codes, int64_t u, int g, const Q4Exact& e, __m512 w[8]) {
+  __m512 q[8];
+  q4_codes(codes, u, g, q);
+  for (int t = 0; t < 8; ++t) w[t] = _mm512_fmadd_ps(q[t], e.dt[t], e.offset);
+}
+
 // Each format: bytes per block; the scales of a block's 48 columns; `unit(...)`, the dequantized
 // weights of 16 columns (group g) for the K_PER_UNIT consecutive k of code unit u.
 struct Q4_1Format {
@@ -78,10 +88,11 @@ struct Q4_1Format {
   static constexpr int64_t BLOCK_BYTES = 2 * SCALES + 16 * NR, CODES = 2 * SCALES, K_PER_UNIT = 8;
   struct Scales { __m512 d, m; };
   static Scales scales(const uint8_t* block, int g) { return {half16(block + g * 32), half16(block + SCALES + g * 32)}; }
-  static void unit(const uint8_t* codes, int64_t u, const Scales& s, int g, __m512 w[8]) {
-    const __m512 values = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
-    q4_unit(codes, u, g, values, [&](__m512 q) { return _mm512_fmadd_ps(q, s.d, s.m); }, w);
-  }
+  // Exact weights d * q + m from masked codes q * 16^t: (q * 16^t) * (d * 16^-t) is q * d
+  // exactly, and the multiply-add rounds once, as d * q + m does.
+  using Exact = Q4Exact;
+  static Exact exact(const Scales& s) { return q4_exact(s.d, s.m); }
+  static void unit(const uint8_t* codes, int64_t u, const Exact& e, int g, __m512 w[8]) { q4_unit(codes, u, g, e, w); }
   static constexpr bool NIBBLE_SCALED = true;
   static void codes(const uint8_t* codes, int64_t u, int g, __m512 q[8]) { q4_codes(codes, u, g, q); }
   // sum_k x_k (d q_k + m) = d sum_k x_k q_k + m sum_k x_k
@@ -95,10 +106,9 @@ struct Q4_0Format {
   static constexpr int64_t BLOCK_BYTES = SCALES + 16 * NR, CODES = SCALES, K_PER_UNIT = 8;
   struct Scales { __m512 d; };
   static Scales scales(const uint8_t* block, int g) { return {half16(block + g * 32)}; }
-  static void unit(const uint8_t* codes, int64_t u, const Scales& s, int g, __m512 w[8]) {
-    const __m512 values = _mm512_setr_ps(-8, -7, -6, -5, -4, -3, -2, -1, 0, 1, 2, 3, 4, 5, 6, 7);
-    q4_unit(codes, u, g, values, [&](__m512 q) { return _mm512_mul_ps(q, s.d); }, w);
-  }
+  using Exact = Q4Exact;  // d * (q - 8) = d * q + (-8 d), each exact
+  static Exact exact(const Scales& s) { return q4_exact(s.d, _mm512_mul_ps(s.d, _mm512_set1_ps(-8.0f))); }
+  static void unit(const uint8_t* codes, int64_t u, const Exact& e, int g, __m512 w[8]) { q4_unit(codes, u, g, e, w); }
   static constexpr bool NIBBLE_SCALED = true;
   static void codes(const uint8_t* codes, int64_t u, int g, __m512 q[8]) { q4_codes(codes, u, g, q); }
   // sum_k x_k d (q_k - 8) = d sum_k x_k q_k - 8 d sum_k x_k
@@ -111,7 +121,9 @@ struct Q8_0Format {
   static constexpr bool FACTORED = true;
   static constexpr int64_t BLOCK_BYTES = SCALES + QK * NR, CODES = SCALES, K_PER_UNIT = 1;
   using Scales = Q4_0Format::Scales;
+  using Exact = Scales;
   static Scales scales(const uint8_t* block, int g) { return Q4_0Format::scales(block, g); }
+  static const Exact& exact(const Scales& s) { return s; }
   static void unit(const uint8_t* codes, int64_t u, const Scales& s, int g, __m512 w[1]) {
     const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(codes + u * NR + g * 16));
     w[0] = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(bytes)), s.d);
@@ -129,7 +141,9 @@ struct BF16Format {
   static constexpr bool FACTORED = false;  // one multiply-add per weight already
   static constexpr int64_t BLOCK_BYTES = QK * NR * 2, CODES = 0, K_PER_UNIT = 1;
   struct Scales {};
+  using Exact = Scales;
   static Scales scales(const uint8_t*, int) { return {}; }
+  static const Exact& exact(const Scales& s) { return s; }
   static void unit(const uint8_t* codes, int64_t u, const Scales&, int g, __m512 w[1]) {
     const __m256i half = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(codes + (u * NR + g * 16) * 2));
     w[0] = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(half), 16));
@@ -150,8 +164,8 @@ void register_rows(const float* x, int64_t K, const uint8_t* panel, float* y, in
       for (int g = 0; g < GROUPS; ++g) acc[r][g] = _mm512_setzero_ps();
     for (int64_t b = 0; b < K / QK; ++b) {
       const uint8_t* block = panel + b * Fmt::BLOCK_BYTES;
-      typename Fmt::Scales s[GROUPS];
-      for (int g = 0; g < GROUPS; ++g) s[g] = Fmt::scales(block, g0 + g);
+      typename Fmt::Exact s[GROUPS];
+      for (int g = 0; g < GROUPS; ++g) s[g] = Fmt::exact(Fmt::scales(block, g0 + g));
       for (int64_t u = 0; u < QK / KU; ++u) {
         const int64_t k = b * QK + u * KU;
         for (int g = 0; g < GROUPS; ++g) {
@@ -206,14 +220,16 @@ void factored_rows(const float* x, const float* x_sums, int64_t K, const uint8_t
   }
 }
 
+// Up to 4 rows take all three groups in one pass over the panel: at 3-4 rows some registers
+// spill, but that measured faster than three passes while the weights stream from memory.
 template <typename Fmt>
 void factored_panel(const float* x, const float* x_sums, int64_t M, int64_t K, const uint8_t* panel, float* y,
                     int64_t ldy) {
   switch (M) {
     case 1: factored_rows<Fmt, 1, 3>(x, x_sums, K, panel, y, ldy); break;
     case 2: factored_rows<Fmt, 2, 3>(x, x_sums, K, panel, y, ldy); break;
-    case 3: factored_rows<Fmt, 3, 1>(x, x_sums, K, panel, y, ldy); break;
-    case 4: factored_rows<Fmt, 4, 1>(x, x_sums, K, panel, y, ldy); break;
+    case 3: factored_rows<Fmt, 3, 3>(x, x_sums, K, panel, y, ldy); break;
+    case 4: factored_rows<Fmt, 4, 3>(x, x_sums, K, panel, y, ldy); break;
     case 5: factored_rows<Fmt, 5, 1>(x, x_sums, K, panel, y, ldy); break;
     case 6: factored_rows<Fmt, 6, 1>(x, x_sums, K, panel, y, ldy); break;
     case 7: factored_rows<Fmt, 7, 1>(x, x_sums, K, panel, y, ldy); break;
@@ -242,7 +258,7 @@ void dequant_panel(const uint8_t* panel, int64_t K, float* out) {
   for (int64_t b = 0; b < K / QK; ++b) {
     const uint8_t* block = panel + b * Fmt::BLOCK_BYTES;
     for (int g = 0; g < 3; ++g) {
-      const typename Fmt::Scales s = Fmt::scales(block, g);
+      const typename Fmt::Exact s = Fmt::exact(Fmt::scales(block, g));
       for (int64_t u = 0; u < QK / KU; ++u) {
         __m512 w[KU];
         Fmt::unit(block + Fmt::CODES, u, s, g, w);
@@ -302,11 +318,13 @@ void quant_gemm(const float* x, int64_t M, int64_t K, const uint8_t* panels, int
       return;
     }
   }
-  if (M <= REGISTER_ROWS) {
+  if constexpr (!Fmt::FACTORED) {
+    if (M <= REGISTER_ROWS) {
 #pragma omp parallel for schedule(guided)
-    for (int64_t p = 0; p < num_panels; ++p)
-      register_panel<Fmt>(x, M, K, panels + p * panel_bytes, y + p * NR, n_padded);
-    return;
+      for (int64_t p = 0; p < num_panels; ++p)
+        register_panel<Fmt>(x, M, K, panels + p * panel_bytes, y + p * NR, n_padded);
+      return;
+    }
   }
 #pragma omp parallel for schedule(guided)
   for (int64_t p = 0; p < num_panels; ++p) {
