@@ -51,13 +51,12 @@ inline __m512 half16(const uint8_t* p) {
   return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
 }
 
-// Q4 codes: per 32-bit lane (one column), the 4-bit codes of 8 consecutive k, k-th in bits
-// 4k..4k+3.
-// Q4 codes for the factored kernels, without a lookup: nibble t of each lane masked in place
-// and converted, giving q * 16^t exactly; the input it multiplies was scaled by 16^-t
-// beforehand (exact too), so each product is x * q. On the Zen 4 cores this was measured on,
-// the lookup's shift and permute share two pipes and bound it; a mask and a conversion spread
-// over more.
+// Q4 codes: per 32-bit lane (one column), the 4-bit codes of 8 consecutive k, the t-th in bits
+// 4t..4t+3. Each is masked in place and converted, giving q * 16^t exactly; whatever multiplies
+// it is scaled by 16^-t (exact too: a power of two), so the product is exact as with q itself.
+// A lookup (shift, then a lane permute in a table of the 16 values) was the earlier way: on the
+// Zen 4 cores this was measured on, shift and permute share two pipes and bounded the kernel; a
+// mask and a conversion spread over more.
 inline void q4_codes(const uint8_t* codes, int64_t u, int g, __m512 q[8]) {
   const __m512i lanes = _mm512_loadu_si512(codes + (u * NR + g * 16) * 4);
   for (int t = 0; t < 8; ++t)
@@ -81,8 +80,10 @@ inline void q4_unit(const uint8_t* codes, int64_t u, int g, const Q4Exact& e, __
   for (int t = 0; t < 8; ++t) w[t] = _mm512_fmadd_ps(q[t], e.dt[t], e.offset);
 }
 
-// Each format: bytes per block; the scales of a block's 48 columns; `unit(...)`, the dequantized
-// weights of 16 columns (group g) for the K_PER_UNIT consecutive k of code unit u.
+// Each format: bytes per block; the scales of a block's 48 columns; `unit(...)`, the exactly
+// dequantized weights of 16 columns (group g) for the K_PER_UNIT consecutive k of code unit u,
+// from the block's `exact(scales)`; for the factored kernels, `codes(...)`, the same codes
+// unscaled, and `scale(...)`, a block's partial sum over them scaled into the output.
 struct Q4_1Format {
   static constexpr bool FACTORED = true;
   static constexpr int64_t BLOCK_BYTES = 2 * SCALES + 16 * NR, CODES = 2 * SCALES, K_PER_UNIT = 8;
@@ -290,11 +291,9 @@ inline const float* prepare_inputs(const float* x, int64_t M, int64_t K, bool ni
       sums[r * blocks + b] = _mm512_reduce_add_ps(_mm512_add_ps(_mm512_loadu_ps(v), _mm512_loadu_ps(v + 16)));
     }
   if (nibble_scaled) {
-    const float s = 1.0f / 16;
-    const __m512 pattern = _mm512_setr_ps(1, s, s * s, s * s * s, s * s * s * s, s * s * s * s * s,
-                                          s * s * s * s * s * s, s * s * s * s * s * s * s, 1, s, s * s, s * s * s,
-                                          s * s * s * s, s * s * s * s * s, s * s * s * s * s * s,
-                                          s * s * s * s * s * s * s);
+    alignas(64) float powers[16];  // 16^-(k mod 8) for 16 consecutive k from a multiple of 8
+    for (int i = 0; i < 16; ++i) powers[i] = 1.0f / static_cast<float>(1u << (4 * (i % 8)));
+    const __m512 pattern = _mm512_load_ps(powers);
     if (static_cast<int64_t>(scaled.size()) < M * K) scaled.resize(M * K);
     for (int64_t i = 0; i < M * K; i += 16)
       _mm512_storeu_ps(scaled.data() + i, _mm512_mul_ps(_mm512_loadu_ps(x + i), pattern));
