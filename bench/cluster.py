@@ -95,11 +95,12 @@ GOALS = {  # name: (report key, the key it is compared with, factor, comparison)
 
 
 def workload_args(args: argparse.Namespace) -> argparse.Namespace:
-    """bench/multitenant.py's workload knobs: its shape, no burst (burst_factor 1)."""
+    """bench/multitenant.py's workload knobs: its shape, no burst (burst_factor 1), turns back
+    to back (think_time 0)."""
     return argparse.Namespace(
         bots=args.bots, zipf=args.zipf, noisy_rank=1, popular=args.bots, burst_factor=1.0,
         rate=args.rate, duration=args.duration, scale=args.scale, system_len=args.system_len,
-        user_len=args.user_len, answer_len=args.answer_len, turns=args.turns, seed=args.seed,
+        user_len=args.user_len, answer_len=args.answer_len, turns=args.turns, think_time=0.0, seed=args.seed,
     )
 
 

@@ -190,7 +190,7 @@ def make_workload(args, token_ids: list[int]) -> Workload:
     ans_lo, ans_hi = scaled(args.answer_len, args.scale)
     # Think times come from their own generator, so that the rest of the trace is the same
     # with and without them.
-    think, think_rng = getattr(args, "think_time", 0.0), random.Random(f"{args.seed}:think")
+    think, think_rng = args.think_time, random.Random(f"{args.seed}:think")
     conversations = []
     for i, (t, bot, extra) in enumerate(arrivals(args, rng, bots)):
         turns = rng.randint(*args.turns)

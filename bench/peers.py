@@ -339,6 +339,11 @@ async def decode_b1(engine, n: int) -> float:
     return (n1 - n0) / (t1 - t0)
 
 
+async def tput_once(engine, prompts: Prompts, args) -> float:
+    """One parallel run: `--parallel` fresh random prompts of `--tput-prompt` tokens."""
+    return await parallel_tput(engine, [prompts.draw(args.tput_prompt) for _ in range(args.parallel)], args.tput_gen)
+
+
 async def ttft(engine, prompt: list[int]) -> float:
     from streamengine import SamplingParams
 
@@ -438,8 +443,7 @@ async def _session_default(args, weight_format: str) -> dict:
         await _warm_up(engine, prompts)
         b1 = [await decode_b1(engine, args.decode_tokens) for _ in range(args.reps)]
         prefill = await _prefill(engine, prompts, args)
-        tput = [await parallel_tput(engine, [prompts.draw(args.tput_prompt) for _ in range(args.parallel)],
-                                    args.tput_gen) for _ in range(args.tput_reps)]
+        tput = [await tput_once(engine, prompts, args) for _ in range(args.tput_reps)]
         return {"b1": figures(b1), "prefill": prefill,
                 "tput": {**figures(tput), "num_preemptions": engine.stats()["num_preemptions"]},
                 "max_prefill_chunk": engine.config.max_prefill_chunk, "weight_path": " / ".join(lines) or None}
@@ -452,8 +456,7 @@ async def _session_tput(args, weight_format: str, kv_cache_dtype: str) -> dict:
     async with AsyncEngine(engine_config(args, weight_format, False, kv_cache_dtype)) as engine:
         prompts = Prompts.of(engine, f"peers:{weight_format}:{kv_cache_dtype}")
         await _warm_up(engine, prompts)
-        tput = [await parallel_tput(engine, [prompts.draw(args.tput_prompt) for _ in range(args.parallel)],
-                                    args.tput_gen) for _ in range(args.tput_reps)]
+        tput = [await tput_once(engine, prompts, args) for _ in range(args.tput_reps)]
         return {**figures(tput), "num_preemptions": engine.stats()["num_preemptions"]}
 
 
@@ -569,16 +572,11 @@ def interleaved_tput(tools: Path, report: dict, files: dict[str, Path], args) ->
     ours, theirs = report["engine_best_variant"].get("tput"), report["llamacpp_best_variant"].get("tput")
     if ours is None or theirs is None or args.tput_rounds == 0:
         return None
-    fmt, _, kv = ours.partition(", KV ")
-    kv = kv or "auto"
+    fmt, kv = engine_variants(report["engine"])[ours]["setting"]
     flash_attn = report["llamacpp"][theirs]["tput"]["flash_attn"]
     cmd = batched_bench_cmd(tools, files[theirs], args, flash_attn)
     print(f"parallel interleaved: engine {ours} vs llama.cpp {theirs} -fa {flash_attn} ...", file=sys.stderr)
-
-    def engine_once(engine, prompts):
-        return parallel_tput(engine, [prompts.draw(args.tput_prompt) for _ in range(args.parallel)], args.tput_gen)
-
-    rounds = asyncio.run(_rounds(args, fmt, kv, args.tput_rounds, engine_once,
+    rounds = asyncio.run(_rounds(args, fmt, kv, args.tput_rounds, lambda e, prompts: tput_once(e, prompts, args),
                                  lambda: parse_batched_bench(run_tool(cmd, timeout=3600))[-1]["speed"]))
     gc.collect()
     return _rounds_report(rounds, engine_variant=ours, llamacpp_variant=theirs, llamacpp_flash_attn=flash_attn)
@@ -608,23 +606,21 @@ def headline_format(engine: dict) -> str | None:
 
 def engine_variants(engine: dict) -> dict[str, dict]:
     """Each weight format that ran, plus "<format>, KV float16" for its tput at a float16 KV
-    cache (llama.cpp's default cache type)."""
+    cache (llama.cpp's default cache type); each with its `setting`, (weight format, KV cache
+    dtype), for running it again."""
     variants = {}
     for fmt, r in engine.items():
         if "error" in r:
             continue
-        variants[fmt] = r
+        variants[fmt] = {**r, "setting": (fmt, "auto")}
         if "tput_kv_float16" in r:
-            variants[f"{fmt}, KV float16"] = {"tput": r["tput_kv_float16"]}
+            variants[f"{fmt}, KV float16"] = {"tput": r["tput_kv_float16"], "setting": (fmt, "float16")}
     return variants
 
 
-def _pick_b1(r: dict) -> float | None:
-    return r["b1"]["tok_s"] if "b1" in r else None
-
-
-def _pick_tput(r: dict) -> float | None:
-    return r["tput"]["tok_s"] if "tput" in r else None
+def _pick(work: str):
+    """A variant's tok/s for `work` ("b1", "tput"), None where it did not run that work."""
+    return lambda r: r[work]["tok_s"] if work in r else None
 
 
 def build_report(engine: dict, llamacpp: dict, info: dict, config: dict) -> dict:
@@ -633,7 +629,7 @@ def build_report(engine: dict, llamacpp: dict, info: dict, config: dict) -> dict
     fmt = headline_format(engine)
     ours = engine_variants(engine)
     keys, best_of, ours_best = {}, {}, {}
-    work = {"b1": _pick_b1, f"prefill{HEADLINE_PREFILL}": _prefill_of(HEADLINE_PREFILL), "tput": _pick_tput}
+    work = {"b1": _pick("b1"), f"prefill{HEADLINE_PREFILL}": _prefill_of(HEADLINE_PREFILL), "tput": _pick("tput")}
     for n in config["prefill_lens"]:
         work.setdefault(f"prefill{n}", _prefill_of(n))
     ratios = {}
@@ -673,7 +669,7 @@ def print_table(report: dict) -> None:
     head = f"{'work':<40}" + "".join(f"{c:>22}" for c, _ in cols) + f"{'ratio':>10}"
     print(head)
     print("-" * len(head))
-    picks = {"b1": _pick_b1, "tput": _pick_tput}
+    picks = {"b1": _pick("b1"), "tput": _pick("tput")}
     for key, label in rows:
         pick = picks.get(key) or _prefill_of(int(key.removeprefix("prefill")))
         cells = "".join(f"{_cell(r, pick):>22}" for _, r in cols)
@@ -681,16 +677,13 @@ def print_table(report: dict) -> None:
         print(f"{label:<40}{cells}{(f'{ratio:.2f}x' if ratio else '-'):>10}")
     for fmt, r in engine.items():
         print(f"engine {fmt}: {r.get('error') or r.get('weight_path') or 'no weight log line'}")
-    if inter := report.get("b1_interleaved"):
-        rounds = ", ".join(f"{r['engine']:.0f}/{r['llamacpp']:.0f}" for r in inter["rounds"])
-        print(f"batch-1 interleaved ({inter['engine_weight_format']} vs llama.cpp {inter['llamacpp_variant']} "
-              f"-fa {inter['llamacpp_flash_attn']}), engine/llama.cpp tok/s per round: {rounds}; "
-              f"median ratio {inter['ratio_median']:.2f}x")
-    if inter := report.get("tput_interleaved"):
-        rounds = ", ".join(f"{r['engine']:.0f}/{r['llamacpp']:.0f}" for r in inter["rounds"])
-        print(f"parallel interleaved ({inter['engine_variant']} vs llama.cpp {inter['llamacpp_variant']} "
-              f"-fa {inter['llamacpp_flash_attn']}), engine/llama.cpp tok/s per round: {rounds}; "
-              f"median ratio {inter['ratio_median']:.2f}x")
+    for key, label, ours in (("b1_interleaved", "batch-1", "engine_weight_format"),
+                             ("tput_interleaved", "parallel", "engine_variant")):
+        if inter := report.get(key):
+            rounds = ", ".join(f"{r['engine']:.0f}/{r['llamacpp']:.0f}" for r in inter["rounds"])
+            print(f"{label} interleaved ({inter[ours]} vs llama.cpp {inter['llamacpp_variant']} "
+                  f"-fa {inter['llamacpp_flash_attn']}), engine/llama.cpp tok/s per round: {rounds}; "
+                  f"median ratio {inter['ratio_median']:.2f}x")
     for name, g in report["goals"].items():
         r = g["ratio"]
         print(f"{name}: engine / llama.cpp best = {'-' if r is None else f'{r:.2f}'} "

@@ -277,11 +277,19 @@ inline float* panel_buffer(int64_t K) {
   return buffer.data();
 }
 
-// What the factored kernels need besides x, made once per call in this thread's buffers: each
-// row's sums over its 32-input blocks (for a block minimum's or offset's term), and for Q4
-// codes the inputs scaled by 16^-t, t = k mod 8 the nibble that input k's code sits in. Both
-// are exact or in a fixed order, so every panel (and every thread) sees the same values.
-inline const float* prepare_inputs(const float* x, int64_t M, int64_t K, bool nibble_scaled, const float** xq) {
+// 16^-(k mod 8) for 16 consecutive k from a multiple of 8: the prescale of Q4 codes' inputs.
+alignas(64) constexpr float NIBBLE_SCALES[16] = {
+    1.0f, 0x1p-4f, 0x1p-8f, 0x1p-12f, 0x1p-16f, 0x1p-20f, 0x1p-24f, 0x1p-28f,
+    1.0f, 0x1p-4f, 0x1p-8f, 0x1p-12f, 0x1p-16f, 0x1p-20f, 0x1p-24f, 0x1p-28f};
+
+// What the factored kernels read besides the codes: the inputs they multiply (for Q4 codes,
+// scaled by 16^-t, t = k mod 8 the nibble that input k's code sits in) and each row's sums over
+// its 32-input blocks (for a block minimum's or offset's term).
+struct FactoredInputs { const float* x; const float* sums; };
+
+// Made once per call in this thread's buffers; both are exact or in a fixed order, so every
+// panel (and every thread) sees the same values.
+inline FactoredInputs prepare_inputs(const float* x, int64_t M, int64_t K, bool nibble_scaled) {
   thread_local std::vector<float> sums, scaled;
   const int64_t blocks = K / QK;
   if (static_cast<int64_t>(sums.size()) < M * blocks) sums.resize(M * blocks);
@@ -290,16 +298,12 @@ inline const float* prepare_inputs(const float* x, int64_t M, int64_t K, bool ni
       const float* v = x + r * K + b * QK;
       sums[r * blocks + b] = _mm512_reduce_add_ps(_mm512_add_ps(_mm512_loadu_ps(v), _mm512_loadu_ps(v + 16)));
     }
-  if (nibble_scaled) {
-    alignas(64) float powers[16];  // 16^-(k mod 8) for 16 consecutive k from a multiple of 8
-    for (int i = 0; i < 16; ++i) powers[i] = 1.0f / static_cast<float>(1u << (4 * (i % 8)));
-    const __m512 pattern = _mm512_load_ps(powers);
-    if (static_cast<int64_t>(scaled.size()) < M * K) scaled.resize(M * K);
-    for (int64_t i = 0; i < M * K; i += 16)
-      _mm512_storeu_ps(scaled.data() + i, _mm512_mul_ps(_mm512_loadu_ps(x + i), pattern));
-    *xq = scaled.data();
-  }
-  return sums.data();
+  if (!nibble_scaled) return {x, sums.data()};
+  const __m512 pattern = _mm512_load_ps(NIBBLE_SCALES);
+  if (static_cast<int64_t>(scaled.size()) < M * K) scaled.resize(M * K);
+  for (int64_t i = 0; i < M * K; i += 16)
+    _mm512_storeu_ps(scaled.data() + i, _mm512_mul_ps(_mm512_loadu_ps(x + i), pattern));
+  return {scaled.data(), sums.data()};
 }
 
 // Panels are handed out dynamically (guided), as in the float32 kernel: on a shared machine a
@@ -307,23 +311,18 @@ inline const float* prepare_inputs(const float* x, int64_t M, int64_t K, bool ni
 template <typename Fmt>
 void quant_gemm(const float* x, int64_t M, int64_t K, const uint8_t* panels, int64_t n_padded, float* y) {
   const int64_t num_panels = n_padded / NR, panel_bytes = K / QK * Fmt::BLOCK_BYTES;
-  if constexpr (Fmt::FACTORED) {
-    if (M <= REGISTER_ROWS) {
-      const float* xq = x;
-      const float* x_sums = prepare_inputs(x, M, K, Fmt::NIBBLE_SCALED, &xq);
+  if (M <= REGISTER_ROWS) {
+    if constexpr (Fmt::FACTORED) {
+      const FactoredInputs in = prepare_inputs(x, M, K, Fmt::NIBBLE_SCALED);
 #pragma omp parallel for schedule(guided)
       for (int64_t p = 0; p < num_panels; ++p)
-        factored_panel<Fmt>(xq, x_sums, M, K, panels + p * panel_bytes, y + p * NR, n_padded);
-      return;
-    }
-  }
-  if constexpr (!Fmt::FACTORED) {
-    if (M <= REGISTER_ROWS) {
+        factored_panel<Fmt>(in.x, in.sums, M, K, panels + p * panel_bytes, y + p * NR, n_padded);
+    } else {
 #pragma omp parallel for schedule(guided)
       for (int64_t p = 0; p < num_panels; ++p)
         register_panel<Fmt>(x, M, K, panels + p * panel_bytes, y + p * NR, n_padded);
-      return;
     }
+    return;
   }
 #pragma omp parallel for schedule(guided)
   for (int64_t p = 0; p < num_panels; ++p) {
