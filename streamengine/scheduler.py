@@ -133,6 +133,7 @@ class Scheduler:
         # (weighted_split), and what is left of it as the step hands tokens out.
         self._slice_sizes: dict[str, int] = {}
         self._prefill_slices: dict[str, int] = {}
+        self._gave_way: set[str] = set()  # "fair": tenants that yielded room this step
 
     def add(self, seq: Sequence) -> None:
         seq.status = SequenceStatus.WAITING
@@ -305,46 +306,63 @@ class Scheduler:
                 return False
 
     def _serve_underserved(self, out: SchedulerOutput) -> int:
-        """"fair": the waiting tenant to serve first (one with nothing running, else the least
-        served) is made room for when its next sequence cannot get its blocks (or a running
-        slot): running tenants give way, their newest sequences first, up to
-        MAX_YIELDS_PER_STEP: those more than FAIRNESS_SLACK ahead of it and, if it has nothing
-        running, those holding more than their share of the pool. A tenant with nothing running is then admitted at once,
-        before the running sequences grow into the room. Returns the tokens it scheduled.
+        """"fair": waiting tenants in the order they are owed service (one with nothing
+        running first, then the least served; FairShare.first_to_serve) are made room for
+        when their next sequence cannot get its blocks (or a running slot), and admitted in
+        that same step, before the running sequences grow into the room. Running tenants give
+        way, their newest sequences first, up to MAX_YIELDS_PER_STEP in all: those more than
+        FAIRNESS_SLACK ahead of the tenant served and, if it has nothing running, those
+        holding more than their share of the pool. Returns the tokens it scheduled.
 
         Recompute preemption: the victims' full blocks stay in the prefix cache, so they
         resume mostly on hits. Without this a tenant that filled the pool keeps it until its
-        requests end, and a quiet tenant's first token waits for a busy one's requests."""
+        requests end, and a quiet tenant's first token waits for a busy one's requests; and
+        room made for a tenant but left to ordinary admission goes first to the running
+        sequences' growth, step after step, while the tenant it was made for waits."""
+        self._gave_way.clear()
         if self.policy != "fair" or not self.waiting or self.swapped or not self.running:
             return 0
         running = {s.tenant for s in self.running}
-        tenant, queue, cached, need = self._underserved_head(running)
-        seq, idle = queue[0], tenant not in running
-        if not idle and self._has_room(need):
-            return 0  # the common case, decided before any hashing of prefixes in flight
-        in_flight = self._blocks_in_flight()
-        if idle:  # it starts now: its choice of request is the one admission would make
+        queues = self._waiting_by_tenant()
+        in_flight: set[bytes] | None = None  # hashed only when some tenant needs room
+        yields_left, scheduled = MAX_YIELDS_PER_STEP, 0
+        while queues and scheduled < self.max_num_batched_tokens and len(self.running) < self.max_num_seqs:
+            tenant = self.share.first_to_serve(queues, running)
+            queue, idle = queues.pop(tenant), tenant not in running
+            if not idle and self._has_room(self._head_need(queue[0])):
+                break  # the common case, decided before any hashing: ordinary admission serves it
+            if in_flight is None:
+                in_flight = self._blocks_in_flight()
             choice = self._pick_in_tenant(queue, in_flight)
-            if choice is None:
-                return 0
+            if choice is None or not self._may_admit(choice[0], choice[1]):
+                continue  # it cannot start this step whatever the room
             seq, cached, ahead = choice
             need = self._blocks_to_start(seq, cached)
-        elif self._waits_for_prefix(seq, len(cached), in_flight):
-            return 0  # it could not start this step anyway
-        if not self._may_admit(seq, cached):
-            return 0
-        for _ in range(MAX_YIELDS_PER_STEP):
+            yields_left -= self._give_way(tenant, need, yields_left, out)
+            if not self._has_room(need):
+                break  # the room that frees up next is this tenant's, not a later one's
+            n = self._admit_from_waiting(out, seq, cached, self.max_num_batched_tokens - scheduled)
+            if n == 0:
+                break
+            self.share.passed_over(ahead)
+            in_flight.update(self._pending_hashes(seq))
+            running.add(tenant)
+            scheduled += n
+        return scheduled
+
+    def _give_way(self, tenant: str, need: int, limit: int, out: SchedulerOutput) -> int:
+        """Preempts up to `limit` running sequences that owe `tenant` room until `need` free
+        blocks (and a running slot) are there; returns how many it preempted."""
+        for count in range(limit):
             victims = [] if self._has_room(need) else self._owing(tenant)
             if not victims:
-                break
+                return count
             victim = self.share.pick_victim(victims)
             self.running.remove(victim)
             self._preempt(victim)
             out.preempted.append(victim)
-        if not idle or not self._has_room(need):
-            return 0
-        self.share.passed_over(ahead)
-        return self._admit_from_waiting(out, seq, cached, self.max_num_batched_tokens)
+            self._gave_way.add(victim.tenant)
+        return limit
 
     def _admit_from_waiting(self, out: SchedulerOutput, seq: Sequence, cached: list[KVBlock], budget: int) -> int:
         """Starts waiting `seq` on its cache hits, up to `budget` tokens; the tokens it
@@ -367,14 +385,8 @@ class Scheduler:
         return [s for s in self.running if s.group_size == 1 and (
             s.tenant in over_share or self.share.usage_of(s.tenant).virtual_time > behind)]
 
-    def _underserved_head(self, running: set[str]) -> tuple[str, list[Sequence], list[KVBlock], int]:
-        """The waiting tenant to serve first (FairShare.first_to_serve), its waiting sequences,
-        the cache hits of the first, and the free blocks that one needs to start (with the
-        watermark)."""
-        queues = self._waiting_by_tenant()
-        tenant = self.share.first_to_serve(queues, running)
-        cached = self.block_manager.find_cached_blocks(queues[tenant][0])
-        return tenant, queues[tenant], cached, self._blocks_to_start(queues[tenant][0], cached)
+    def _head_need(self, seq: Sequence) -> int:
+        return self._blocks_to_start(seq, self.block_manager.find_cached_blocks(seq))
 
     def _blocks_to_start(self, seq: Sequence, cached: list[KVBlock]) -> int:
         """Free blocks `seq` needs for its first step (with the watermark)."""
@@ -478,6 +490,8 @@ class Scheduler:
         FCFS it goes to the head of the line, so a large request cannot starve."""
         in_flight = self._blocks_in_flight()
         queues = self._waiting_by_tenant()
+        for tenant in self._gave_way:  # it yielded this step: admitting it now would undo that
+            queues.pop(tenant, None)
         while queues and budget > 0 and len(self.running) < self.max_num_seqs:
             tenant = self.share.least_served(queues)
             if self._prefill_slices.get(tenant, 1) <= 0:

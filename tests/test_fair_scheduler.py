@@ -354,6 +354,44 @@ def test_a_tenant_with_nothing_running_goes_before_a_less_served_running_one() -
     sim.run()
 
 
+def test_a_running_tenant_made_room_for_starts_in_that_step() -> None:
+    """B runs a request and waits with another; A (far ahead: weight 0.01) holds the rest of
+    the pool with a decode and a long prompt that prefills a chunk a step. A's newest yields
+    for B, and B's waiting request starts in that very step: the room is not left to ordinary
+    admission, where A's prompt would take it first, step after step."""
+    sim = Sim(12, tenants=[TenantConfig("a", weight=0.01), TenantConfig("b")], prefix_caching=False, chunk=2)
+    b_run = sim.add("b", tokens(2, 500), max_tokens=10)  # 3 blocks at the end
+    a_dec = sim.add("a", tokens(4, 100), max_tokens=12)  # 4 blocks
+    sim.step()
+    a_long = sim.add("a", tokens(36, 200), max_tokens=2)  # 10 blocks, prefilled 8 tokens a step
+    while sim.bm.num_free_blocks > 1:
+        sim.step()
+    assert a_long.status is SequenceStatus.RUNNING and a_long.num_computed_tokens < 36
+    b_wait = sim.add("b", tokens(6, 900), max_tokens=2)  # 2 blocks
+    out = sim.step()
+    assert out.preempted and out.preempted[0] is a_long
+    assert b_wait in [i.seq for i in out.scheduled]
+    assert b_run.status is SequenceStatus.RUNNING and a_dec.status is SequenceStatus.RUNNING
+    sim.run()
+
+
+def test_several_tenants_with_nothing_running_start_in_one_step() -> None:
+    """A fills the pool with three requests; B and C arrive together with nothing running. In
+    one step A's two newest yield, one for each, and both start: a burst of quiet tenants is
+    not served one tenant a step while each step runs a full batch."""
+    sim = Sim(12, tenants=[TenantConfig(t) for t in "abc"], prefix_caching=False)
+    a = [sim.add("a", tokens(6, 100 * i), max_tokens=10) for i in range(3)]
+    while sim.bm.num_free_blocks > 0:
+        sim.step()
+    b0 = sim.add("b", tokens(6, 900), max_tokens=2)
+    c0 = sim.add("c", tokens(10, 950), max_tokens=2)  # 3 blocks: more than A's newest left after B
+    out = sim.step()
+    assert out.preempted == [a[2], a[1]]
+    assert {b0, c0} <= {i.seq for i in out.scheduled}
+    sim.run()
+    assert all(s.num_output_tokens == 10 for s in a)
+
+
 def test_tenants_within_the_slack_do_not_preempt_each_other() -> None:
     """B already runs a request, so the pool-share rule does not apply; A is within the slack
     of B: B's second request waits for room instead of preempting A."""
