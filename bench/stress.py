@@ -38,12 +38,14 @@ import argparse
 import asyncio
 import base64
 import contextlib
+import fcntl
 import json
 import os
 import random
 import socket
 import struct
 import sys
+import termios
 import time
 from collections import Counter
 from dataclasses import dataclass, field
@@ -87,6 +89,24 @@ class RawWebSocket:
 
     def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, rng: random.Random) -> None:
         self.reader, self.writer, self.rng = reader, writer, rng
+
+    def bytes_unread(self) -> int:
+        """Bytes the kernel holds for this socket that nobody has read yet (FIONREAD)."""
+        sock = self.writer.get_extra_info("socket")
+        return struct.unpack("i", fcntl.ioctl(sock.fileno(), termios.FIONREAD, b"\0\0\0\0"))[0]
+
+    async def stop_reading(self, least_s: float, most_s: float = 20.0) -> None:
+        """Reads nothing for at least `least_s` seconds, then until the kernel's receive queue
+        has stopped growing (the sender is held up, whatever the machine's speed), at most
+        `most_s` seconds in all."""
+        start = time.monotonic()
+        await asyncio.sleep(least_s)
+        seen, still = self.bytes_unread(), 0
+        while still < 3 and time.monotonic() - start < most_s:
+            await asyncio.sleep(0.1)
+            now = self.bytes_unread()
+            still = still + 1 if now == seen and now > 0 else 0
+            seen = now
 
     @staticmethod
     async def open_socket(host: str, port: int, rcvbuf: int | None = None):
@@ -380,7 +400,7 @@ class MixedTraffic:
         self.host, self.port, self.seed, self.clients = host, port, seed, clients
         self.model, self.max_message_bytes = model, max_message_bytes
         self.episode_timeout, self.scale = episode_timeout, token_scale
-        self.slow_stall_s = slow_stall_s  # how long a slow reader reads nothing
+        self.slow_stall_s = slow_stall_s  # least time a slow reader reads nothing (then until the server is held up)
         self.tally = Tally()
         self._expects: dict[str, dict[str, Expect]] = {}  # per episode, to say where one got stuck
         self.base = f"http://{host}:{port}"
@@ -577,7 +597,7 @@ class MixedTraffic:
                         "seed": r.randrange(1 << 31), "n": 2, "logprobs": 20}  # ~0.5 kB per token
 
             expects = await self._send_generates(ws.send_json, rng, tag, rng.randint(3, 5), big)
-            await asyncio.sleep(rng.uniform(*self.slow_stall_s))  # not reading at all
+            await ws.stop_reading(rng.uniform(*self.slow_stall_s))  # not reading at all
 
             async def trickle() -> dict:
                 if rng.random() < 0.02:
@@ -1132,7 +1152,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     # A real model on CPU makes ~200 tokens/s in all: a slow reader must stop for seconds before
     # its output outgrows the buffers in between (~256 kB: its socket, the server's kernel and
     # transport buffers) and the server's outbox starts merging deltas.
-    p.add_argument("--slow-stall", default="2,8", help="min,max seconds a slow reader reads nothing")
+    p.add_argument("--slow-stall", default="2,8", help="min,max of the least seconds a slow reader reads nothing (it then waits until the server is held up)")
     # One thread by default: on these shared 2-core machines two OpenMP threads collapse into
     # futex waits whenever another job runs (measured here: SmolLM2, 64 streams, 46 tok/s at 2
     # threads vs 216 tok/s at 1). `--threads 0` leaves torch's default.

@@ -36,8 +36,8 @@ sequences give way to it: about one request's service, so tenants within a reque
 other never preempt each other, and a tenant that was just made room for must be served a
 whole slack further before the other can take its room back."""
 MAX_YIELDS_PER_STEP = 4
-"""Running sequences preempted per step to make room for an under-served tenant: room comes
-over a few steps rather than by emptying the batch at once."""
+"""Running sequences preempted per step to make room for under-served tenants (all of them
+together): room comes over a few steps rather than by emptying the batch at once."""
 TENANT_PREFILL_CHUNKS = 4
 """Under "fair" a tenant's prompts in flight share this many prefill chunks per step (each
 prompt still gets at least one). A quiet tenant's lone cold prompt, such as a bot's system

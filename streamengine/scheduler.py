@@ -329,6 +329,8 @@ class Scheduler:
         while queues and scheduled < self.max_num_batched_tokens and len(self.running) < self.max_num_seqs:
             tenant = self.share.first_to_serve(queues, running)
             queue, idle = queues.pop(tenant), tenant not in running
+            if tenant in self._gave_way:
+                continue  # it yielded for an earlier one this step
             if not idle and self._has_room(self._head_need(queue[0])):
                 break  # the common case, decided before any hashing: ordinary admission serves it
             if in_flight is None:
@@ -353,8 +355,9 @@ class Scheduler:
     def _give_way(self, tenant: str, need: int, limit: int, out: SchedulerOutput) -> int:
         """Preempts up to `limit` running sequences that owe `tenant` room until `need` free
         blocks (and a running slot) are there; returns how many it preempted."""
+        started = {item.seq for item in out.scheduled}  # admitted earlier this step: kept
         for count in range(limit):
-            victims = [] if self._has_room(need) else self._owing(tenant)
+            victims = [] if self._has_room(need) else [s for s in self._owing(tenant) if s not in started]
             if not victims:
                 return count
             victim = self.share.pick_victim(victims)
