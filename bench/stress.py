@@ -95,18 +95,21 @@ class RawWebSocket:
         sock = self.writer.get_extra_info("socket")
         return struct.unpack("i", fcntl.ioctl(sock.fileno(), termios.FIONREAD, b"\0\0\0\0"))[0]
 
-    async def stop_reading(self, least_s: float, most_s: float = 20.0) -> None:
+    async def stop_reading(self, least_s: float, most_s: float = 20.0, still_s: float = 1.0) -> None:
         """Reads nothing for at least `least_s` seconds, then until the kernel's receive queue
-        has stopped growing (the sender is held up, whatever the machine's speed), at most
-        `most_s` seconds in all."""
+        has not grown for `still_s` (the sender is held up, whatever the machine's speed; longer
+        than an engine step on a loaded machine, so a pause between steps does not pass for
+        it), at most `most_s` seconds in all."""
         start = time.monotonic()
         await asyncio.sleep(least_s)
-        seen, still = self.bytes_unread(), 0
-        while still < 3 and time.monotonic() - start < most_s:
+        seen, since = self.bytes_unread(), time.monotonic()
+        while time.monotonic() - start < most_s:
             await asyncio.sleep(0.1)
             now = self.bytes_unread()
-            still = still + 1 if now == seen and now > 0 else 0
-            seen = now
+            if now != seen or now == 0:
+                seen, since = now, time.monotonic()
+            elif time.monotonic() - since >= still_s:
+                return
 
     @staticmethod
     async def open_socket(host: str, port: int, rcvbuf: int | None = None):

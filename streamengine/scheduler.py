@@ -133,7 +133,6 @@ class Scheduler:
         # (weighted_split), and what is left of it as the step hands tokens out.
         self._slice_sizes: dict[str, int] = {}
         self._prefill_slices: dict[str, int] = {}
-        self._gave_way: set[str] = set()  # "fair": tenants that yielded room this step
 
     def add(self, seq: Sequence) -> None:
         seq.status = SequenceStatus.WAITING
@@ -183,13 +182,15 @@ class Scheduler:
         out = SchedulerOutput()
         self._count_prefills()
         budget = self.max_num_batched_tokens - self._serve_underserved(out)
+        # Tenants that gave way this step admit nothing in it: that would undo the yield.
+        yielded = {seq.tenant for seq in out.preempted}
         num_yielded = len(out.preempted)
         budget = self._schedule_running(out, budget)
         pressed = len(out.preempted) > num_yielded  # memory pressure: admit nobody this step
         if not pressed:
             budget = self._schedule_swapped(out, budget)
         if not pressed and not self.swapped:
-            self._schedule_waiting(out, budget)
+            self._schedule_waiting(out, budget, yielded)
         while not out.scheduled and self.running and (self.waiting or self.swapped):
             # Every running sequence is idle (beams waiting for a sibling's logits) while the
             # sibling cannot get blocks: recompute the newest idle one later, behind the
@@ -199,7 +200,7 @@ class Scheduler:
             out.preempted.append(victim)
             budget = self._schedule_swapped(out, self.max_num_batched_tokens)
             if not self.swapped:
-                self._schedule_waiting(out, budget)
+                self._schedule_waiting(out, budget, yielded)
         out.blocks_to_copy = self.block_manager.take_pending_copies()
         return out
 
@@ -319,7 +320,6 @@ class Scheduler:
         requests end, and a quiet tenant's first token waits for a busy one's requests; and
         room made for a tenant but left to ordinary admission goes first to the running
         sequences' growth, step after step, while the tenant it was made for waits."""
-        self._gave_way.clear()
         if self.policy != "fair" or not self.waiting or self.swapped or not self.running:
             return 0
         running = {s.tenant for s in self.running}
@@ -329,7 +329,7 @@ class Scheduler:
         while queues and scheduled < self.max_num_batched_tokens and len(self.running) < self.max_num_seqs:
             tenant = self.share.first_to_serve(queues, running)
             queue, idle = queues.pop(tenant), tenant not in running
-            if tenant in self._gave_way:
+            if any(victim.tenant == tenant for victim in out.preempted):
                 continue  # it yielded for an earlier one this step
             if not idle and self._has_room(self._head_need(queue[0])):
                 break  # the common case, decided before any hashing: ordinary admission serves it
@@ -364,7 +364,6 @@ class Scheduler:
             self.running.remove(victim)
             self._preempt(victim)
             out.preempted.append(victim)
-            self._gave_way.add(victim.tenant)
         return limit
 
     def _admit_from_waiting(self, out: SchedulerOutput, seq: Sequence, cached: list[KVBlock], budget: int) -> int:
@@ -461,9 +460,9 @@ class Scheduler:
             budget -= n
         return budget
 
-    def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> None:
+    def _schedule_waiting(self, out: SchedulerOutput, budget: int, yielded: set[str] = frozenset()) -> None:
         if self.policy == "fair":
-            self._schedule_waiting_fair(out, budget)
+            self._schedule_waiting_fair(out, budget, yielded)
         else:
             self._schedule_waiting_fcfs(out, budget)
 
@@ -486,14 +485,15 @@ class Scheduler:
             in_flight.update(self._pending_hashes(seq))
             budget -= n
 
-    def _schedule_waiting_fair(self, out: SchedulerOutput, budget: int) -> None:
-        """Admits from the tenant owed the most service. A tenant over its own quota is passed
-        (its limit must not hold back the others); when the chosen sequence does not fit the
-        pool, admission stops: the room that frees up goes to the tenant owed the most, as in
-        FCFS it goes to the head of the line, so a large request cannot starve."""
+    def _schedule_waiting_fair(self, out: SchedulerOutput, budget: int, yielded: set[str]) -> None:
+        """Admits from the tenant owed the most service, none of the `yielded`. A tenant over
+        its own quota is passed (its limit must not hold back the others); when the chosen
+        sequence does not fit the pool, admission stops: the room that frees up goes to the
+        tenant owed the most, as in FCFS it goes to the head of the line, so a large request
+        cannot starve."""
         in_flight = self._blocks_in_flight()
         queues = self._waiting_by_tenant()
-        for tenant in self._gave_way:  # it yielded this step: admitting it now would undo that
+        for tenant in yielded:
             queues.pop(tenant, None)
         while queues and budget > 0 and len(self.running) < self.max_num_seqs:
             tenant = self.share.least_served(queues)

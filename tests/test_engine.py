@@ -250,13 +250,20 @@ def test_release_openmp_pool_ends_this_threads_workers():
     def threads() -> int:
         return len(os.listdir("/proc/self/task"))
 
-    torch.randn(4_000_000).sum()  # a parallel op: this thread now has a pool of workers
-    before = threads()
-    release_openmp_pool()
-    deadline = time.monotonic() + 2.0
-    while threads() >= before and time.monotonic() < deadline:
-        time.sleep(0.01)
-    assert threads() < before
+    # Two threads whatever an earlier test left (an engine with num_threads=1 sets one for the
+    # whole process, and then a parallel op starts no workers to end).
+    num_threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        torch.randn(4_000_000).sum()  # a parallel op: this thread now has a pool of workers
+        before = threads()
+        release_openmp_pool()
+        deadline = time.monotonic() + 2.0
+        while threads() >= before and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert threads() < before
+    finally:
+        torch.set_num_threads(num_threads)
 
 
 def test_kv_cache_dtype_sizes_the_pool_and_is_validated(tiny_llama_dir):

@@ -295,13 +295,22 @@ def test_a_tenant_holding_the_pool_gives_way_to_an_under_served_one(policy: str)
         assert sim.finished.index(b0) == 2
 
 
+def fill_pool(sim: Sim, tenant: str, n: int) -> list[Sequence]:
+    """`n` requests of `tenant` (6 prompt tokens, 10 to generate), stepped until they hold
+    every block of the pool."""
+    seqs = [sim.add(tenant, tokens(6, 100 * i), max_tokens=10) for i in range(n)]
+    for _ in range(100):
+        if sim.bm.num_free_blocks == 0:
+            return seqs
+        sim.step()
+    raise AssertionError(f"{n} requests of {tenant} never filled the pool")
+
+
 def test_a_tenant_over_its_pool_share_gives_way_to_one_with_nothing_running() -> None:
     """A (within the slack) holds the whole pool with two requests; B, with nothing running,
     waits for it: A's newest yields at once, although A is not FAIRNESS_SLACK ahead."""
     sim = Sim(8, tenants=[TenantConfig("a"), TenantConfig("b")], prefix_caching=False)
-    a = [sim.add("a", tokens(6, 100 * i), max_tokens=10) for i in range(2)]
-    while sim.bm.num_free_blocks > 0:
-        sim.step()
+    a = fill_pool(sim, "a", 2)
     assert sim.stat("a", "virtual_time") < FAIRNESS_SLACK
     b0 = sim.add("b", tokens(6, 900), max_tokens=2)
     out = sim.step()
@@ -316,9 +325,7 @@ def test_on_a_tie_the_tenant_with_nothing_running_is_made_room_for() -> None:
     (the least among the waiting). The tie goes to B, which runs nothing: A's newest yields
     and B starts in that very step, A's waiting one after."""
     sim = Sim(8, tenants=[TenantConfig("a"), TenantConfig("b")], prefix_caching=False)
-    a = [sim.add("a", tokens(6, 100 * i), max_tokens=10) for i in range(2)]
-    while sim.bm.num_free_blocks > 0:
-        sim.step()
+    a = fill_pool(sim, "a", 2)
     a_waiting = sim.add("a", tokens(6, 300), max_tokens=2)
     b0 = sim.add("b", tokens(6, 900), max_tokens=2)
     assert sim.stat("b", "virtual_time") == sim.stat("a", "virtual_time")
@@ -380,9 +387,7 @@ def test_several_tenants_with_nothing_running_start_in_one_step() -> None:
     one step A's two newest yield, one for each, and both start: a burst of quiet tenants is
     not served one tenant a step while each step runs a full batch."""
     sim = Sim(12, tenants=[TenantConfig(t) for t in "abc"], prefix_caching=False)
-    a = [sim.add("a", tokens(6, 100 * i), max_tokens=10) for i in range(3)]
-    while sim.bm.num_free_blocks > 0:
-        sim.step()
+    a = fill_pool(sim, "a", 3)
     b0 = sim.add("b", tokens(6, 900), max_tokens=2)
     c0 = sim.add("c", tokens(10, 950), max_tokens=2)  # 3 blocks: more than A's newest left after B
     out = sim.step()
@@ -399,9 +404,7 @@ def test_a_request_started_for_one_tenant_never_yields_for_the_next_in_that_step
     computing tokens of a sequence that holds no blocks)."""
     sim = Sim(12, tenants=[TenantConfig("a"), TenantConfig("b", weight=0.01), TenantConfig("c")],
               prefix_caching=False)
-    a = [sim.add("a", tokens(6, 100 * i), max_tokens=10) for i in range(3)]
-    while sim.bm.num_free_blocks > 0:
-        sim.step()
+    a = fill_pool(sim, "a", 3)
     b0 = sim.add("b", tokens(12, 900), max_tokens=2)
     c0 = sim.add("c", tokens(6, 950), max_tokens=2)
     out = sim.step()  # the simulation checks the plan
@@ -413,13 +416,15 @@ def test_a_request_started_for_one_tenant_never_yields_for_the_next_in_that_step
 
 @pytest.mark.parametrize("seed", range(12))
 def test_random_tenants_under_pressure_keep_every_plan_sound(seed: int) -> None:
-    """Tenants of mixed weights arrive in bursts on a small pool with shared prefixes, so room
-    is made for several in one step while others run: every plan keeps its invariants (the
-    simulation checks each one: a sequence scheduled holds the blocks for its tokens, a
-    preempted one holds none and is not running) and every request completes."""
+    """Tenants of weights 100x apart arrive in bursts on a small pool with shared prefixes, so
+    room is made for several in one step while others run, and one admission can put its
+    tenant past FAIRNESS_SLACK at once: every plan keeps its invariants (the simulation checks
+    each one: a sequence scheduled holds the blocks for its tokens, a preempted one holds none
+    and is not running) and every request completes. (With a request just started allowed to
+    yield for the next tenant, 8 of these 12 seeds break a plan.)"""
     rng = random.Random(seed)
     names = "abcde"
-    sim = Sim(24, tenants=[TenantConfig(t, weight=rng.choice([0.5, 1.0, 2.0])) for t in names],
+    sim = Sim(12, tenants=[TenantConfig(t, weight=rng.choice([0.01, 0.1, 1.0])) for t in names],
               prefix_caching=True, chunk=rng.choice([None, 2, 4]), max_num_seqs=rng.choice([3, 8]))
     prefixes = {t: tokens(8, 1000 * (i + 1)) for i, t in enumerate(names)}
     seqs = []
