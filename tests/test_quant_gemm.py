@@ -114,7 +114,7 @@ def test_wrong_input_is_refused():
         packed(torch.randn(2, 64, dtype=torch.float64))
 
 
-AVX2_PROBE = """
+PROBE = """
 import ctypes, sys
 lib = ctypes.CDLL(sys.argv[1])
 lib.streamengine_quant_block_bytes.restype = ctypes.c_int64
@@ -122,17 +122,24 @@ print(lib.streamengine_panel_width(), lib.streamengine_quant_block_bytes(3), lib
 """
 
 
-def test_an_avx2_build_links_and_reports_no_kernels(tmp_path, monkeypatch):
-    """On a CPU without AVX-512 the same sources build (x86-64-v3: AVX2 + FMA) and every probe
-    says "unsupported", which is what sends Python to the PyTorch path."""
-    flags = [f for f in cpu_build.COMPILE_FLAGS if f != "-march=native"] + ["-march=x86-64-v3"]
+@pytest.mark.parametrize("march, probes", [
+    ("x86-64-v2", ["0", "0", "0"]),  # SSE4.2, no AVX: every probe says "unsupported"
+    ("x86-64-v3", ["48", str(2 * 96 + 16 * 48), "1"]),  # AVX2 + FMA + F16C: the kernels
+])
+def test_builds_for_older_cpus_report_what_they_run(tmp_path, monkeypatch, march, probes):
+    """The same sources build for an instruction set below AVX-512: with AVX2 every kernel is
+    there (48-column panels, Q4_1 blocks of 48 columns); below it every probe says
+    "unsupported", which is what sends Python to the PyTorch path."""
+    if march == "x86-64-v3" and not cpu_build.AVX2_FEATURES <= cpu_build.cpu_flags():
+        pytest.skip("this CPU cannot run an AVX2 build")
+    flags = [f for f in cpu_build.COMPILE_FLAGS if f != "-march=native"] + [f"-march={march}"]
     monkeypatch.setattr(cpu_build, "COMPILE_FLAGS", flags)
     try:
         library = cpu_build.build(out_dir=tmp_path)
     except OSError as exc:  # no compiler here: nothing to check
         pytest.skip(str(exc))
-    done = subprocess.run([sys.executable, "-c", AVX2_PROBE, str(library)], capture_output=True, text=True, check=True)
-    assert done.stdout.split() == ["0", "0", "0"]
+    done = subprocess.run([sys.executable, "-c", PROBE, str(library)], capture_output=True, text=True, check=True)
+    assert done.stdout.split() == probes
 
 
 def test_int8_quantization_moves_each_weight_by_at_most_half_a_step():

@@ -5,8 +5,8 @@
 // a few rows costs more than the weight read itself. Here W is packed once, at load time,
 // into panels of NR = 48 output columns stored k-major ([N / 48][K][48]): a panel is one
 // sequential stream, and each 48-float row of it is used by every input row while it sits in
-// registers (8 rows x 3 AVX-512 vectors = 24 accumulators). From 9 rows on, a panel's
-// compute outlasts its stream, so its row chunks prefetch the next panel meanwhile.
+// registers (MR rows x 3 vectors of accumulators: 8 rows with AVX-512, 2 with AVX2). Above MR
+// rows a panel's compute outlasts its stream, so its row chunks prefetch the next panel meanwhile.
 //
 // Built at run time by kernels/cpu_build.py (g++ -O3 -march=native -fopenmp). OpenMP resolves
 // to the libgomp that torch has already loaded, so the threads are torch's own.
@@ -15,8 +15,9 @@
 
 #include <cstdint>
 
-#if defined(__AVX512F__)
 #include "cpu_gemm_panel.h"
+
+#if defined(STREAMENGINE_SIMD)
 
 using streamengine_panel::NR;
 using streamengine_panel::panel_rows;
@@ -36,7 +37,7 @@ extern "C" int streamengine_sgemm_packed(const float* x, int64_t M, int64_t K,
   return 0;
 }
 
-#else  // no AVX-512: the Python wrapper sees panel width 0 and keeps PyTorch's matmul.
+#else  // neither AVX-512 nor AVX2: the Python wrapper sees panel width 0 and keeps PyTorch's matmul.
 
 extern "C" int streamengine_panel_width() { return 0; }
 

@@ -6,7 +6,7 @@
 
 extern "C" {
 
-// Output columns per packed panel (48), or 0 in a build without AVX-512.
+// Output columns per packed panel (48), or 0 in a build without AVX-512 or AVX2.
 int streamengine_panel_width();
 
 // y[M, n_padded] = x[M, K] @ W^T with W packed as [n_padded / 48][K][48]; 0, or -1 on a shape

@@ -6,14 +6,18 @@
 #include <algorithm>
 #include <cstdint>
 
-#if defined(__AVX512F__)
-#include <immintrin.h>
+#include "cpu_simd.h"
+
+#if defined(STREAMENGINE_SIMD)
 
 namespace streamengine_panel {
 
+using namespace streamengine_simd;
 
-constexpr int64_t NR = 48;          // output columns per panel: 3 zmm registers
-constexpr int64_t MR = 8;           // input rows per micro-kernel call: 24 accumulators
+constexpr int64_t NR = 48;          // output columns per panel: 3 vectors
+// Input rows per micro-kernel call: their 3 vectors of accumulators each fill most registers
+// (AVX-512: 24 of 32 zmm; AVX2: 12 of 16 ymm, a vector being two).
+constexpr int64_t MR = STREAMENGINE_SIMD == 512 ? 8 : 2;
 constexpr int64_t PREFETCH = 1024;  // floats ahead in the panel stream (~21 k-rows)
 
 constexpr int64_t LINE = 16;        // floats per 64-byte cache line
@@ -24,9 +28,9 @@ constexpr int64_t OVERLAP_CHUNKS = 3;  // fewest row chunks above MR rows: share
 template <int ROWS, bool NEXT>
 inline void micro_kernel(const float* x, int64_t ldx, const float* panel, int64_t K,
                          float* y, int64_t ldy, const float* next, int64_t next_lines) {
-  __m512 acc[ROWS][3];
+  vf acc[ROWS][3];
   for (int m = 0; m < ROWS; ++m)
-    for (int j = 0; j < 3; ++j) acc[m][j] = _mm512_setzero_ps();
+    for (int j = 0; j < 3; ++j) acc[m][j] = vzero();
   const int64_t per_k = NEXT ? (next_lines + K - 1) / K : 0;
   for (int64_t k = 0; k < K; ++k) {
     const float* w = panel + k * NR;
@@ -37,20 +41,20 @@ inline void micro_kernel(const float* x, int64_t ldx, const float* panel, int64_
       for (int64_t j = k * per_k; j < (k + 1) * per_k && j < next_lines; ++j)
         _mm_prefetch(reinterpret_cast<const char*>(next + j * LINE), _MM_HINT_T1);
     }
-    const __m512 w0 = _mm512_loadu_ps(w);
-    const __m512 w1 = _mm512_loadu_ps(w + 16);
-    const __m512 w2 = _mm512_loadu_ps(w + 32);
+    const vf w0 = vload(w);
+    const vf w1 = vload(w + 16);
+    const vf w2 = vload(w + 32);
     for (int m = 0; m < ROWS; ++m) {
-      const __m512 xb = _mm512_set1_ps(x[m * ldx + k]);
-      acc[m][0] = _mm512_fmadd_ps(xb, w0, acc[m][0]);
-      acc[m][1] = _mm512_fmadd_ps(xb, w1, acc[m][1]);
-      acc[m][2] = _mm512_fmadd_ps(xb, w2, acc[m][2]);
+      const vf xb = vset1(x[m * ldx + k]);
+      acc[m][0] = vfmadd(xb, w0, acc[m][0]);
+      acc[m][1] = vfmadd(xb, w1, acc[m][1]);
+      acc[m][2] = vfmadd(xb, w2, acc[m][2]);
     }
   }
   for (int m = 0; m < ROWS; ++m) {
-    _mm512_storeu_ps(y + m * ldy, acc[m][0]);
-    _mm512_storeu_ps(y + m * ldy + 16, acc[m][1]);
-    _mm512_storeu_ps(y + m * ldy + 32, acc[m][2]);
+    vstore(y + m * ldy, acc[m][0]);
+    vstore(y + m * ldy + 16, acc[m][1]);
+    vstore(y + m * ldy + 32, acc[m][2]);
   }
 }
 

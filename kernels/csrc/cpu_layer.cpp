@@ -16,8 +16,9 @@
 #include "cpu_ops.h"
 #include "cpu_paged_attention.h"
 #include "cpu_quant_gemm.h"
+#include "cpu_simd.h"
 
-#if defined(__AVX512F__)
+#if defined(STREAMENGINE_SIMD)
 
 // qkv = x @ Wqkv^T (+ bias); RoPE on the q and k heads; k and v into their cache slots.
 // x [T, hidden]; qkv [T, qkv_padded]; caches [num_slots, kv_heads * head_dim] of cache_type.

@@ -10,37 +10,37 @@
 #include <cmath>
 #include <cstdint>
 
-#if defined(__AVX512F__)
-#include <immintrin.h>
-
 #include "cpu_vec_math.h"
 
+#if defined(STREAMENGINE_SIMD)
+
 namespace {
+
+using namespace streamengine_simd;
 
 // Rows are independent; threads only pay off once there is real work in the call.
 constexpr int64_t PARALLEL_MIN_ELEMENTS = 1 << 16;
 
 inline float sum_of_squares(const float* x, int64_t n) {
-  __m512 acc = _mm512_setzero_ps();
+  vf acc = vzero();
   int64_t i = 0;
   for (; i + 16 <= n; i += 16) {
-    const __m512 v = _mm512_loadu_ps(x + i);
-    acc = _mm512_fmadd_ps(v, v, acc);
+    const vf v = vload(x + i);
+    acc = vfmadd(v, v, acc);
   }
   if (i < n) {
-    const __m512 v = _mm512_maskz_loadu_ps(static_cast<__mmask16>((1u << (n - i)) - 1), x + i);
-    acc = _mm512_fmadd_ps(v, v, acc);
+    const vf v = vload_first(x + i, n - i);
+    acc = vfmadd(v, v, acc);
   }
-  return _mm512_reduce_add_ps(acc);
+  return vreduce_add(acc);
 }
 
 // out = weight * (x / sqrt(mean(x^2) + eps)), transformers' RMSNorm order of operations.
 inline void norm_row(const float* x, const float* weight, float eps, int64_t n, float* out) {
   const float inv = 1.0f / std::sqrt(sum_of_squares(x, n) / static_cast<float>(n) + eps);
-  const __m512 s = _mm512_set1_ps(inv);
+  const vf s = vset1(inv);
   int64_t i = 0;
-  for (; i + 16 <= n; i += 16)
-    _mm512_storeu_ps(out + i, _mm512_mul_ps(_mm512_loadu_ps(weight + i), _mm512_mul_ps(_mm512_loadu_ps(x + i), s)));
+  for (; i + 16 <= n; i += 16) vstore(out + i, vmul(vload(weight + i), vmul(vload(x + i), s)));
   for (; i < n; ++i) out[i] = weight[i] * (x[i] * inv);
 }
 
@@ -57,7 +57,7 @@ extern "C" int streamengine_add_rms_norm(float* h, const float* delta, int64_t d
       const float* dr = delta + r * delta_stride;
       int64_t i = 0;
       for (; i + 16 <= n; i += 16)
-        _mm512_storeu_ps(hr + i, _mm512_add_ps(_mm512_loadu_ps(hr + i), _mm512_loadu_ps(dr + i)));
+        vstore(hr + i, vadd(vload(hr + i), vload(dr + i)));
       for (; i < n; ++i) hr[i] += dr[i];
     }
     norm_row(hr, weight, eps, n, out + r * n);
@@ -80,10 +80,10 @@ extern "C" int streamengine_rope(float* x, int64_t rows, int64_t row_stride, int
       float* x2 = x1 + half;
       int64_t i = 0;
       for (; i + 16 <= half; i += 16) {
-        const __m512 a = _mm512_loadu_ps(x1 + i), b = _mm512_loadu_ps(x2 + i);
-        const __m512 cv = _mm512_loadu_ps(c + i), sv = _mm512_loadu_ps(s + i);
-        _mm512_storeu_ps(x1 + i, _mm512_sub_ps(_mm512_mul_ps(a, cv), _mm512_mul_ps(b, sv)));
-        _mm512_storeu_ps(x2 + i, _mm512_add_ps(_mm512_mul_ps(b, cv), _mm512_mul_ps(a, sv)));
+        const vf a = vload(x1 + i), b = vload(x2 + i);
+        const vf cv = vload(c + i), sv = vload(s + i);
+        vstore(x1 + i, vsub(vmul(a, cv), vmul(b, sv)));
+        vstore(x2 + i, vadd(vmul(b, cv), vmul(a, sv)));
       }
       for (; i < half; ++i) {
         const float a = x1[i], b = x2[i];
@@ -105,9 +105,9 @@ extern "C" int streamengine_silu_mul(const float* gate_up, int64_t in_stride, in
     float* o = out + r * n;
     int64_t i = 0;
     for (; i + 16 <= n; i += 16) {
-      const __m512 gv = _mm512_loadu_ps(g + i);
-      const __m512 sig = _mm512_div_ps(_mm512_set1_ps(1.0f), _mm512_add_ps(_mm512_set1_ps(1.0f), streamengine_cpu::exp_ps(_mm512_sub_ps(_mm512_setzero_ps(), gv))));
-      _mm512_storeu_ps(o + i, _mm512_mul_ps(_mm512_mul_ps(gv, sig), _mm512_loadu_ps(u + i)));
+      const vf gv = vload(g + i);
+      const vf sig = vdiv(vset1(1.0f), vadd(vset1(1.0f), streamengine_cpu::exp_ps(vsub(vzero(), gv))));
+      vstore(o + i, vmul(vmul(gv, sig), vload(u + i)));
     }
     for (; i < n; ++i) o[i] = g[i] / (1.0f + std::exp(-g[i])) * u[i];
   }

@@ -1,5 +1,5 @@
 // The fused element-wise steps of cpu_ops.cpp (C ABI: called from Python through ctypes and
-// from cpu_layer.cpp). Defined only in an AVX-512 build, except the availability probe.
+// from cpu_layer.cpp). Defined only in a build with AVX-512 or AVX2 (cpu_simd.h), except the availability probe.
 #pragma once
 
 #include <cstdint>
@@ -25,7 +25,7 @@ int streamengine_store_kv(const float* k, int64_t k_stride, const float* v, int6
 // y[r, :n] += bias.
 int streamengine_add_bias(float* y, int64_t ldy, int64_t rows, int64_t n, const float* bias);
 
-// 1 in an AVX-512 build, else 0.
+// 1 in a build with AVX-512 or AVX2, else 0.
 int streamengine_cpu_ops_available();
 
 }  // extern "C"

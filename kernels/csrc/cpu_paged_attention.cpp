@@ -14,19 +14,19 @@
 #include <cmath>
 #include <cstdint>
 
-#if defined(__AVX512F__)
-#include <immintrin.h>
-#include <omp.h>
-
 #include "cpu_vec_math.h"
+
+#if defined(STREAMENGINE_SIMD)
+#include <omp.h>
 
 namespace {
 
+using namespace streamengine_simd;
 using streamengine_cpu::load16;
 
 constexpr int MAX_GROUP = 16;    // query heads per KV head
 constexpr int MAX_VECS = 16;     // head_dim / 16, i.e. head_dim <= 256
-constexpr int CHUNK = 16;        // tokens scored together: one zmm of scores
+constexpr int CHUNK = 16;        // tokens scored together: one vector of scores
 constexpr int MAX_KV_PER_ITEM = 8;  // KV heads one work item walks together
 constexpr int SPAN = 4;          // pieces of <= 16 tokens per softmax update
 
@@ -34,26 +34,6 @@ struct Layout {
   int64_t block_size, num_kv_heads, group, head_dim;
   int64_t block_stride, token_stride;  // floats between blocks / between tokens of a block
 };
-
-// out[i] = sum of the 16 lanes of v[i]: four rounds of "shuffle halves of two vectors, add",
-// then one permute. ~3 instructions per score instead of a full horizontal reduction each.
-inline __m512 transpose_sum(const __m512 v[16]) {
-  __m512 a[8], b[4], c[2];
-  for (int i = 0; i < 8; ++i)  // 128-bit quarters: vector 2i in quarters 0-1, 2i+1 in 2-3
-    a[i] = _mm512_add_ps(_mm512_shuffle_f32x4(v[2 * i], v[2 * i + 1], _MM_SHUFFLE(1, 0, 1, 0)),
-                         _mm512_shuffle_f32x4(v[2 * i], v[2 * i + 1], _MM_SHUFFLE(3, 2, 3, 2)));
-  for (int i = 0; i < 4; ++i)  // quarter q of b[i] holds vector 4i + q
-    b[i] = _mm512_add_ps(_mm512_shuffle_f32x4(a[2 * i], a[2 * i + 1], _MM_SHUFFLE(2, 0, 2, 0)),
-                         _mm512_shuffle_f32x4(a[2 * i], a[2 * i + 1], _MM_SHUFFLE(3, 1, 3, 1)));
-  for (int i = 0; i < 2; ++i)  // pairs of lanes within quarters
-    c[i] = _mm512_add_ps(_mm512_shuffle_ps(b[2 * i], b[2 * i + 1], _MM_SHUFFLE(1, 0, 1, 0)),
-                         _mm512_shuffle_ps(b[2 * i], b[2 * i + 1], _MM_SHUFFLE(3, 2, 3, 2)));
-  const __m512 r = _mm512_add_ps(_mm512_shuffle_ps(c[0], c[1], _MM_SHUFFLE(2, 0, 2, 0)),
-                                 _mm512_shuffle_ps(c[0], c[1], _MM_SHUFFLE(3, 1, 3, 1)));
-  // r's lane 4j + q holds vector 4q + j (worked out by simulating the shuffles): transpose back.
-  const __m512i order = _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15);
-  return _mm512_permutexvar_ps(order, r);
-}
 
 // Blocks sit anywhere in the pool, so the hardware prefetcher cannot guess the next one: ask
 // for the next chunk's K and V rows of these heads while the current chunk is being scored.
@@ -79,8 +59,8 @@ template <int GROUP, int VECS>
 struct HeadState {
   static constexpr int G_DIM = GROUP > 0 ? GROUP : MAX_GROUP;
   static constexpr int V_DIM = VECS > 0 ? VECS : MAX_VECS;
-  __m512 qv[G_DIM][V_DIM];
-  __m512 acc[G_DIM][V_DIM];
+  vf qv[G_DIM][V_DIM];
+  vf acc[G_DIM][V_DIM];
   float running_max[G_DIM], running_sum[G_DIM];
   int64_t group, vecs;
 
@@ -89,8 +69,8 @@ struct HeadState {
     vecs = VECS > 0 ? VECS : L.head_dim / 16;
     for (int64_t g = 0; g < group; ++g) {
       for (int64_t d = 0; d < vecs; ++d) {
-        qv[g][d] = _mm512_mul_ps(_mm512_loadu_ps(q + g * L.head_dim + d * 16), _mm512_set1_ps(scale));
-        acc[g][d] = _mm512_setzero_ps();
+        qv[g][d] = vmul(vload(q + g * L.head_dim + d * 16), vset1(scale));
+        acc[g][d] = vzero();
       }
       running_max[g] = -INFINITY;
       running_sum[g] = 0.0f;
@@ -106,51 +86,48 @@ struct HeadState {
     // Compile-time trip counts for the specialized shapes, so the tiles below live in registers.
     const int64_t group = GROUP > 0 ? GROUP : this->group;
     const int64_t vecs = VECS > 0 ? VECS : this->vecs;
-    __m512 probs[G_DIM][SPAN];
-    __m512 a[G_DIM][V_DIM];  // the accumulators, local for the span: no store per FMA
+    vf probs[G_DIM][SPAN];
+    vf a[G_DIM][V_DIM];  // the accumulators, local for the span: no store per FMA
     for (int64_t g = 0; g < group; ++g) {
-      __m512 s[SPAN];
-      __m512 top = _mm512_set1_ps(-INFINITY);
+      vf s[SPAN];
+      vf top = vset1(-INFINITY);
       for (int64_t j = 0; j < pieces; ++j) {
         const T* kbase = key_cache + offsets[j];
-        __m512 dots[CHUNK];
+        vf dots[CHUNK];
         for (int64_t t = 0; t < CHUNK; ++t) {
-          if (t >= lens[j]) { dots[t] = _mm512_setzero_ps(); continue; }
+          if (t >= lens[j]) { dots[t] = vzero(); continue; }
           const T* k = kbase + t * token_stride;
-          __m512 dot = _mm512_mul_ps(qv[g][0], load16(k));
-          for (int64_t d = 1; d < vecs; ++d) dot = _mm512_fmadd_ps(qv[g][d], load16(k + d * 16), dot);
+          vf dot = vmul(qv[g][0], load16(k));
+          for (int64_t d = 1; d < vecs; ++d) dot = vfmadd(qv[g][d], load16(k + d * 16), dot);
           dots[t] = dot;
         }
-        const __mmask16 valid = static_cast<__mmask16>((1u << lens[j]) - 1);
-        s[j] = _mm512_mask_mov_ps(_mm512_set1_ps(-INFINITY), valid, transpose_sum(dots));
-        top = _mm512_max_ps(top, s[j]);
+        s[j] = select(first_lanes(lens[j]), transpose_sum(dots), vset1(-INFINITY));
+        top = vmax(top, s[j]);
       }
-      const float new_max = std::max(running_max[g], _mm512_reduce_max_ps(top));
+      const float new_max = std::max(running_max[g], vreduce_max(top));
       const float rescale = std::exp(running_max[g] - new_max);  // 0 on the first update
-      const __m512 m = _mm512_set1_ps(new_max);
-      __m512 total = _mm512_setzero_ps();
+      const vf m = vset1(new_max);
+      vf total = vzero();
       for (int64_t j = 0; j < pieces; ++j) {
-        const __mmask16 valid = static_cast<__mmask16>((1u << lens[j]) - 1);
-        probs[g][j] = _mm512_maskz_mov_ps(valid, streamengine_cpu::exp_ps(_mm512_sub_ps(s[j], m)));
-        total = _mm512_add_ps(total, probs[g][j]);
+        probs[g][j] = keep(first_lanes(lens[j]), streamengine_cpu::exp_ps(vsub(s[j], m)));
+        total = vadd(total, probs[g][j]);
       }
-      running_sum[g] = running_sum[g] * rescale + _mm512_reduce_add_ps(total);
+      running_sum[g] = running_sum[g] * rescale + vreduce_add(total);
       running_max[g] = new_max;
-      const __m512 r = _mm512_set1_ps(rescale);
-      for (int64_t d = 0; d < vecs; ++d) a[g][d] = _mm512_mul_ps(acc[g][d], r);
+      const vf r = vset1(rescale);
+      for (int64_t d = 0; d < vecs; ++d) a[g][d] = vmul(acc[g][d], r);
     }
     for (int64_t j = 0; j < pieces; ++j) {
       const T* vbase = value_cache + offsets[j];
       for (int64_t t = 0; t < lens[j]; ++t) {
         // Lane t of each head's probabilities, broadcast in registers (a store and scalar
         // reloads here stall on store forwarding).
-        const __m512i lane = _mm512_set1_epi32(static_cast<int>(t));
-        __m512 pt[G_DIM];
-        for (int64_t g = 0; g < group; ++g) pt[g] = _mm512_permutexvar_ps(lane, probs[g][j]);
+        vf pt[G_DIM];
+        for (int64_t g = 0; g < group; ++g) pt[g] = broadcast_lane(probs[g][j], t);
         const T* v = vbase + t * token_stride;
         for (int64_t d = 0; d < vecs; ++d) {
-          const __m512 vv = load16(v + d * 16);
-          for (int64_t g = 0; g < group; ++g) a[g][d] = _mm512_fmadd_ps(pt[g], vv, a[g][d]);
+          const vf vv = load16(v + d * 16);
+          for (int64_t g = 0; g < group; ++g) a[g][d] = vfmadd(pt[g], vv, a[g][d]);
         }
       }
     }
@@ -160,9 +137,8 @@ struct HeadState {
 
   void finish(float* out, const Layout& L) const {
     for (int64_t g = 0; g < group; ++g) {
-      const __m512 inv = _mm512_set1_ps(1.0f / running_sum[g]);
-      for (int64_t d = 0; d < vecs; ++d)
-        _mm512_storeu_ps(out + g * L.head_dim + d * 16, _mm512_mul_ps(acc[g][d], inv));
+      const vf inv = vset1(1.0f / running_sum[g]);
+      for (int64_t d = 0; d < vecs; ++d) vstore(out + g * L.head_dim + d * 16, vmul(acc[g][d], inv));
     }
   }
 };
@@ -271,7 +247,7 @@ extern "C" int streamengine_paged_decode(
   return 0;
 }
 
-#else  // no AVX-512: the Python side keeps the PyTorch path.
+#else  // neither AVX-512 nor AVX2: the Python side keeps the PyTorch path.
 
 extern "C" int streamengine_paged_decode_supported(int64_t, int64_t, int64_t, int64_t) { return 0; }
 

@@ -26,14 +26,14 @@
 #include <type_traits>
 #include <vector>
 
-#if defined(__AVX512F__)
-#include <immintrin.h>
-#include <omp.h>
-
 #include "cpu_vec_math.h"
+
+#if defined(STREAMENGINE_SIMD)
+#include <omp.h>
 
 namespace {
 
+using namespace streamengine_simd;
 using streamengine_cpu::half_t;
 using streamengine_cpu::load16;
 
@@ -85,12 +85,20 @@ struct Scratch {
 };
 
 // Register tiles per lane-vector count: score tiles of SCORE_BLOCK keys and accumulate tiles
-// of ACC_BLOCK head dims (a divisor of 16), each about 24 accumulators of the 32 registers.
+// of ACC_BLOCK head dims (a divisor of 16), each about 24 accumulators of AVX-512's 32
+// registers, or 12 of AVX2's 16 (where a vector takes two).
 template <int RV> struct Tiles;
+#if STREAMENGINE_SIMD == 512
 template <> struct Tiles<1> { static constexpr int SCORE_BLOCK = 24, ACC_BLOCK = 16; };
 template <> struct Tiles<2> { static constexpr int SCORE_BLOCK = 12, ACC_BLOCK = 8; };
 template <> struct Tiles<3> { static constexpr int SCORE_BLOCK = 8, ACC_BLOCK = 8; };
 template <> struct Tiles<4> { static constexpr int SCORE_BLOCK = 6, ACC_BLOCK = 4; };
+#else
+template <> struct Tiles<1> { static constexpr int SCORE_BLOCK = 6, ACC_BLOCK = 4; };
+template <> struct Tiles<2> { static constexpr int SCORE_BLOCK = 3, ACC_BLOCK = 2; };
+template <> struct Tiles<3> { static constexpr int SCORE_BLOCK = 2, ACC_BLOCK = 2; };
+template <> struct Tiles<4> { static constexpr int SCORE_BLOCK = 1, ACC_BLOCK = 1; };
+#endif
 
 // Points krow/vrow at keys [start, start + n) of KV head kv: into the cache itself (float32),
 // or into the scratch copies widened from float16.
@@ -108,8 +116,8 @@ void cache_rows(const T* key_cache, const T* value_cache, const int32_t* table, 
       float* k = s.keys.data() + i * L.head_dim;
       float* v = s.values.data() + i * L.head_dim;
       for (int64_t d = 0; d < L.head_dim; d += 16) {
-        _mm512_storeu_ps(k + d, load16(key_cache + at + d));
-        _mm512_storeu_ps(v + d, load16(value_cache + at + d));
+        vstore(k + d, load16(key_cache + at + d));
+        vstore(v + d, load16(value_cache + at + d));
       }
       s.krow[i] = k;
       s.vrow[i] = v;
@@ -122,84 +130,81 @@ void cache_rows(const T* key_cache, const T* value_cache, const int32_t* table, 
 template <int RV, int BLOCK>
 inline void score_block(const float* qt, const float* const* krow, int64_t head_dim, float* scores) {
   constexpr int64_t W = RV * 16;
-  __m512 acc[BLOCK][RV];
+  vf acc[BLOCK][RV];
   for (int j = 0; j < BLOCK; ++j)
-    for (int v = 0; v < RV; ++v) acc[j][v] = _mm512_setzero_ps();
+    for (int v = 0; v < RV; ++v) acc[j][v] = vzero();
   for (int64_t d = 0; d < head_dim; ++d) {
-    __m512 q[RV];
-    for (int v = 0; v < RV; ++v) q[v] = _mm512_loadu_ps(qt + d * W + v * 16);
+    vf q[RV];
+    for (int v = 0; v < RV; ++v) q[v] = vload(qt + d * W + v * 16);
     for (int j = 0; j < BLOCK; ++j) {
-      const __m512 k = _mm512_set1_ps(krow[j][d]);
-      for (int v = 0; v < RV; ++v) acc[j][v] = _mm512_fmadd_ps(k, q[v], acc[j][v]);
+      const vf k = vset1(krow[j][d]);
+      for (int v = 0; v < RV; ++v) acc[j][v] = vfmadd(k, q[v], acc[j][v]);
     }
   }
   for (int j = 0; j < BLOCK; ++j)
-    for (int v = 0; v < RV; ++v) _mm512_storeu_ps(scores + j * W + v * 16, acc[j][v]);
+    for (int v = 0; v < RV; ++v) vstore(scores + j * W + v * 16, acc[j][v]);
 }
 
 // Lanes whose exponent is not below MIN_EXPONENT (-inf, from a masked score, is).
-inline __m512 exp_or_zero(__m512 x) {
-  return _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(x, _mm512_set1_ps(MIN_EXPONENT), _CMP_GE_OQ),
-                             streamengine_cpu::exp_ps(x));
-}
+inline vf exp_or_zero(vf x) { return keep(ge(x, vset1(MIN_EXPONENT)), streamengine_cpu::exp_ps(x)); }
 
 // The online-softmax update for keys [start, start + n): masks the keys after each lane's
 // position (only a diagonal tile has any), turns the scores into probabilities against the
 // new running max, and sets alpha to the factor that rescales each lane's old accumulator.
 template <int RV>
-inline void softmax_update(float* probs, int64_t n, int64_t start, bool diagonal, const __m512i* qpos,
-                           __m512* run_max, __m512* run_sum, __m512* alpha) {
+inline void softmax_update(float* probs, int64_t n, int64_t start, bool diagonal, const vi* qpos,
+                           vf* run_max, vf* run_sum, vf* alpha) {
   constexpr int64_t W = RV * 16;
-  __m512 top[RV], total[RV];
-  for (int v = 0; v < RV; ++v) top[v] = _mm512_set1_ps(-INFINITY);
+  vf top[RV], total[RV];
+  for (int v = 0; v < RV; ++v) top[v] = vset1(-INFINITY);
   for (int64_t i = 0; i < n; ++i) {
-    const __m512i key = _mm512_set1_epi32(static_cast<int>(start + i));
+    const vi key = vset1_i(static_cast<int32_t>(start + i));
     for (int v = 0; v < RV; ++v) {
-      __m512 s = _mm512_loadu_ps(probs + i * W + v * 16);
+      vf s = vload(probs + i * W + v * 16);
       if (diagonal) {
-        s = _mm512_mask_mov_ps(_mm512_set1_ps(-INFINITY), _mm512_cmpge_epi32_mask(qpos[v], key), s);
-        _mm512_storeu_ps(probs + i * W + v * 16, s);
+        s = select(ge(qpos[v], key), s, vset1(-INFINITY));
+        vstore(probs + i * W + v * 16, s);
       }
-      top[v] = _mm512_max_ps(top[v], s);
+      top[v] = vmax(top[v], s);
     }
   }
   for (int v = 0; v < RV; ++v) {
-    top[v] = _mm512_max_ps(run_max[v], top[v]);            // the new running max
-    alpha[v] = exp_or_zero(_mm512_sub_ps(run_max[v], top[v]));  // 0 on the first tile (-inf)
-    total[v] = _mm512_setzero_ps();
+    top[v] = vmax(run_max[v], top[v]);                 // the new running max
+    alpha[v] = exp_or_zero(vsub(run_max[v], top[v]));  // 0 on the first tile (-inf)
+    total[v] = vzero();
   }
   for (int64_t i = 0; i < n; ++i)
     for (int v = 0; v < RV; ++v) {
-      const __m512 p = exp_or_zero(_mm512_sub_ps(_mm512_loadu_ps(probs + i * W + v * 16), top[v]));
-      _mm512_storeu_ps(probs + i * W + v * 16, p);
-      total[v] = _mm512_add_ps(total[v], p);
+      const vf p = exp_or_zero(vsub(vload(probs + i * W + v * 16), top[v]));
+      vstore(probs + i * W + v * 16, p);
+      total[v] = vadd(total[v], p);
     }
   for (int v = 0; v < RV; ++v) {
-    run_sum[v] = _mm512_fmadd_ps(run_sum[v], alpha[v], total[v]);
+    run_sum[v] = vfmadd(run_sum[v], alpha[v], total[v]);
     run_max[v] = top[v];
   }
 }
 
 // acc[d][lane] = acc[d][lane] * alpha[lane] + sum over n keys of V[key][d] * probs[key][lane].
 template <int RV, int BLOCK>
-void accumulate(const float* probs, const float* const* vrow, int64_t n, int64_t head_dim, const __m512* alpha,
+void accumulate(const float* probs, const float* const* vrow, int64_t n, int64_t head_dim, const vf* alpha,
                 float* acc_mem) {
   constexpr int64_t W = RV * 16;
   for (int64_t d0 = 0; d0 < head_dim; d0 += BLOCK) {
-    __m512 acc[BLOCK][RV];
+    vf acc[BLOCK][RV];
     for (int j = 0; j < BLOCK; ++j)
-      for (int v = 0; v < RV; ++v) acc[j][v] = _mm512_mul_ps(_mm512_loadu_ps(acc_mem + (d0 + j) * W + v * 16), alpha[v]);
+      for (int v = 0; v < RV; ++v) acc[j][v] = vmul(vload(acc_mem + (d0 + j) * W + v * 16), alpha[v]);
     for (int64_t i = 0; i < n; ++i) {
-      __m512 p[RV];
-      for (int v = 0; v < RV; ++v) p[v] = _mm512_loadu_ps(probs + i * W + v * 16);
+      vf p[RV];
+      for (int v = 0; v < RV; ++v) p[v] = vload(probs + i * W + v * 16);
       const float* value = vrow[i] + d0;
       for (int j = 0; j < BLOCK; ++j) {
-        const __m512 x = _mm512_set1_ps(value[j]);
-        for (int v = 0; v < RV; ++v) acc[j][v] = _mm512_fmadd_ps(x, p[v], acc[j][v]);
+        const vf x = vset1(value[j]);
+        for (int v = 0; v < RV; ++v) acc[j][v] = vfmadd(x, p[v], acc[j][v]);
       }
     }
     for (int j = 0; j < BLOCK; ++j)
-      for (int v = 0; v < RV; ++v) _mm512_storeu_ps(acc_mem + (d0 + j) * W + v * 16, acc[j][v]);
+      for (int v = 0; v < RV; ++v) vstore(acc_mem + (d0 + j) * W + v * 16, acc[j][v]);
   }
 }
 
@@ -246,12 +251,12 @@ void attend_item(const Step& st, const Item& it, const Layout& L, Scratch& s) {
   const int64_t first_pos = st.seq_lens[it.row] - q_len + it.first, last_pos = first_pos + it.count - 1;
   alignas(64) int32_t qpos_lanes[W];
   pack_queries(st, it, token0, first_pos, W, L, s, qpos_lanes);
-  __m512i qpos[RV];
-  __m512 run_max[RV], run_sum[RV], alpha[RV];
+  vi qpos[RV];
+  vf run_max[RV], run_sum[RV], alpha[RV];
   for (int v = 0; v < RV; ++v) {
-    qpos[v] = _mm512_load_si512(qpos_lanes + v * 16);
-    run_max[v] = _mm512_set1_ps(-INFINITY);
-    run_sum[v] = _mm512_setzero_ps();
+    qpos[v] = vload_i(qpos_lanes + v * 16);
+    run_max[v] = vset1(-INFINITY);
+    run_sum[v] = vzero();
   }
   std::fill(s.acc.begin(), s.acc.begin() + L.head_dim * W, 0.0f);
   for (int64_t start = 0; start <= last_pos; start += KEY_TILE) {
@@ -265,7 +270,7 @@ void attend_item(const Step& st, const Item& it, const Layout& L, Scratch& s) {
     accumulate<RV, ACC_BLOCK>(s.probs.data(), s.vrow.data(), n, L.head_dim, alpha, s.acc.data());
   }
   alignas(64) float sums[W];
-  for (int v = 0; v < RV; ++v) _mm512_store_ps(sums + v * 16, run_sum[v]);
+  for (int v = 0; v < RV; ++v) vstore(sums + v * 16, run_sum[v]);
   write_out(st, it, token0, W, sums, L, s);
 }
 
@@ -358,7 +363,7 @@ extern "C" int streamengine_paged_prefill(
   return 0;
 }
 
-#else  // no AVX-512: the Python side keeps the PyTorch path.
+#else  // neither AVX-512 nor AVX2: the Python side keeps the PyTorch path.
 
 extern "C" int streamengine_paged_prefill_supported(int64_t, int64_t, int64_t, int64_t) { return 0; }
 

@@ -6,7 +6,7 @@
 
 extern "C" {
 
-// Whether streamengine_paged_prefill handles this shape (always 0 without AVX-512).
+// Whether streamengine_paged_prefill handles this shape (always 0 without AVX-512 or AVX2).
 int streamengine_paged_prefill_supported(int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
                                          int64_t block_size);
 

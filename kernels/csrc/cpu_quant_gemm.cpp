@@ -32,52 +32,54 @@
 
 #include "cpu_gemm.h"
 
-#if defined(__AVX512F__)
-#include <immintrin.h>
-
 #include "cpu_gemm_panel.h"
+
+#if defined(STREAMENGINE_SIMD)
 
 namespace {
 
+using namespace streamengine_simd;
 using streamengine_panel::NR;
 
 constexpr int64_t QK = 32;           // weights per GGUF block
-constexpr int REGISTER_ROWS = 8;     // rows served by weights unpacked in registers
 constexpr int64_t SCALES = NR * 2;   // bytes of 48 float16 values
+
+// Rows served by weights unpacked in registers, and how many of a panel's three 16-column
+// groups those rows take in one pass. What must stay in registers is each row's per-block
+// partial sums (updated every k; the block totals are touched once per 32 k): few rows take
+// all three groups, so that enough independent accumulators hide the multiply-add latency;
+// more rows take one group at a time. AVX2 has half the registers of half the width.
+constexpr int REGISTER_ROWS = STREAMENGINE_SIMD == 512 ? 8 : 6;
+constexpr int groups_for(int rows) { return rows <= (STREAMENGINE_SIMD == 512 ? 4 : 2) ? 3 : 1; }
 
 enum Format : int64_t { F32 = 0, Q4_0 = 2, Q4_1 = 3, Q8_0 = 8, BF16 = 30 };
 
-inline __m512 half16(const uint8_t* p) {
-  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
-}
+inline vf half16(const uint8_t* p) { return vload_half(reinterpret_cast<const uint16_t*>(p)); }
 
 // Q4 codes: per 32-bit lane (one column), the 4-bit codes of 8 consecutive k, the t-th in bits
-// 4t..4t+3. Each is masked in place and converted, giving q * 16^t exactly; whatever multiplies
-// it is scaled by 16^-t (exact too: a power of two), so the product is exact as with q itself.
-// A lookup (shift, then a lane permute in a table of the 16 values) was the earlier way: on the
-// Zen 4 cores this was measured on, shift and permute share two pipes and bounded the kernel; a
-// mask and a conversion spread over more.
-inline void q4_codes(const uint8_t* codes, int64_t u, int g, __m512 q[8]) {
-  const __m512i lanes = _mm512_loadu_si512(codes + (u * NR + g * 16) * 4);
-  for (int t = 0; t < 8; ++t)
-    q[t] = _mm512_cvtepu32_ps(_mm512_and_si512(lanes, _mm512_set1_epi32(static_cast<int>(0xFu << (4 * t)))));
-}
+// 4t..4t+3. Each comes out as q * 2^NIBBLE_SHIFT[t] exactly (cpu_simd.h's nibbles(): masked in
+// place and converted); whatever multiplies it is scaled by nibble_unscale(t) (exact too: a
+// power of two), so the product is exact as with q itself. A lookup (shift, then a lane permute
+// in a table of the 16 values) was the earlier way: on the Zen 4 cores this was measured on,
+// shift and permute share two pipes and bounded the kernel; a mask and a conversion spread over
+// more.
+inline void q4_codes(const uint8_t* codes, int64_t u, int g, vf q[8]) { nibbles(codes + (u * NR + g * 16) * 4, q); }
 
-// What exact dequantization of a Q4 block needs: the scale times 16^-t for each nibble t, and
-// the offset (the minimum m, or -8 d).
-struct Q4Exact { __m512 dt[8], offset; };
+// What exact dequantization of a Q4 block needs: the scale times nibble_unscale(t) for each
+// nibble t, and the offset (the minimum m, or -8 d).
+struct Q4Exact { vf dt[8], offset; };
 
-inline Q4Exact q4_exact(__m512 d, __m512 offset) {
+inline Q4Exact q4_exact(vf d, vf offset) {
   Q4Exact e;
-  for (int t = 0; t < 8; ++t) e.dt[t] = _mm512_mul_ps(d, _mm512_set1_ps(1.0f / static_cast<float>(1u << (4 * t))));
+  for (int t = 0; t < 8; ++t) e.dt[t] = vmul(d, vset1(nibble_unscale(t)));
   e.offset = offset;
   return e;
 }
 
-inline void q4_unit(const uint8_t* codes, int64_t u, int g, const Q4Exact& e, __m512 w[8]) {
-  __m512 q[8];
+inline void q4_unit(const uint8_t* codes, int64_t u, int g, const Q4Exact& e, vf w[8]) {
+  vf q[8];
   q4_codes(codes, u, g, q);
-  for (int t = 0; t < 8; ++t) w[t] = _mm512_fmadd_ps(q[t], e.dt[t], e.offset);
+  for (int t = 0; t < 8; ++t) w[t] = vfmadd(q[t], e.dt[t], e.offset);
 }
 
 // Each format: bytes per block; the scales of a block's 48 columns; `unit(...)`, the exactly
@@ -87,34 +89,32 @@ inline void q4_unit(const uint8_t* codes, int64_t u, int g, const Q4Exact& e, __
 struct Q4_1Format {
   static constexpr bool FACTORED = true;
   static constexpr int64_t BLOCK_BYTES = 2 * SCALES + 16 * NR, CODES = 2 * SCALES, K_PER_UNIT = 8;
-  struct Scales { __m512 d, m; };
+  struct Scales { vf d, m; };
   static Scales scales(const uint8_t* block, int g) { return {half16(block + g * 32), half16(block + SCALES + g * 32)}; }
-  // Exact weights d * q + m from masked codes q * 16^t: (q * 16^t) * (d * 16^-t) is q * d
+  // Exact weights d * q + m from scaled codes q * 2^s: (q * 2^s) * (d * 2^-s) is q * d
   // exactly, and the multiply-add rounds once, as d * q + m does.
   using Exact = Q4Exact;
   static Exact exact(const Scales& s) { return q4_exact(s.d, s.m); }
-  static void unit(const uint8_t* codes, int64_t u, const Exact& e, int g, __m512 w[8]) { q4_unit(codes, u, g, e, w); }
+  static void unit(const uint8_t* codes, int64_t u, const Exact& e, int g, vf w[8]) { q4_unit(codes, u, g, e, w); }
   static constexpr bool NIBBLE_SCALED = true;
-  static void codes(const uint8_t* codes, int64_t u, int g, __m512 q[8]) { q4_codes(codes, u, g, q); }
+  static void codes(const uint8_t* codes, int64_t u, int g, vf q[8]) { q4_codes(codes, u, g, q); }
   // sum_k x_k (d q_k + m) = d sum_k x_k q_k + m sum_k x_k
-  static __m512 scale(const Scales& s, __m512 part, __m512 x_sum, __m512 acc) {
-    return _mm512_fmadd_ps(s.m, x_sum, _mm512_fmadd_ps(s.d, part, acc));
-  }
+  static vf scale(const Scales& s, vf part, vf x_sum, vf acc) { return vfmadd(s.m, x_sum, vfmadd(s.d, part, acc)); }
 };
 
 struct Q4_0Format {
   static constexpr bool FACTORED = true;
   static constexpr int64_t BLOCK_BYTES = SCALES + 16 * NR, CODES = SCALES, K_PER_UNIT = 8;
-  struct Scales { __m512 d; };
+  struct Scales { vf d; };
   static Scales scales(const uint8_t* block, int g) { return {half16(block + g * 32)}; }
   using Exact = Q4Exact;  // d * (q - 8) = d * q + (-8 d), each exact
-  static Exact exact(const Scales& s) { return q4_exact(s.d, _mm512_mul_ps(s.d, _mm512_set1_ps(-8.0f))); }
-  static void unit(const uint8_t* codes, int64_t u, const Exact& e, int g, __m512 w[8]) { q4_unit(codes, u, g, e, w); }
+  static Exact exact(const Scales& s) { return q4_exact(s.d, vmul(s.d, vset1(-8.0f))); }
+  static void unit(const uint8_t* codes, int64_t u, const Exact& e, int g, vf w[8]) { q4_unit(codes, u, g, e, w); }
   static constexpr bool NIBBLE_SCALED = true;
-  static void codes(const uint8_t* codes, int64_t u, int g, __m512 q[8]) { q4_codes(codes, u, g, q); }
+  static void codes(const uint8_t* codes, int64_t u, int g, vf q[8]) { q4_codes(codes, u, g, q); }
   // sum_k x_k d (q_k - 8) = d sum_k x_k q_k - 8 d sum_k x_k
-  static __m512 scale(const Scales& s, __m512 part, __m512 x_sum, __m512 acc) {
-    return _mm512_fmadd_ps(_mm512_mul_ps(s.d, _mm512_set1_ps(-8.0f)), x_sum, _mm512_fmadd_ps(s.d, part, acc));
+  static vf scale(const Scales& s, vf part, vf x_sum, vf acc) {
+    return vfmadd(vmul(s.d, vset1(-8.0f)), x_sum, vfmadd(s.d, part, acc));
   }
 };
 
@@ -125,16 +125,14 @@ struct Q8_0Format {
   using Exact = Scales;
   static Scales scales(const uint8_t* block, int g) { return Q4_0Format::scales(block, g); }
   static const Exact& exact(const Scales& s) { return s; }
-  static void unit(const uint8_t* codes, int64_t u, const Scales& s, int g, __m512 w[1]) {
-    const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(codes + u * NR + g * 16));
-    w[0] = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(bytes)), s.d);
+  static void unit(const uint8_t* codes, int64_t u, const Scales& s, int g, vf w[1]) {
+    w[0] = vmul(vload_i8(reinterpret_cast<const int8_t*>(codes + u * NR + g * 16)), s.d);
   }
   static constexpr bool NIBBLE_SCALED = false;
-  static void codes(const uint8_t* codes, int64_t u, int g, __m512 q[1]) {
-    const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(codes + u * NR + g * 16));
-    q[0] = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(bytes));
+  static void codes(const uint8_t* codes, int64_t u, int g, vf q[1]) {
+    q[0] = vload_i8(reinterpret_cast<const int8_t*>(codes + u * NR + g * 16));
   }
-  static __m512 scale(const Scales& s, __m512 part, __m512, __m512 acc) { return _mm512_fmadd_ps(s.d, part, acc); }
+  static vf scale(const Scales& s, vf part, vf, vf acc) { return vfmadd(s.d, part, acc); }
 };
 
 // bfloat16 weights: the upper half of a float32, so each widens exactly with a shift.
@@ -145,9 +143,8 @@ struct BF16Format {
   using Exact = Scales;
   static Scales scales(const uint8_t*, int) { return {}; }
   static const Exact& exact(const Scales& s) { return s; }
-  static void unit(const uint8_t* codes, int64_t u, const Scales&, int g, __m512 w[1]) {
-    const __m256i half = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(codes + (u * NR + g * 16) * 2));
-    w[0] = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(half), 16));
+  static void unit(const uint8_t* codes, int64_t u, const Scales&, int g, vf w[1]) {
+    w[0] = vload_bf16(reinterpret_cast<const uint16_t*>(codes + (u * NR + g * 16) * 2));
   }
 };
 
@@ -155,14 +152,14 @@ struct BF16Format {
 // 16-column groups at a time. Each unpacked weight serves every row. Few rows take all three
 // groups at once, so that enough independent accumulators hide the multiply-add latency; more
 // rows take one group at a time, so that ROWS accumulators, the group's scales and a unit of
-// weights fit the 32 registers.
+// weights fit the registers (groups_for).
 template <typename Fmt, int ROWS, int GROUPS>
 void register_rows(const float* x, int64_t K, const uint8_t* panel, float* y, int64_t ldy) {
   constexpr int64_t KU = Fmt::K_PER_UNIT;
   for (int g0 = 0; g0 < 3; g0 += GROUPS) {
-    __m512 acc[ROWS][GROUPS];
+    vf acc[ROWS][GROUPS];
     for (int r = 0; r < ROWS; ++r)
-      for (int g = 0; g < GROUPS; ++g) acc[r][g] = _mm512_setzero_ps();
+      for (int g = 0; g < GROUPS; ++g) acc[r][g] = vzero();
     for (int64_t b = 0; b < K / QK; ++b) {
       const uint8_t* block = panel + b * Fmt::BLOCK_BYTES;
       typename Fmt::Exact s[GROUPS];
@@ -170,16 +167,16 @@ void register_rows(const float* x, int64_t K, const uint8_t* panel, float* y, in
       for (int64_t u = 0; u < QK / KU; ++u) {
         const int64_t k = b * QK + u * KU;
         for (int g = 0; g < GROUPS; ++g) {
-          __m512 w[KU];
+          vf w[KU];
           Fmt::unit(block + Fmt::CODES, u, s[g], g0 + g, w);
           for (int64_t t = 0; t < KU; ++t)  // k in order: the float32 kernel's summation order
             for (int r = 0; r < ROWS; ++r)
-              acc[r][g] = _mm512_fmadd_ps(_mm512_set1_ps(x[r * K + k + t]), w[t], acc[r][g]);
+              acc[r][g] = vfmadd(vset1(x[r * K + k + t]), w[t], acc[r][g]);
         }
       }
     }
     for (int r = 0; r < ROWS; ++r)
-      for (int g = 0; g < GROUPS; ++g) _mm512_storeu_ps(y + r * ldy + (g0 + g) * 16, acc[r][g]);
+      for (int g = 0; g < GROUPS; ++g) vstore(y + r * ldy + (g0 + g) * 16, acc[r][g]);
   }
 }
 
@@ -192,64 +189,53 @@ void factored_rows(const float* x, const float* x_sums, int64_t K, const uint8_t
   constexpr int64_t KU = Fmt::K_PER_UNIT;
   const int64_t blocks = K / QK;
   for (int g0 = 0; g0 < 3; g0 += GROUPS) {
-    __m512 acc[ROWS][GROUPS];
+    vf acc[ROWS][GROUPS];
     for (int r = 0; r < ROWS; ++r)
-      for (int g = 0; g < GROUPS; ++g) acc[r][g] = _mm512_setzero_ps();
+      for (int g = 0; g < GROUPS; ++g) acc[r][g] = vzero();
     for (int64_t b = 0; b < blocks; ++b) {
       const uint8_t* block = panel + b * Fmt::BLOCK_BYTES;
-      __m512 part[ROWS][GROUPS];
+      vf part[ROWS][GROUPS];
       for (int r = 0; r < ROWS; ++r)
-        for (int g = 0; g < GROUPS; ++g) part[r][g] = _mm512_setzero_ps();
+        for (int g = 0; g < GROUPS; ++g) part[r][g] = vzero();
       for (int64_t u = 0; u < QK / KU; ++u) {
         const int64_t k = b * QK + u * KU;
         for (int g = 0; g < GROUPS; ++g) {
-          __m512 q[KU];
+          vf q[KU];
           Fmt::codes(block + Fmt::CODES, u, g0 + g, q);
           for (int64_t t = 0; t < KU; ++t)
             for (int r = 0; r < ROWS; ++r)
-              part[r][g] = _mm512_fmadd_ps(_mm512_set1_ps(x[r * K + k + t]), q[t], part[r][g]);
+              part[r][g] = vfmadd(vset1(x[r * K + k + t]), q[t], part[r][g]);
         }
       }
       for (int g = 0; g < GROUPS; ++g) {
         const typename Fmt::Scales s = Fmt::scales(block, g0 + g);
         for (int r = 0; r < ROWS; ++r)
-          acc[r][g] = Fmt::scale(s, part[r][g], _mm512_set1_ps(x_sums[r * blocks + b]), acc[r][g]);
+          acc[r][g] = Fmt::scale(s, part[r][g], vset1(x_sums[r * blocks + b]), acc[r][g]);
       }
     }
     for (int r = 0; r < ROWS; ++r)
-      for (int g = 0; g < GROUPS; ++g) _mm512_storeu_ps(y + r * ldy + (g0 + g) * 16, acc[r][g]);
+      for (int g = 0; g < GROUPS; ++g) vstore(y + r * ldy + (g0 + g) * 16, acc[r][g]);
   }
 }
 
-// Up to 4 rows take all three groups in one pass over the panel: at 3-4 rows some registers
-// spill, but that measured faster than three passes while the weights stream from memory.
-template <typename Fmt>
+// M (1..REGISTER_ROWS) rows against one panel, each row count its own instance. With AVX-512,
+// up to 4 rows take all three groups in one pass: at 3-4 rows some registers spill, but that
+// measured faster than three passes while the weights stream from memory.
+template <typename Fmt, int ROWS = 1>
 void factored_panel(const float* x, const float* x_sums, int64_t M, int64_t K, const uint8_t* panel, float* y,
                     int64_t ldy) {
-  switch (M) {
-    case 1: factored_rows<Fmt, 1, 3>(x, x_sums, K, panel, y, ldy); break;
-    case 2: factored_rows<Fmt, 2, 3>(x, x_sums, K, panel, y, ldy); break;
-    case 3: factored_rows<Fmt, 3, 3>(x, x_sums, K, panel, y, ldy); break;
-    case 4: factored_rows<Fmt, 4, 3>(x, x_sums, K, panel, y, ldy); break;
-    case 5: factored_rows<Fmt, 5, 1>(x, x_sums, K, panel, y, ldy); break;
-    case 6: factored_rows<Fmt, 6, 1>(x, x_sums, K, panel, y, ldy); break;
-    case 7: factored_rows<Fmt, 7, 1>(x, x_sums, K, panel, y, ldy); break;
-    default: factored_rows<Fmt, REGISTER_ROWS, 1>(x, x_sums, K, panel, y, ldy); break;
+  if constexpr (ROWS < REGISTER_ROWS) {
+    if (M > ROWS) return factored_panel<Fmt, ROWS + 1>(x, x_sums, M, K, panel, y, ldy);
   }
+  factored_rows<Fmt, ROWS, groups_for(ROWS)>(x, x_sums, K, panel, y, ldy);
 }
 
-template <typename Fmt>
+template <typename Fmt, int ROWS = 1>
 void register_panel(const float* x, int64_t M, int64_t K, const uint8_t* panel, float* y, int64_t ldy) {
-  switch (M) {
-    case 1: register_rows<Fmt, 1, 3>(x, K, panel, y, ldy); break;
-    case 2: register_rows<Fmt, 2, 3>(x, K, panel, y, ldy); break;
-    case 3: register_rows<Fmt, 3, 3>(x, K, panel, y, ldy); break;
-    case 4: register_rows<Fmt, 4, 3>(x, K, panel, y, ldy); break;
-    case 5: register_rows<Fmt, 5, 1>(x, K, panel, y, ldy); break;
-    case 6: register_rows<Fmt, 6, 1>(x, K, panel, y, ldy); break;
-    case 7: register_rows<Fmt, 7, 1>(x, K, panel, y, ldy); break;
-    default: register_rows<Fmt, REGISTER_ROWS, 1>(x, K, panel, y, ldy); break;
+  if constexpr (ROWS < REGISTER_ROWS) {
+    if (M > ROWS) return register_panel<Fmt, ROWS + 1>(x, M, K, panel, y, ldy);
   }
+  register_rows<Fmt, ROWS, groups_for(ROWS)>(x, K, panel, y, ldy);
 }
 
 // One panel's weights as float32 [K][48], the float32 kernel's panel layout.
@@ -261,9 +247,9 @@ void dequant_panel(const uint8_t* panel, int64_t K, float* out) {
     for (int g = 0; g < 3; ++g) {
       const typename Fmt::Exact s = Fmt::exact(Fmt::scales(block, g));
       for (int64_t u = 0; u < QK / KU; ++u) {
-        __m512 w[KU];
+        vf w[KU];
         Fmt::unit(block + Fmt::CODES, u, s, g, w);
-        for (int64_t t = 0; t < KU; ++t) _mm512_storeu_ps(out + (b * QK + u * KU + t) * NR + g * 16, w[t]);
+        for (int64_t t = 0; t < KU; ++t) vstore(out + (b * QK + u * KU + t) * NR + g * 16, w[t]);
       }
     }
   }
@@ -277,13 +263,16 @@ inline float* panel_buffer(int64_t K) {
   return buffer.data();
 }
 
-// 16^-(k mod 8) for 16 consecutive k from a multiple of 8: the prescale of Q4 codes' inputs.
+// nibble_unscale(k mod 8) for 16 consecutive k from a multiple of 8: the prescale of Q4 codes'
+// inputs.
 alignas(64) constexpr float NIBBLE_SCALES[16] = {
-    1.0f, 0x1p-4f, 0x1p-8f, 0x1p-12f, 0x1p-16f, 0x1p-20f, 0x1p-24f, 0x1p-28f,
-    1.0f, 0x1p-4f, 0x1p-8f, 0x1p-12f, 0x1p-16f, 0x1p-20f, 0x1p-24f, 0x1p-28f};
+    nibble_unscale(0), nibble_unscale(1), nibble_unscale(2), nibble_unscale(3),
+    nibble_unscale(4), nibble_unscale(5), nibble_unscale(6), nibble_unscale(7),
+    nibble_unscale(0), nibble_unscale(1), nibble_unscale(2), nibble_unscale(3),
+    nibble_unscale(4), nibble_unscale(5), nibble_unscale(6), nibble_unscale(7)};
 
 // What the factored kernels read besides the codes: the inputs they multiply (for Q4 codes,
-// scaled by 16^-t, t = k mod 8 the nibble that input k's code sits in) and each row's sums over
+// scaled by nibble_unscale(t), t = k mod 8 the nibble that input k's code sits in) and each row's sums over
 // its 32-input blocks (for a block minimum's or offset's term).
 struct FactoredInputs { const float* x; const float* sums; };
 
@@ -296,13 +285,12 @@ inline FactoredInputs prepare_inputs(const float* x, int64_t M, int64_t K, bool 
   for (int64_t r = 0; r < M; ++r)
     for (int64_t b = 0; b < blocks; ++b) {
       const float* v = x + r * K + b * QK;
-      sums[r * blocks + b] = _mm512_reduce_add_ps(_mm512_add_ps(_mm512_loadu_ps(v), _mm512_loadu_ps(v + 16)));
+      sums[r * blocks + b] = vreduce_add(vadd(vload(v), vload(v + 16)));
     }
   if (!nibble_scaled) return {x, sums.data()};
-  const __m512 pattern = _mm512_load_ps(NIBBLE_SCALES);
+  const vf pattern = vload(NIBBLE_SCALES);
   if (static_cast<int64_t>(scaled.size()) < M * K) scaled.resize(M * K);
-  for (int64_t i = 0; i < M * K; i += 16)
-    _mm512_storeu_ps(scaled.data() + i, _mm512_mul_ps(_mm512_loadu_ps(x + i), pattern));
+  for (int64_t i = 0; i < M * K; i += 16) vstore(scaled.data() + i, vmul(vload(x + i), pattern));
   return {scaled.data(), sums.data()};
 }
 
@@ -384,7 +372,7 @@ extern "C" int streamengine_dequant_panels(const int64_t* weight, float* out) {
   }
 }
 
-#else  // no AVX-512: no format is supported and Python keeps the dequantized weights.
+#else  // neither AVX-512 nor AVX2: no format is supported and Python keeps the dequantized weights.
 
 extern "C" int64_t streamengine_quant_block_bytes(int64_t) { return 0; }
 extern "C" int streamengine_gemm(const int64_t*, const float*, int64_t, float*) { return -1; }

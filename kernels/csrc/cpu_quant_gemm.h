@@ -16,7 +16,7 @@ enum WeightField { WEIGHT_FORMAT, WEIGHT_DATA, WEIGHT_N_PADDED, WEIGHT_K, WEIGHT
 int streamengine_gemm(const int64_t* weight, const float* x, int64_t M, float* y);
 
 // Bytes of one 32-weight block of 48 columns in `format`'s panel layout, or 0 where the format is
-// not supported (or the build has no AVX-512).
+// not supported (or the build has neither AVX-512 nor AVX2).
 int64_t streamengine_quant_block_bytes(int64_t format);
 
 // The float32 panels [n_padded / 48][K][48] of a quantized weight (for large batches, which
