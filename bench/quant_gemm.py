@@ -39,7 +39,7 @@ def load_linears():
 
     lib = cpu_quant_linear.load_library()
     if lib is None:
-        raise SystemExit("the C++ kernels do not run here (they need AVX-512)")
+        raise SystemExit("the C++ kernels do not run here (they need AVX-512 or AVX2)")
     path = resolve_default_model()
     shape = AttentionShape.of(AutoConfig.from_pretrained(default_model_folder()))
     gguf = read_gguf(path, shape.num_heads, shape.num_kv_heads)

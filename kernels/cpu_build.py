@@ -47,7 +47,7 @@ def load() -> ctypes.CDLL | None:
     if choice == "0":
         log.info("cpu kernels: off (STREAMENGINE_CPU_KERNELS=0), using the PyTorch path")
         return None
-    isa = instruction_set(choice)
+    isa = selected_instruction_set()
     if isa is None:
         found = " ".join(sorted(f for f in cpu_flags() if f.startswith(("avx", "fma", "f16c")))) or "none"
         log.info("cpu kernels: %s has neither AVX-512 nor AVX2 + FMA + F16C (found: %s), using the PyTorch path",
@@ -58,9 +58,15 @@ def load() -> ctypes.CDLL | None:
     except (OSError, subprocess.SubprocessError) as exc:
         log.warning("cpu kernels: build failed, using the PyTorch path: %s", exc)
         return None
-    log.info("cpu kernels: %s build%s", "AVX-512" if isa == "avx512" else "AVX2",
-             " (STREAMENGINE_CPU_KERNELS=avx2)" if choice == "avx2" else "")
+    log.info("cpu kernels: %s build%s", isa, " (STREAMENGINE_CPU_KERNELS=avx2)" if choice == "avx2" else "")
     return ctypes.CDLL(str(path))
+
+
+def selected_instruction_set() -> str | None:
+    """"avx512" or "avx2": the build `load` makes here under the current
+    STREAMENGINE_CPU_KERNELS; None where it makes none."""
+    choice = os.environ.get("STREAMENGINE_CPU_KERNELS", "1")
+    return None if choice == "0" else instruction_set(choice)
 
 
 def instruction_set(choice: str = "1") -> str | None:

@@ -1,7 +1,7 @@
 """Linear layers with weights packed once for the CPU GEMM in csrc/cpu_gemm.cpp.
 
 `make_linear(weight, bias)` returns a `PackedLinear` when the kernel can run here (x86-64 with
-AVX-512, a C++ compiler, float32 on CPU) and a `TorchLinear` (plain `F.linear`) otherwise, so
+AVX-512 or AVX2, a C++ compiler, float32 on CPU) and a `TorchLinear` (plain `F.linear`) otherwise, so
 callers never branch. kernels/cpu_build.py compiles the library on first use; set
 STREAMENGINE_CPU_KERNELS=0 to force the PyTorch path (for A/B measurements).
 

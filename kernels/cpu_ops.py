@@ -1,8 +1,8 @@
 """Fused element-wise layer steps (kernels/csrc/cpu_ops.cpp) with PyTorch fallbacks.
 
 Every function takes and returns float32 CPU tensors whose last dimension is dense (the KV
-cache may also be float16). With the C++ library they run as one call each; without it (no
-AVX-512, no compiler, other dtypes or devices) the same math runs as PyTorch ops, in
+cache may also be float16). With the C++ library they run as one call each; without it (neither
+AVX-512 nor AVX2, no compiler, other dtypes or devices) the same math runs as PyTorch ops, in
 transformers' order of operations.
 """
 

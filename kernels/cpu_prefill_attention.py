@@ -28,7 +28,7 @@ def load_library() -> ctypes.CDLL | None:
 
 def prefill_available() -> bool:
     """Whether the library holding the kernel loads here (`prefill_supported` then says which
-    shapes it takes: none in a build without AVX-512)."""
+    shapes it takes: none in a build with neither AVX-512 nor AVX2)."""
     return load_library() is not None
 
 

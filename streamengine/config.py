@@ -87,7 +87,7 @@ class EngineConfig:
     weight_format: str = _option(
         "auto",
         "How a GGUF model's weights are kept. \"packed\": in the file's block formats (Q4_0, Q4_1, "
-        "Q8_0, BF16), multiplied by the native decoder's fused dequantizing GEMM (needs AVX-512); "
+        "Q8_0, BF16), multiplied by the native decoder's fused dequantizing GEMM (needs AVX-512 or AVX2); "
         "\"dequantized\": float32 copies; \"auto\": packed where it can run, else dequantized, "
         "and float matrices holding only bfloat16 values kept as bfloat16 (exact). "
         "Both give the same tokens (the packed kernels compute the float32 GEMM over the "

@@ -14,7 +14,7 @@ import torch
 
 from streamengine.config import EngineConfig
 from streamengine.grammar import GrammarMatcher, TokenMasker
-from streamengine.kernels import cpu_quant_linear
+from streamengine.kernels import cpu_build, cpu_quant_linear
 from streamengine.kv_cache import AttentionShape, KVCacheSpec
 from streamengine.models.attention import (
     AttentionBackend,
@@ -44,7 +44,7 @@ def select_backend(
             return CpuPagedAttention()
         if name == "cpu":
             raise ValueError(
-                "attention_backend='cpu' needs a float32 model, a float32 or float16 KV cache, AVX-512, "
+                "attention_backend='cpu' needs a float32 model, a float32 or float16 KV cache, AVX-512 or AVX2, "
                 "a C++ compiler and a supported head shape"
             )
     if name == "torch" or (name == "auto" and device.type != "cuda"):
@@ -107,7 +107,8 @@ def select_packed(config: EngineConfig, loaded: LoadedModel, kernels_reason: str
         return None
     counts = packed.type_counts()
     unpacked = {name: n for name, n in counts.items() if name not in cpu_quant_linear.FORMAT_NAMES}
-    log.info("weights: packed as stored in %s %s, fused dequantizing GEMM (AVX-512)%s", loaded.gguf.name, counts,
+    log.info("weights: packed as stored in %s %s, fused dequantizing GEMM (%s)%s", loaded.gguf.name, counts,
+             cpu_build.selected_instruction_set(),
              f"; no packed kernel for {unpacked}: those run as float32" if unpacked else "")
     return packed
 
@@ -119,7 +120,7 @@ def kernels_unavailable(config: EngineConfig, device: torch.device, native_reaso
     if native_reason is not None:
         return f"the native decoder does not run ({native_reason})"
     if cpu_quant_linear.load_library() is None:
-        return "the C++ kernels do not run here (they need x86-64 with AVX-512 and a C++ compiler; see the log)"
+        return "the C++ kernels do not run here (they need x86-64 with AVX-512 or AVX2 + FMA + F16C, and a C++ compiler; see the log)"
     return None
 
 

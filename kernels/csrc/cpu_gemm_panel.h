@@ -29,6 +29,7 @@ template <int ROWS, bool NEXT>
 inline void micro_kernel(const float* x, int64_t ldx, const float* panel, int64_t K,
                          float* y, int64_t ldy, const float* next, int64_t next_lines) {
   vf acc[ROWS][3];
+  UNROLL_TILE
   for (int m = 0; m < ROWS; ++m)
     for (int j = 0; j < 3; ++j) acc[m][j] = vzero();
   const int64_t per_k = NEXT ? (next_lines + K - 1) / K : 0;
@@ -44,6 +45,7 @@ inline void micro_kernel(const float* x, int64_t ldx, const float* panel, int64_
     const vf w0 = vload(w);
     const vf w1 = vload(w + 16);
     const vf w2 = vload(w + 32);
+    UNROLL_TILE
     for (int m = 0; m < ROWS; ++m) {
       const vf xb = vset1(x[m * ldx + k]);
       acc[m][0] = vfmadd(xb, w0, acc[m][0]);
@@ -51,6 +53,7 @@ inline void micro_kernel(const float* x, int64_t ldx, const float* panel, int64_
       acc[m][2] = vfmadd(xb, w2, acc[m][2]);
     }
   }
+  UNROLL_TILE
   for (int m = 0; m < ROWS; ++m) {
     vstore(y + m * ldy, acc[m][0]);
     vstore(y + m * ldy + 16, acc[m][1]);
@@ -58,19 +61,14 @@ inline void micro_kernel(const float* x, int64_t ldx, const float* panel, int64_
   }
 }
 
-template <bool NEXT>
+// `rows` (1..MR) input rows, each row count its own instance.
+template <bool NEXT, int ROWS = 1>
 inline void rows_kernel(int64_t rows, const float* x, int64_t K, const float* panel, float* y, int64_t ldy,
                         const float* next, int64_t next_lines) {
-  switch (rows) {
-    case 1: micro_kernel<1, NEXT>(x, K, panel, K, y, ldy, next, next_lines); break;
-    case 2: micro_kernel<2, NEXT>(x, K, panel, K, y, ldy, next, next_lines); break;
-    case 3: micro_kernel<3, NEXT>(x, K, panel, K, y, ldy, next, next_lines); break;
-    case 4: micro_kernel<4, NEXT>(x, K, panel, K, y, ldy, next, next_lines); break;
-    case 5: micro_kernel<5, NEXT>(x, K, panel, K, y, ldy, next, next_lines); break;
-    case 6: micro_kernel<6, NEXT>(x, K, panel, K, y, ldy, next, next_lines); break;
-    case 7: micro_kernel<7, NEXT>(x, K, panel, K, y, ldy, next, next_lines); break;
-    default: micro_kernel<MR, NEXT>(x, K, panel, K, y, ldy, next, next_lines); break;
+  if constexpr (ROWS < MR) {
+    if (rows > ROWS) return rows_kernel<NEXT, ROWS + 1>(rows, x, K, panel, y, ldy, next, next_lines);
   }
+  micro_kernel<ROWS, NEXT>(x, K, panel, K, y, ldy, next, next_lines);
 }
 
 // All M rows against one panel; the panel stays in L1/L2 across the row chunks. Above MR rows

@@ -131,16 +131,19 @@ template <int RV, int BLOCK>
 inline void score_block(const float* qt, const float* const* krow, int64_t head_dim, float* scores) {
   constexpr int64_t W = RV * 16;
   vf acc[BLOCK][RV];
+  UNROLL_TILE
   for (int j = 0; j < BLOCK; ++j)
     for (int v = 0; v < RV; ++v) acc[j][v] = vzero();
   for (int64_t d = 0; d < head_dim; ++d) {
     vf q[RV];
     for (int v = 0; v < RV; ++v) q[v] = vload(qt + d * W + v * 16);
+    UNROLL_TILE
     for (int j = 0; j < BLOCK; ++j) {
       const vf k = vset1(krow[j][d]);
       for (int v = 0; v < RV; ++v) acc[j][v] = vfmadd(k, q[v], acc[j][v]);
     }
   }
+  UNROLL_TILE
   for (int j = 0; j < BLOCK; ++j)
     for (int v = 0; v < RV; ++v) vstore(scores + j * W + v * 16, acc[j][v]);
 }
@@ -192,17 +195,20 @@ void accumulate(const float* probs, const float* const* vrow, int64_t n, int64_t
   constexpr int64_t W = RV * 16;
   for (int64_t d0 = 0; d0 < head_dim; d0 += BLOCK) {
     vf acc[BLOCK][RV];
+    UNROLL_TILE
     for (int j = 0; j < BLOCK; ++j)
       for (int v = 0; v < RV; ++v) acc[j][v] = vmul(vload(acc_mem + (d0 + j) * W + v * 16), alpha[v]);
     for (int64_t i = 0; i < n; ++i) {
       vf p[RV];
       for (int v = 0; v < RV; ++v) p[v] = vload(probs + i * W + v * 16);
       const float* value = vrow[i] + d0;
+      UNROLL_TILE
       for (int j = 0; j < BLOCK; ++j) {
         const vf x = vset1(value[j]);
         for (int v = 0; v < RV; ++v) acc[j][v] = vfmadd(x, p[v], acc[j][v]);
       }
     }
+    UNROLL_TILE
     for (int j = 0; j < BLOCK; ++j)
       for (int v = 0; v < RV; ++v) vstore(acc_mem + (d0 + j) * W + v * 16, acc[j][v]);
   }

@@ -158,6 +158,7 @@ void register_rows(const float* x, int64_t K, const uint8_t* panel, float* y, in
   constexpr int64_t KU = Fmt::K_PER_UNIT;
   for (int g0 = 0; g0 < 3; g0 += GROUPS) {
     vf acc[ROWS][GROUPS];
+    UNROLL_TILE
     for (int r = 0; r < ROWS; ++r)
       for (int g = 0; g < GROUPS; ++g) acc[r][g] = vzero();
     for (int64_t b = 0; b < K / QK; ++b) {
@@ -170,11 +171,13 @@ void register_rows(const float* x, int64_t K, const uint8_t* panel, float* y, in
           vf w[KU];
           Fmt::unit(block + Fmt::CODES, u, s[g], g0 + g, w);
           for (int64_t t = 0; t < KU; ++t)  // k in order: the float32 kernel's summation order
+            UNROLL_TILE
             for (int r = 0; r < ROWS; ++r)
               acc[r][g] = vfmadd(vset1(x[r * K + k + t]), w[t], acc[r][g]);
         }
       }
     }
+    UNROLL_TILE
     for (int r = 0; r < ROWS; ++r)
       for (int g = 0; g < GROUPS; ++g) vstore(y + r * ldy + (g0 + g) * 16, acc[r][g]);
   }
@@ -190,11 +193,13 @@ void factored_rows(const float* x, const float* x_sums, int64_t K, const uint8_t
   const int64_t blocks = K / QK;
   for (int g0 = 0; g0 < 3; g0 += GROUPS) {
     vf acc[ROWS][GROUPS];
+    UNROLL_TILE
     for (int r = 0; r < ROWS; ++r)
       for (int g = 0; g < GROUPS; ++g) acc[r][g] = vzero();
     for (int64_t b = 0; b < blocks; ++b) {
       const uint8_t* block = panel + b * Fmt::BLOCK_BYTES;
       vf part[ROWS][GROUPS];
+      UNROLL_TILE
       for (int r = 0; r < ROWS; ++r)
         for (int g = 0; g < GROUPS; ++g) part[r][g] = vzero();
       for (int64_t u = 0; u < QK / KU; ++u) {
@@ -203,16 +208,19 @@ void factored_rows(const float* x, const float* x_sums, int64_t K, const uint8_t
           vf q[KU];
           Fmt::codes(block + Fmt::CODES, u, g0 + g, q);
           for (int64_t t = 0; t < KU; ++t)
+            UNROLL_TILE
             for (int r = 0; r < ROWS; ++r)
               part[r][g] = vfmadd(vset1(x[r * K + k + t]), q[t], part[r][g]);
         }
       }
       for (int g = 0; g < GROUPS; ++g) {
         const typename Fmt::Scales s = Fmt::scales(block, g0 + g);
+        UNROLL_TILE
         for (int r = 0; r < ROWS; ++r)
           acc[r][g] = Fmt::scale(s, part[r][g], vset1(x_sums[r * blocks + b]), acc[r][g]);
       }
     }
+    UNROLL_TILE
     for (int r = 0; r < ROWS; ++r)
       for (int g = 0; g < GROUPS; ++g) vstore(y + r * ldy + (g0 + g) * 16, acc[r][g]);
   }
