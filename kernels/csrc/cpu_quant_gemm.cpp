@@ -57,12 +57,12 @@ enum Format : int64_t { F32 = 0, Q4_0 = 2, Q4_1 = 3, Q8_0 = 8, BF16 = 30 };
 inline vf half16(const uint8_t* p) { return vload_half(reinterpret_cast<const uint16_t*>(p)); }
 
 // Q4 codes: per 32-bit lane (one column), the 4-bit codes of 8 consecutive k, the t-th in bits
-// 4t..4t+3. Each comes out as q * 2^NIBBLE_SHIFT[t] exactly (cpu_simd.h's nibbles(): masked in
-// place and converted); whatever multiplies it is scaled by nibble_unscale(t) (exact too: a
-// power of two), so the product is exact as with q itself. A lookup (shift, then a lane permute
-// in a table of the 16 values) was the earlier way: on the Zen 4 cores this was measured on,
-// shift and permute share two pipes and bounded the kernel; a mask and a conversion spread over
-// more.
+// 4t..4t+3. Each comes out as q * 2^NIBBLE_SHIFT[t] exactly (cpu_simd.h's nibbles(): with
+// AVX-512 masked in place and converted, with AVX2 shifted down first); whatever multiplies it
+// is scaled by nibble_unscale(t) (exact too: a power of two), so the product is exact as with q
+// itself. A lookup (shift, then a lane permute in a table of the 16 values) was the earlier
+// AVX-512 way: on the Zen 4 cores this was measured on, shift and permute share two pipes and
+// bounded the kernel; a mask and a conversion spread over more.
 inline void q4_codes(const uint8_t* codes, int64_t u, int g, vf q[8]) { nibbles(codes + (u * NR + g * 16) * 4, q); }
 
 // What exact dequantization of a Q4 block needs: the scale times nibble_unscale(t) for each
