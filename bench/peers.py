@@ -504,7 +504,7 @@ def measure_engine(args) -> dict:
     torch.set_num_threads(args.threads)
     quiet_transformers()
     results = {fmt: measure_engine_format(args, fmt) for fmt in args.weight_formats}
-    for fmt in engine_formats():  # none of those could run (e.g. packed on AVX2): the next that can
+    for fmt in engine_formats():  # none of those could run (e.g. packed without the C++ kernels): the next that can
         if headline_format(results) is not None:
             break
         if fmt not in results:

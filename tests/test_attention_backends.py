@@ -74,7 +74,7 @@ def test_mixed_step_matches_reference():
     torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
 
 
-@pytest.mark.skipif(not decode_supported(6, 2, 32, 16), reason="no AVX-512 / C++ compiler here")
+@pytest.mark.skipif(not decode_supported(6, 2, 32, 16), reason="no C++ kernels here (they need AVX-512 or AVX2, and g++)")
 def test_cpu_backend_mixed_step_matches_reference():
     """The kernel takes the decode rows, the PyTorch backend's SDPA the two prefill rows."""
     from streamengine.models.cpu_backend import CpuPagedAttention

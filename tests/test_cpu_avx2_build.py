@@ -14,7 +14,6 @@ import sys
 from pathlib import Path
 
 import pytest
-
 from streamengine.kernels import cpu_build
 
 TESTS = Path(__file__).parent

@@ -9,7 +9,7 @@ from streamengine.kernels import ref_paged_attention
 from streamengine.kernels.cpu_attention import decode_supported, paged_decode
 
 pytestmark = pytest.mark.skipif(
-    not decode_supported(4, 2, 64, 16), reason="no AVX-512 / C++ compiler here"
+    not decode_supported(4, 2, 64, 16), reason="no C++ kernels here (they need AVX-512 or AVX2, and g++)"
 )
 
 

@@ -11,7 +11,7 @@ from streamengine.kernels.cpu_prefill_attention import PrefillPlan, paged_prefil
 from streamengine.models.attention import AttentionMetadata, store_and_attend
 
 pytestmark = pytest.mark.skipif(
-    not prefill_supported(4, 2, 64, 16), reason="no AVX-512 / C++ compiler here"
+    not prefill_supported(4, 2, 64, 16), reason="no C++ kernels here (they need AVX-512 or AVX2, and g++)"
 )
 
 

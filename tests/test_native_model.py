@@ -26,7 +26,7 @@ from streamengine.models.loader import LoadedModel
 from streamengine.models.native import NativeDecoder, unsupported_reason
 from streamengine.models.torch_backend import TorchPagedAttention
 
-needs_kernel = pytest.mark.skipif(cpu_linear.load_library() is None, reason="no AVX-512 / C++ compiler here")
+needs_kernel = pytest.mark.skipif(cpu_linear.load_library() is None, reason="no C++ kernels here (they need AVX-512 or AVX2, and g++)")
 
 
 def test_pack_panels_layout():
@@ -102,7 +102,7 @@ def test_fused_ops_match_transformers(monkeypatch, kernels):
     if kernels == "torch":
         monkeypatch.setattr(cpu_ops, "load_library", lambda: None)
     elif cpu_ops.load_library() is None:
-        pytest.skip("no AVX-512 / C++ compiler here")
+        pytest.skip("no C++ kernels here (they need AVX-512 or AVX2, and g++)")
     gen = torch.Generator().manual_seed(0)
     qkv = torch.randn(5, 7 * 16, generator=gen)  # [T, (4 q + 1 k + 2 v heads) * D=16]
     angles = torch.randn(5, 8, generator=gen)
@@ -319,7 +319,7 @@ def test_decode_stack_rejects_mismatched_inputs(tiny_llama_dir):
 
 
 async def test_engine_without_cpu_kernels_matches_transformers(tiny_llama_dir, monkeypatch):
-    """STREAMENGINE_CPU_KERNELS=0 (or a machine without AVX-512 / a compiler): the native
+    """STREAMENGINE_CPU_KERNELS=0 (or a machine with neither AVX-512 nor AVX2, or no compiler): the native
     model runs on PyTorch ops and still equals transformers' greedy output."""
     from streamengine.kernels import cpu_attention, cpu_layer
     from test_engine_parity import engine_greedy, hf_greedy, tokenize

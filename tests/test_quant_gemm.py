@@ -32,7 +32,7 @@ ROWS = [0, 1, 2, 3, 4, 5, 7, 8, 9, 17, 33]
 REGISTER_ROWS = 8  # csrc/cpu_quant_gemm.cpp: up to here, the factored kernels
 FACTORED = {GGMLQuantizationType.Q4_0, GGMLQuantizationType.Q4_1, GGMLQuantizationType.Q8_0}
 
-needs_kernels = pytest.mark.skipif(cpu_quant_linear.load_library() is None, reason="no AVX-512 C++ kernels here")
+needs_kernels = pytest.mark.skipif(cpu_quant_linear.load_library() is None, reason="no C++ kernels here (they need AVX-512 or AVX2, and g++)")
 
 
 def quantized(qtype, n: int, k: int, seed: int = 0) -> tuple[np.ndarray, torch.Tensor]:
