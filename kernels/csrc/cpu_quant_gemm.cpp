@@ -295,7 +295,7 @@ inline FactoredInputs prepare_inputs(const float* x, int64_t M, int64_t K, bool 
       const float* v = x + r * K + b * QK;
       sums[r * blocks + b] = vreduce_add(vadd(vload(v), vload(v + 16)));
     }
-  if (!nibble_scaled) return {x, sums.data()};
+  if (!nibble_scaled || !NIBBLES_SCALED) return {x, sums.data()};
   const vf pattern = vload(NIBBLE_SCALES);
   if (static_cast<int64_t>(scaled.size()) < M * K) scaled.resize(M * K);
   for (int64_t i = 0; i < M * K; i += 16) vstore(scaled.data() + i, vmul(vload(x + i), pattern));

@@ -247,6 +247,8 @@ inline void nibbles(const uint8_t* p, vf q[8]) {
 
 // 2^-NIBBLE_SHIFT[t]: what undoes the factor nibbles() leaves on code t (a power of two: exact).
 constexpr float nibble_unscale(int t) { return 1.0f / static_cast<float>(1u << NIBBLE_SHIFT[t]); }
+// Whether nibbles() leaves any factor at all (not with AVX2).
+constexpr bool NIBBLES_SCALED = NIBBLE_SHIFT[1] != 0;
 
 }  // namespace streamengine_simd
 
