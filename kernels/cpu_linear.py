@@ -22,7 +22,11 @@ import torch.nn.functional as F
 from . import cpu_build
 from .cpu_build import I64, PTR
 
-SMALL_M_MAX = 1024  # the kernel matches or beats the batched matmul up to here (measured to 1024 rows)
+# The kernel matches or beats the batched matmul up to this many rows. Measured per build: the
+# AVX-512 one (8-row register tiles) to 1,024 rows; the AVX2 one (2-row tiles, so the panel is
+# re-read from L2 for every 2 rows) ties at 64 and is 6-14% slower at 128-256
+# (docs/performance.md, "On a CPU with AVX2 only").
+SMALL_M_MAX = 1024 if cpu_build.selected_instruction_set() == "avx512" else 64
 
 
 class TorchLinear:
