@@ -47,7 +47,7 @@ def load() -> ctypes.CDLL | None:
     if choice == "0":
         log.info("cpu kernels: off (STREAMENGINE_CPU_KERNELS=0), using the PyTorch path")
         return None
-    isa = selected_instruction_set()
+    isa = instruction_set(choice)
     if isa is None:
         found = " ".join(sorted(f for f in cpu_flags() if f.startswith(("avx", "fma", "f16c")))) or "none"
         log.info("cpu kernels: %s has neither AVX-512 nor AVX2 + FMA + F16C (found: %s), using the PyTorch path",
@@ -146,12 +146,14 @@ def _build_key(sources: Path, flags: list[str]) -> str:
     return digest.hexdigest()[:16]
 
 
-def cpu_flags() -> set[str]:
+@functools.cache
+def cpu_flags() -> frozenset[str]:
+    """This CPU's feature flags from /proc/cpuinfo (read once; empty where there is none)."""
     try:
         text = Path("/proc/cpuinfo").read_text()
     except OSError:
-        return set()
+        return frozenset()
     for line in text.splitlines():
         if line.startswith("flags"):
-            return set(line.split(":", 1)[1].split())
-    return set()
+            return frozenset(line.split(":", 1)[1].split())
+    return frozenset()

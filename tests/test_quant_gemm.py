@@ -29,10 +29,13 @@ from streamengine.kernels.cpu_quant_linear import (
 FORMATS = [GGMLQuantizationType.Q4_0, GGMLQuantizationType.Q4_1, GGMLQuantizationType.Q8_0, GGMLQuantizationType.BF16]
 SHAPES = [(1, 32), (47, 64), (49, 96), (97, 576), (200, 1536)]  # (out, in): panel tails of 48 columns
 ROWS = [0, 1, 2, 3, 4, 5, 7, 8, 9, 17, 33]
-REGISTER_ROWS = 8  # csrc/cpu_quant_gemm.cpp: up to here, the factored kernels
+# csrc/cpu_quant_gemm.cpp: up to here the factored kernels (8 with AVX-512, 6 with AVX2), from
+# the build itself, so each build's exact rows are held to bit equality.
+_LIB = cpu_quant_linear.load_library()
+REGISTER_ROWS = _LIB.streamengine_quant_register_rows() if _LIB is not None else 0
 FACTORED = {GGMLQuantizationType.Q4_0, GGMLQuantizationType.Q4_1, GGMLQuantizationType.Q8_0}
 
-needs_kernels = pytest.mark.skipif(cpu_quant_linear.load_library() is None, reason="no C++ kernels here (they need AVX-512 or AVX2, and g++)")
+needs_kernels = pytest.mark.skipif(_LIB is None, reason="no C++ kernels here (they need AVX-512 or AVX2, and g++)")
 
 
 def quantized(qtype, n: int, k: int, seed: int = 0) -> tuple[np.ndarray, torch.Tensor]:

@@ -342,6 +342,8 @@ bool valid(const int64_t* w) {
 
 }  // namespace
 
+extern "C" int streamengine_quant_register_rows() { return REGISTER_ROWS; }
+
 extern "C" int64_t streamengine_quant_block_bytes(int64_t format) {
   switch (format) {
     case Q4_0: return Q4_0Format::BLOCK_BYTES;
@@ -383,6 +385,7 @@ extern "C" int streamengine_dequant_panels(const int64_t* weight, float* out) {
 #else  // neither AVX-512 nor AVX2: no format is supported and Python keeps the dequantized weights.
 
 extern "C" int64_t streamengine_quant_block_bytes(int64_t) { return 0; }
+extern "C" int streamengine_quant_register_rows() { return 0; }
 extern "C" int streamengine_gemm(const int64_t*, const float*, int64_t, float*) { return -1; }
 extern "C" int streamengine_dequant_panels(const int64_t*, float*) { return -1; }
 

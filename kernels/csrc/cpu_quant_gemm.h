@@ -19,6 +19,10 @@ int streamengine_gemm(const int64_t* weight, const float* x, int64_t M, float* y
 // not supported (or the build has neither AVX-512 nor AVX2).
 int64_t streamengine_quant_block_bytes(int64_t format);
 
+// Rows up to which a step factors each block's scale out of its sum (8 with AVX-512, 6 with
+// AVX2); larger steps dequantize exactly. 0 in a build without either.
+int streamengine_quant_register_rows();
+
 // The float32 panels [n_padded / 48][K][48] of a quantized weight (for large batches, which
 // run through a float32 matmul, and for tests); 0, or -1.
 int streamengine_dequant_panels(const int64_t* weight, float* out);

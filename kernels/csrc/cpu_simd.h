@@ -30,8 +30,6 @@
 
 namespace streamengine_simd {
 
-constexpr int LANES = 16;
-
 #if STREAMENGINE_SIMD == 512
 
 using vf = __m512;      // 16 float32 lanes
