@@ -6,11 +6,15 @@ bytes. Invariants (checked by tests/test_block_manager.py and tests/test_prefix_
 - a block is in the free queue iff its refcount is 0;
 - a block's refcount equals the number of block-table entries that point at it plus its pins;
 - a block holding a hash is reachable from `cached` under that hash (until it is evicted);
-- a free cached block's cached parent, if free too, is behind it in the queue: eviction takes
-  a chain's tail first, never stranding a cached child behind an evicted parent;
+- a free cached block's cached parent, if free too and the same tenant's, is behind it in
+  that tenant's queue: eviction takes a chain's tail first, never stranding a cached child
+  behind an evicted parent;
 - free blocks that a waiting sequence's prefix will hit (`want`) sit in a second queue, taken
-  only when the first is empty: a request queued behind others keeps the history it re-sends,
-  instead of losing it to the churn of the requests it waits for.
+  only after the same tenant's others: a request queued behind others keeps the history it
+  re-sends, instead of losing it to the churn of the requests it waits for;
+- eviction takes from the tenant whose free cached blocks (both queues) are the most per unit
+  of weight (free_blocks.py): the free cache is shared max-min fairly, so a busy tenant's
+  traffic cannot flush a quiet tenant's prefixes.
 
 Salts and isolation
 -------------------
@@ -52,89 +56,19 @@ from __future__ import annotations
 import hashlib
 import struct
 from collections import Counter
-from collections.abc import Iterable
-from dataclasses import dataclass, field
+from collections.abc import Callable
+from dataclasses import dataclass
 
+from streamengine.free_blocks import (
+    SHARED_OWNER,
+    FreeBlockQueue,
+    KVBlock,
+    NoFreeBlocksError,
+    TenantFreeBlocks,
+    take_next,
+)
 from streamengine.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVCacheEvent
 from streamengine.sequence import Sequence
-
-
-class NoFreeBlocksError(RuntimeError):
-    """The pool has no free block left; the scheduler preempts before this can happen."""
-
-
-SHARED_OWNER = "*"
-"""`block_tenants()`'s owner of a block that several tenants hold."""
-
-
-@dataclass(slots=True, eq=False)
-class KVBlock:
-    """One physical block. `prev`/`next` link it into the free queue while its refcount is 0.
-
-    `ref_cnt` counts every reference: one per block-table entry (tallied by tenant in
-    `holders`) plus `pins`."""
-
-    block_id: int
-    ref_cnt: int = 0
-    block_hash: bytes | None = None
-    prev: KVBlock | None = None
-    next: KVBlock | None = None
-    holders: dict[str, int] = field(default_factory=dict)  # tenant -> block-table entries
-    pins: int = 0
-    pin_owner: str | None = None  # shown by block_tenants() while no sequence holds it
-    queue: FreeBlockQueue | None = None  # the free queue it is in, while its refcount is 0
-    # While it holds a hash: its parent's hash and where its tokens are (the caching
-    # sequence's token list, only ever appended to, from token_start), for KV-event snapshots.
-    parent_hash: bytes | None = None
-    token_src: list[int] | None = None
-    token_start: int = 0
-
-
-class FreeBlockQueue:
-    """Doubly linked list of free blocks, eviction order first.
-
-    Every operation is O(1): a prefix-cache hit must be able to pull a block out of the middle
-    of the queue without a scan.
-    """
-
-    def __init__(self, blocks: Iterable[KVBlock]) -> None:
-        self._head = KVBlock(-1)  # sentinels: no None checks on the hot path
-        self._tail = KVBlock(-1)
-        self._head.next, self._tail.prev = self._tail, self._head
-        self.num_free = 0
-        for block in blocks:
-            self.append(block)
-
-    def popleft(self) -> KVBlock:
-        block = self._head.next
-        if block is self._tail:
-            raise NoFreeBlocksError("no free KV blocks")
-        self.remove(block)
-        return block
-
-    def append(self, block: KVBlock) -> None:
-        self._insert_after(self._tail.prev, block)
-
-    def appendleft(self, block: KVBlock) -> None:
-        self._insert_after(self._head, block)
-
-    def remove(self, block: KVBlock) -> None:
-        block.prev.next, block.next.prev = block.next, block.prev
-        block.prev = block.next = block.queue = None
-        self.num_free -= 1
-
-    def _insert_after(self, anchor: KVBlock, block: KVBlock) -> None:
-        block.queue = self
-        block.prev, block.next = anchor, anchor.next
-        anchor.next.prev = block
-        anchor.next = block
-        self.num_free += 1
-
-    def __iter__(self):
-        block = self._head.next
-        while block is not self._tail:
-            yield block
-            block = block.next
 
 
 def hash_block(parent: bytes | None, token_ids: list[int], extra: str | None) -> bytes:
@@ -185,16 +119,20 @@ class BlockManager:
 
     def __init__(
         self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
-        num_cpu_blocks: int = 0,
+        num_cpu_blocks: int = 0, weight_of: Callable[[str], float] | None = None,
     ) -> None:
+        """`weight_of(tenant)` weighs each tenant's claim on the free cache (default: equal)."""
         if num_blocks < 1 or block_size < 1 or num_cpu_blocks < 0:
             raise ValueError("num_blocks and block_size must be >= 1, num_cpu_blocks >= 0")
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
         self.blocks = [KVBlock(i) for i in range(num_blocks)]
-        self.free_queue = FreeBlockQueue(self.blocks)
-        self.wanted_queue = FreeBlockQueue(())  # free blocks a waiting sequence will hit
+        # Two tiers of free blocks, each evicting from the tenant with the most (free_blocks.py):
+        # first those no waiting sequence will hit, then those one will (`want`).
+        self.free_queue = TenantFreeBlocks(self.blocks)
+        self.wanted_queue = TenantFreeBlocks()
+        self.weight_of = weight_of or (lambda tenant: 1.0)
         self.cached: dict[bytes, KVBlock] = {}
         self._wanted: Counter[bytes] = Counter()  # hash -> waiting sequences that will hit it
         self._wants: dict[int, list[bytes]] = {}  # seq_id -> the hashes it wants
@@ -336,8 +274,7 @@ class BlockManager:
         seq.num_cached_blocks = len(cached)
 
     def _pop_free(self, tenant: str) -> KVBlock:
-        queue = self.free_queue if self.free_queue.num_free else self.wanted_queue
-        block = queue.popleft()
+        block = take_next((self.free_queue, self.wanted_queue), self.weight_of)
         if block.block_hash is not None:  # lazy eviction: forget the content only now
             if self.cached.get(block.block_hash) is block:
                 del self.cached[block.block_hash]
@@ -364,6 +301,7 @@ class BlockManager:
                 raise RuntimeError(f"double free of block {block.block_id}")
             _drop(block, seq.tenant)
             if block.ref_cnt == 0:
+                block.evict_tenant = seq.tenant
                 self._enqueue_free(block)
             if block.block_hash is None and i < len(hashes):
                 self._touch_free_cached(hashes[i])
@@ -376,7 +314,7 @@ class BlockManager:
         else:
             self._queue_of(block).append(block)
 
-    def _queue_of(self, block: KVBlock) -> FreeBlockQueue:
+    def _queue_of(self, block: KVBlock) -> TenantFreeBlocks:
         """The queue a free block is in (or goes to)."""
         wanted = block.block_hash is not None and block.block_hash in self._wanted
         return self.wanted_queue if wanted else self.free_queue
@@ -484,9 +422,10 @@ class BlockManager:
                 _forget(block)
         self.cached.clear()
         self.cached.update(kept)
-        for block in list(self.wanted_queue):  # no content left to keep for anyone
-            self.wanted_queue.remove(block)
-            self.free_queue.appendleft(block)
+        for block in [*self.free_queue, *self.wanted_queue]:  # no content left to keep for anyone
+            if block.block_hash is None:
+                block.queue.remove(block)
+                self.free_queue.appendleft(block)
         if self.kv_events is not None:  # what came before the clear no longer matters
             self.kv_events[:] = self.kv_snapshot()
 
@@ -548,6 +487,7 @@ class BlockManager:
             block.ref_cnt -= 1
             if block.pins == 0:
                 self._num_pinned -= 1
+                block.evict_tenant = block.pin_owner or SHARED_OWNER  # if nobody holds it either
                 block.pin_owner = None
             if block.ref_cnt == 0:
                 self._enqueue_free(block)

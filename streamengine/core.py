@@ -101,6 +101,7 @@ class EngineCore:
         config, kv = self.config, self.kv_spec
         block_manager = BlockManager(
             kv.num_blocks, config.block_size, config.enable_prefix_caching, num_cpu_blocks=kv.num_cpu_blocks,
+            weight_of=self._tenant_weight,
         )
         scheduler = Scheduler(
             block_manager, config.max_num_seqs, config.max_num_batched_tokens,
@@ -111,6 +112,10 @@ class EngineCore:
             retain_waiting_prefixes=config.retain_waiting_prefixes,
         )
         return block_manager, scheduler
+
+    def _tenant_weight(self, tenant: str) -> float:
+        """A tenant's weight; 1 for names no request used (a block shared by several)."""
+        return self.tenants.get(tenant).weight if tenant in self.tenants else 1.0
 
     def reset(self) -> list[str]:
         """Restarts the bookkeeping in place after a fault that leaves it untrusted: every

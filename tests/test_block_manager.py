@@ -417,6 +417,65 @@ def test_blocks_a_waiting_sequence_will_hit_are_evicted_last() -> None:
     assert free_ids(bm) == [1, 0] and bm.wanted_queue.num_free == 0  # plain LRU again
 
 
+def tenant_seq(seq_id: int, tenant: str, tokens: list[int]) -> Sequence:
+    return Sequence(seq_id, f"r{seq_id}", list(tokens), cache_salt=tenant, arrival_time=float(seq_id), tenant=tenant)
+
+
+def hits(bm: BlockManager, seq: Sequence) -> int:
+    return len(bm.find_cached_blocks(seq))
+
+
+def test_eviction_takes_from_the_tenant_holding_the_most_free_cache() -> None:
+    """B's 2 blocks were freed before A's 6, so plain LRU would evict B's first; evicting
+    from the largest holder takes A's tail down to B's level instead, and B keeps its own."""
+    bm = BlockManager(12, BS)
+    a, b = tenant_seq(0, "a", list(range(25))), tenant_seq(1, "b", list(range(100, 109)))
+    prefill(bm, b)
+    prefill(bm, a)
+    bm.free(b)
+    bm.free(a)
+    assert bm.free_queue.num_cached("a") == 6 and bm.free_queue.num_cached("b") == 2
+    # 8 blocks: the 4 holding nothing (2 never used, each sequence's last, partial one), then
+    # A's 6 -> 2 tail first; plain LRU would have left A 4 and B none
+    assert bm.allocate_slots(tenant_seq(2, "c", list(range(500, 532))), 32)
+    assert hits(bm, tenant_seq(3, "a", list(range(25)))) == 2
+    assert hits(bm, tenant_seq(4, "b", list(range(100, 109)))) == 2
+
+
+def test_a_tenants_weight_scales_its_claim_on_the_free_cache() -> None:
+    """Weight 4 for A: its 6 free blocks count as 1.5 against B's 2, so B gives up one first."""
+    bm = BlockManager(8, BS, weight_of=lambda tenant: 4.0 if tenant == "a" else 1.0)
+    a, b = tenant_seq(0, "a", list(range(24))), tenant_seq(1, "b", list(range(100, 108)))
+    prefill(bm, a)
+    prefill(bm, b)
+    bm.free(a)
+    bm.free(b)
+    assert bm.allocate_slots(tenant_seq(2, "c", list(range(500, 508))), 8)  # 2 blocks evicted
+    assert hits(bm, tenant_seq(3, "a", list(range(24)) + [0])) == 5  # B (2) > A (1.5), then A (1.5) > B (1)
+    assert hits(bm, tenant_seq(4, "b", list(range(100, 108)) + [0])) == 1
+
+
+def test_a_tenants_wanted_blocks_count_toward_its_share_and_go_after_its_others() -> None:
+    """A's free blocks: 4 a waiting request of A wants, 2 nobody does; B's 2 nobody wants.
+    A holds the most (6), so A gives up blocks first, its unwanted ones before its wanted."""
+    bm = BlockManager(10, BS)
+    kept, spare = tenant_seq(0, "a", list(range(16))), tenant_seq(1, "a", list(range(200, 208)))
+    b = tenant_seq(2, "b", list(range(100, 108)))
+    for seq in (kept, spare, b):
+        prefill(bm, seq)
+    for seq in (b, kept, spare):
+        bm.free(seq)
+    waiting = tenant_seq(3, "a", list(range(16)) + [7])
+    bm.want(waiting)
+    assert bm.wanted_queue.num_cached("a") == 4 and bm.free_queue.num_cached("a") == 2
+    assert bm.allocate_slots(tenant_seq(4, "c", list(range(500, 516))), 16)  # 2 empty + 2 evicted
+    assert hits(bm, tenant_seq(5, "a", list(range(200, 208)) + [0])) == 0  # A's unwanted went
+    assert hits(bm, waiting) == 4
+    assert hits(bm, tenant_seq(6, "b", list(range(100, 108)) + [0])) == 2
+    assert bm.allocate_slots(tenant_seq(7, "c", list(range(600, 604))), 4)  # A (4) > B (2): A's tail
+    assert hits(bm, waiting) == 3
+
+
 def test_a_wanted_hash_cached_later_goes_to_the_wanted_queue() -> None:
     """A waiting sequence wants its whole prefix, also blocks a running one computes later."""
     bm = BlockManager(6, BS)
