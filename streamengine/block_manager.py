@@ -61,7 +61,6 @@ from dataclasses import dataclass
 
 from streamengine.free_blocks import (
     SHARED_OWNER,
-    FreeBlockQueue,
     KVBlock,
     NoFreeBlocksError,
     TenantFreeBlocks,

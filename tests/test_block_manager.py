@@ -21,13 +21,8 @@ from hypothesis.stateful import (
     rule,
 )
 
-from streamengine.block_manager import (
-    BlockManager,
-    FreeBlockQueue,
-    KVBlock,
-    NoFreeBlocksError,
-    hash_block,
-)
+from streamengine.block_manager import BlockManager, hash_block
+from streamengine.free_blocks import FreeBlockQueue, KVBlock, NoFreeBlocksError
 from streamengine.sequence import Sequence
 
 BS = 4
