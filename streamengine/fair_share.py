@@ -14,7 +14,7 @@ answers "whose turn", "which of this tenant's requests" and "who yields".
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
 from streamengine.sequence import Sequence
@@ -173,10 +173,12 @@ class FairShare:
         returning tenant's first request), else the least served."""
         return min(tenants, key=lambda name: (name in running, self.usage_of(name).virtual_time))
 
-    def service_order(self, seqs: list[Sequence]) -> list[Sequence]:
-        """`seqs` with the least-served tenants' first (stable: arrival order within a tenant),
-        the order in which a step's token budget is handed out."""
-        return sorted(seqs, key=lambda s: self.usage_of(s.tenant).virtual_time)
+    def service_order(self, seqs: list[Sequence], last: Iterable[str] = ()) -> list[Sequence]:
+        """`seqs` with the least-served tenants' first, those of the tenants in `last` after
+        all others (stable: arrival order within a tenant): the order in which a step's token
+        budget and free blocks are handed out."""
+        last = set(last)
+        return sorted(seqs, key=lambda s: (s.tenant in last, self.usage_of(s.tenant).virtual_time))
 
     def pick(self, candidates: list[tuple[Sequence, int]], num_waiting: int) -> int:
         """Index of the candidate (sequence, cached blocks), in the tenant's arrival order, to
@@ -198,24 +200,36 @@ class FairShare:
     def num_passed(self, seq: Sequence) -> int:
         return self._passed.get(seq, 0)
 
-    def pick_victim(self, candidates: list[Sequence]) -> Sequence:
-        """The newest sequence of the candidates' tenant furthest over its share."""
-        return max(candidates, key=lambda s: (self.usage_of(s.tenant).virtual_time, s.arrival_time, s.seq_id))
+    def pick_victim(self, candidates: list[Sequence], held: Mapping[str, tuple[int, int]]) -> Sequence:
+        """The newest sequence of the candidates' tenant furthest over its share of the pool.
+        `held`: per tenant, its running sequences and the blocks they hold. A tenant running
+        a single sequence goes last (as in over_block_share: one request larger than a share
+        must not be preempted over and over); then the most blocks per unit of weight (shares
+        being proportional to weights); ties to the one furthest ahead in service.
 
-    def over_block_share(self, running: list[Sequence], waiting: Iterable[Sequence], pool_size: int) -> set[str]:
+        Not the service counter alone: a quiet tenant returning from idle starts level with
+        the busy one and is charged its whole prompt at once, so by service it would be the
+        first to yield, its lone prompt preempted mid-prefill to let the busy tenant's many
+        sequences grow; by blocks held the busy tenant yields, which is what frees the pool."""
+        def key(seq: Sequence) -> tuple[bool, float, float, float, int]:
+            num_seqs, num_blocks = held.get(seq.tenant, (0, 0))
+            weight = self.tenants.get(seq.tenant).weight
+            service = self.usage_of(seq.tenant).virtual_time
+            return num_seqs > 1, num_blocks / weight, service, seq.arrival_time, seq.seq_id
+        return max(candidates, key=key)
+
+    def over_block_share(self, held: Mapping[str, tuple[int, int]], waiting: Iterable[Sequence],
+                         pool_size: int) -> set[str]:
         """Tenants running two or more sequences whose blocks exceed their weight's share of
-        the pool among the tenants with sequences in the scheduler (blocks shared inside a
-        tenant counted once). As with quotas, a tenant's only sequence is never counted over:
-        one request larger than a share must not be preempted over and over."""
-        held: dict[str, set[int]] = {}
-        count: dict[str, int] = {}
-        for seq in running:
-            held.setdefault(seq.tenant, set()).update(seq.block_table)
-            count[seq.tenant] = count.get(seq.tenant, 0) + 1
+        the pool among the tenants with sequences in the scheduler. `held`: per running
+        tenant, its sequences and the blocks they hold that preemption would free (a block
+        shared inside the tenant counted once, pinned ones not at all: they stay either way);
+        `pool_size`: the blocks not pinned. As with quotas, a tenant's only sequence is never
+        counted over: one request larger than a share must not be preempted over and over."""
         active = {seq.tenant for seq in waiting} | held.keys()
         total = sum(self.tenants.get(name).weight for name in active)
-        return {name for name, blocks in held.items()
-                if count[name] > 1 and len(blocks) > pool_size * self.tenants.get(name).weight / total}
+        return {name for name, (num_seqs, num_blocks) in held.items()
+                if num_seqs > 1 and num_blocks > pool_size * self.tenants.get(name).weight / total}
 
     # -- quotas ---------------------------------------------------------------------------
 

@@ -17,10 +17,11 @@ from __future__ import annotations
 
 import bisect
 import itertools
-from collections import deque
+from collections import Counter, deque
 from dataclasses import dataclass, field
 
-from streamengine.block_manager import BlockManager, KVBlock
+from streamengine.block_manager import BlockManager
+from streamengine.free_blocks import KVBlock
 from streamengine.config import SCHEDULING_POLICIES
 from streamengine.fair_share import (
     FAIRNESS_SLACK,
@@ -235,26 +236,33 @@ class Scheduler:
         self._slice_sizes.clear()
         if self.policy != "fair" or self.max_prefill_chunk is None:
             return
-        left: dict[str, list[int]] = {}
-        running: dict[str, int] = {}  # prompt tokens left of each tenant's running prompts
+        left: dict[str, list[int]] = {}  # prompt tokens left of each tenant's running prompts
+        waiting: list[tuple[str, int]] = []
         num_decodes = 0
         for seq in itertools.chain(self.running, self.waiting):
             n = seq.num_tokens - seq.num_computed_tokens
             if n > 1:
-                left.setdefault(seq.tenant, []).append(n)
+                self._prefills[seq.tenant] = self._prefills.get(seq.tenant, 0) + 1
                 if seq.status is SequenceStatus.RUNNING:
-                    running[seq.tenant] = running.get(seq.tenant, 0) + n
+                    left.setdefault(seq.tenant, []).append(n)
+                else:
+                    waiting.append((seq.tenant, n))
             elif seq.status is SequenceStatus.RUNNING:
                 num_decodes += 1
-        self._prefills.update((tenant, len(ns)) for tenant, ns in left.items())
-        if len(running) < 2:
+        if len(left) < 2:
             return
-        demand = num_decodes + sum(min(n, self._tenant_chunk(t)) for t, ns in left.items() for n in ns)
+        # Waiting prompts count only as far as the free blocks could hold their chunks: when
+        # the pool holds them back, the step is not full, and a slice would only slow a quiet
+        # tenant's lone prompt for nothing.
+        admissible = min(sum(min(n, self._tenant_chunk(t)) for t, n in waiting),
+                         self.block_manager.num_free_blocks * self.block_manager.block_size)
+        demand = num_decodes + admissible + sum(min(n, self._tenant_chunk(t)) for t, ns in left.items() for n in ns)
         if demand <= self.max_num_batched_tokens:
             return  # every chunk fits: the step stays as short as the chunks make it
         # The step is full whatever the split: split its prefill tokens by weight between the
         # tenants whose prompts run (a waiting one may not start this step; its slice would
         # go unused), each taking no more than its slice.
+        running = {tenant: sum(ns) for tenant, ns in left.items()}
         weights = {tenant: self.share.tenants.get(tenant).weight for tenant in running}
         split = weighted_split(max(0, self.max_num_batched_tokens - num_decodes), running, weights)
         self._slice_sizes.update(split)
@@ -270,10 +278,19 @@ class Scheduler:
         self.block_manager.cache_full_blocks(seq, seq.num_computed_tokens + n)
 
     def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:
-        """Oldest first ("fcfs"); least-served tenant first ("fair"), so when prompts in
-        flight exceed the budget, the tenants owed service get theirs computed."""
+        """Oldest first ("fcfs"). "fair": the tenants within their share of the pool first,
+        then those over it, least served first in each: when prompts in flight exceed the
+        budget, the tenants owed service get theirs computed, and when the pool runs out, the
+        sequences still unscheduled, among whom the victims are taken, are those of the
+        tenants holding the most memory. (By service alone, a quiet tenant's lone prompt,
+        charged in full as it starts, came last and was preempted step after step for the
+        growth of a busy tenant's many sequences.)"""
         admitted = {item.seq for item in out.scheduled}  # this step's, scheduled already
-        order = self.share.service_order(self.running) if self.policy == "fair" else list(self.running)
+        if self.policy == "fair":
+            self._free_for_next_tokens(out, admitted)
+            order = self.share.service_order(self.running, self._over_block_share())
+        else:
+            order = list(self.running)
         for seq in order:
             if seq in admitted:
                 continue
@@ -284,10 +301,51 @@ class Scheduler:
             n = self._num_new_tokens(seq, seq.num_computed_tokens, budget)
             if n == 0:  # a beam waiting for its siblings' logits, or its tenant's slice is spent
                 continue
+            if n > 1:
+                n = self._fit_chunk(seq, n)
             if self._make_room(seq, n, out):
                 self._append(out, seq, n)
                 budget -= n
         return budget
+
+    def _free_for_next_tokens(self, out: SchedulerOutput, admitted: set[Sequence]) -> None:
+        """"fair": before any running sequence is scheduled, preempts until the pool holds
+        the next token of every one (prompt chunks then shrink to what is left: _fit_chunk),
+        the victims chosen among all of them by FairShare.pick_victim. Chosen while
+        scheduling, a victim could only be one not scheduled yet: the last in service order,
+        which is often a quiet tenant's lone prompt (charged in full as it started), preempted
+        for the growth of a busy tenant's many sequences, its blocks then the first evicted."""
+        bm = self.block_manager
+        needs = {seq: self._blocks_for_next_token(seq) for seq in self.running if seq not in admitted}
+        short = sum(needs.values()) - bm.num_free_blocks
+        while short > 0:
+            candidates = [s for s in needs if s.status is SequenceStatus.RUNNING]
+            if not candidates:
+                return
+            victim = self.share.pick_victim(candidates, self._blocks_by_tenant())
+            self.running.remove(victim)
+            freed = self._blocks_freed_by(victim)
+            if self.preemption.should_swap(victim, bm):
+                self._swap_out(victim, out)
+            else:
+                self._preempt(victim)
+            out.preempted.append(victim)
+            short -= freed + needs.pop(victim)
+
+    def _blocks_for_next_token(self, seq: Sequence) -> int:
+        """Free blocks `seq` takes to compute one more token (0 with nothing to compute)."""
+        if seq.num_computed_tokens >= seq.num_tokens:
+            return 0
+        return int(seq.num_computed_tokens // self.block_manager.block_size >= len(seq.block_table))
+
+    def _fit_chunk(self, seq: Sequence, n: int) -> int:
+        """A running prompt's chunk of `n` tokens, shrunk to what its blocks and the free ones
+        hold (at least one token). Chunked prefill can always go on with fewer tokens, so a
+        full pool slows the prompt down instead of preempting a sequence for it, or the prompt
+        itself, whose cached blocks, once freed, may be evicted before it resumes."""
+        bm = self.block_manager
+        room = len(seq.block_table) * bm.block_size - seq.num_computed_tokens + bm.num_free_blocks * bm.block_size
+        return max(1, min(n, room))
 
     def _make_room(self, seq: Sequence, n: int, out: SchedulerOutput) -> bool:
         """Allocates for `seq`, preempting until it fits; False if `seq` itself yielded.
@@ -354,17 +412,48 @@ class Scheduler:
 
     def _give_way(self, tenant: str, need: int, limit: int, out: SchedulerOutput) -> int:
         """Preempts up to `limit` running sequences that owe `tenant` room until `need` free
-        blocks (and a running slot) are there; returns how many it preempted."""
+        blocks (and a running slot) are there; returns how many it preempted. Preempts none
+        when those `limit` would not free enough: the room would not be made, and the
+        victims, readmitted next step, would yield again the step after (a thrash that
+        serves nobody)."""
+        if self._has_room(need):
+            return 0
         started = {item.seq for item in out.scheduled}  # admitted earlier this step: kept
-        for count in range(limit):
-            victims = [] if self._has_room(need) else [s for s in self._owing(tenant) if s not in started]
-            if not victims:
+        victims = self._victims(tenant, started, limit)
+        if self.block_manager.num_free_blocks + self._blocks_freed_by(*victims) < need:
+            return 0
+        for count, victim in enumerate(victims):
+            if self._has_room(need):
                 return count
-            victim = self.share.pick_victim(victims)
             self.running.remove(victim)
             self._preempt(victim)
             out.preempted.append(victim)
-        return limit
+        return len(victims)
+
+    def _victims(self, tenant: str, kept: set[Sequence], limit: int) -> list[Sequence]:
+        """Up to `limit` running sequences owing `tenant` room (none of `kept`), in the order
+        they would yield."""
+        owing = [s for s in self._owing(tenant) if s not in kept]
+        held = self._blocks_by_tenant()
+        victims = []
+        while owing and len(victims) < limit:
+            victim = self.share.pick_victim(owing, held)
+            owing.remove(victim)
+            victims.append(victim)
+            num_seqs, num_blocks = held[victim.tenant]
+            held[victim.tenant] = (num_seqs - 1, num_blocks - self._blocks_freed_by(victim))
+        return victims
+
+    def _blocks_freed_by(self, *seqs: Sequence) -> int:
+        """Blocks that only `seqs` hold (no pin, no other sequence): what preempting them
+        all frees."""
+        blocks = self.block_manager.blocks
+        entries = Counter(b for seq in seqs for b in seq.block_table)
+        return sum(1 for b, n in entries.items() if blocks[b].ref_cnt == n)
+
+    def _over_block_share(self) -> set[str]:
+        bm = self.block_manager
+        return self.share.over_block_share(self._blocks_by_tenant(), self.waiting, bm.num_blocks - bm.num_pinned_blocks)
 
     def _admit_from_waiting(self, out: SchedulerOutput, seq: Sequence, cached: list[KVBlock], budget: int) -> int:
         """Starts waiting `seq` on its cache hits, up to `budget` tokens; the tokens it
@@ -383,7 +472,7 @@ class Scheduler:
         behind = self.share.usage_of(tenant).virtual_time + FAIRNESS_SLACK
         over_share = set()
         if all(s.tenant != tenant for s in self.running):
-            over_share = self.share.over_block_share(self.running, self.waiting, self.block_manager.num_blocks)
+            over_share = self._over_block_share()
         return [s for s in self.running if s.group_size == 1 and (
             s.tenant in over_share or self.share.usage_of(s.tenant).virtual_time > behind)]
 
@@ -408,9 +497,20 @@ class Scheduler:
             return self.running.pop()
         scheduled = {item.seq for item in out.scheduled}
         candidates = [s for s in self.running if s not in scheduled and tenant in (None, s.tenant)]
-        victim = self.share.pick_victim(candidates)
+        victim = self.share.pick_victim(candidates, self._blocks_by_tenant())
         self.running.remove(victim)
         return victim
+
+    def _blocks_by_tenant(self) -> dict[str, tuple[int, int]]:
+        """Per tenant, its running sequences and the distinct unpinned blocks they hold: what
+        its preemption could free (pinned blocks stay)."""
+        held: dict[str, set[int]] = {}
+        count: dict[str, int] = {}
+        blocks = self.block_manager.blocks
+        for seq in self.running:
+            held.setdefault(seq.tenant, set()).update(b for b in seq.block_table if not blocks[b].pins)
+            count[seq.tenant] = count.get(seq.tenant, 0) + 1
+        return {tenant: (count[tenant], len(ids)) for tenant, ids in held.items()}
 
     def _may_grow(self, seq: Sequence, n: int) -> bool:
         if self.policy == "fcfs":

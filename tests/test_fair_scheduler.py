@@ -295,6 +295,58 @@ def test_a_tenant_holding_the_pool_gives_way_to_an_under_served_one(policy: str)
         assert sim.finished.index(b0) == 2
 
 
+def test_a_quiet_tenants_lone_prompt_keeps_its_blocks_while_a_busy_tenant_yields() -> None:
+    """Busy's three sequences decode and grow; quiet's one long prompt arrives and prefills in
+    chunks. Quiet starts level with busy and is charged its chunks at once, so it is ahead in
+    service, but busy holds the pool: when it runs out, busy's newest yields (victims are
+    chosen among all running sequences before any is scheduled), never quiet's prompt."""
+    sim = Sim(16, tenants=[TenantConfig("busy"), TenantConfig("quiet")], chunk=4, prefix_caching=False)
+    busy = [sim.add("busy", tokens(4, 100 * k), max_tokens=36) for k in range(3)]  # 10 blocks each at the end
+    for _ in range(8):
+        sim.step()
+    quiet = sim.add("quiet", tokens(40, 900), max_tokens=2)  # 10 blocks
+    sim.step()
+    assert sim.stat("quiet", "virtual_time") > sim.stat("busy", "virtual_time")  # ahead in service
+    sim.run()
+    assert quiet.num_preemptions == 0 and sum(s.num_preemptions for s in busy) >= 1
+    assert all(s.num_output_tokens == 36 for s in busy) and quiet.num_output_tokens == 2
+
+
+def test_a_running_prompts_chunk_shrinks_to_the_free_blocks_instead_of_preempting() -> None:
+    """Under either policy (fcfs here: one chunk a step): the prompt's chunks stop fitting
+    beside the decoding sequence's growth, and the prompt goes on with what the pool holds
+    rather than preempting the decoding sequence or itself. Both complete, nobody preempted."""
+    sim = Sim(14, tenants=[TenantConfig("a")], policy="fcfs", chunk=8, prefix_caching=False)
+    decoding = sim.add("a", tokens(4), max_tokens=6)
+    prompt = sim.add("a", tokens(48, 500), max_tokens=1)  # 12 blocks of the 14
+    sizes = []
+    while not prompt.is_finished:
+        out = sim.step()
+        sizes += [i.num_new_tokens for i in out.scheduled if i.seq is prompt]
+    assert sizes == [8, 8, 8, 8, 8, 4, 4]
+    sim.run()
+    assert sim.sched.num_preemptions == 0
+    assert decoding.num_output_tokens == 6 and prompt.num_output_tokens == 1
+
+
+def test_nobody_yields_when_yielding_cannot_make_the_room() -> None:
+    """Busy's six sequences run on a pinned prefix, each with one block of its own. Quiet's
+    prompt needs 9 blocks: 4 are free, and the 4 yields a step allows would free 4 more, not
+    enough. So nobody yields (a yield would be undone the next step, over and over), and
+    quiet starts when busy's sequences end."""
+    sim = Sim(16, tenants=[TenantConfig("busy"), TenantConfig("quiet")])
+    first = sim.add("busy", tokens(24) + [7], max_tokens=1)
+    sim.run()  # caches the 6 blocks of the shared prefix
+    sim.bm.pin_blocks(sim.bm.cached_block_ids(first.block_hashes[:6]))
+    busy = [sim.add("busy", tokens(24) + [50 + k], max_tokens=3) for k in range(6)]
+    sim.step()
+    assert sim.bm.num_free_blocks == 4  # 16 - 6 pinned - 6 last blocks
+    quiet = sim.add("quiet", tokens(36, 900), max_tokens=1)
+    sim.run()
+    assert sim.sched.num_preemptions == 0
+    assert sim.finished.index(quiet) == 7 and all(s.num_output_tokens == 3 for s in busy)
+
+
 def fill_pool(sim: Sim, tenant: str, n: int) -> list[Sequence]:
     """`n` requests of `tenant` (6 prompt tokens, 10 to generate), stepped until they hold
     every block of the pool."""

@@ -86,7 +86,7 @@ class Sim:
             assert seq not in sched.running and seq.block_table == []
 
     def check_refcounts(self) -> None:
-        counts = [0] * self.bm.num_blocks
+        counts = [self.bm.pin_count(i) for i in range(self.bm.num_blocks)]
         for seq in self.sched.running:
             for block_id in seq.block_table:
                 counts[block_id] += 1
@@ -531,11 +531,13 @@ def test_abort_while_swapped_returns_host_blocks() -> None:
 def test_a_swapped_sequence_that_needs_the_whole_pool_comes_back() -> None:
     # 100 blocks of 2 tokens: watermark 1 block. b's 199 tokens (+1 output) fit the pool exactly.
     sim = Sim(100, block_size=2, budget=100, prefix_caching=False,
-              policy=PreemptionPolicy(mode="swap"), num_cpu_blocks=64)
-    a = sim.add(tokens(2), max_tokens=2)
+              policy=PreemptionPolicy(mode="swap"), num_cpu_blocks=100)
+    a = sim.add(tokens(2), max_tokens=3)
     b = sim.add(tokens(199, 10), max_tokens=1)
     sim.step()  # a, plus b's first 98-token chunk
-    out = sim.step()  # b's next chunk does not fit: b is swapped out, a finishes
+    sim.step()  # a's next token takes a block; b's chunk shrinks to the 98 tokens the rest holds
+    assert b.num_computed_tokens == 196 and sim.bm.num_free_blocks == 0
+    out = sim.step()  # b's last tokens do not fit: b is swapped out, a finishes
     assert out.preempted == [b] and b.status is SequenceStatus.SWAPPED and a.is_finished
     sim.run(max_steps=10)
     assert b.is_finished
