@@ -21,7 +21,6 @@ from collections import Counter, deque
 from dataclasses import dataclass, field
 
 from streamengine.block_manager import BlockManager
-from streamengine.free_blocks import KVBlock
 from streamengine.config import SCHEDULING_POLICIES
 from streamengine.fair_share import (
     FAIRNESS_SLACK,
@@ -31,6 +30,7 @@ from streamengine.fair_share import (
     FairShare,
     weighted_split,
 )
+from streamengine.free_blocks import KVBlock
 from streamengine.sequence import Sequence, SequenceStatus
 from streamengine.tenants import Tenants
 
