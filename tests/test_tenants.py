@@ -120,16 +120,29 @@ async def test_a_shared_preamble_is_hit_by_every_tenant_and_only_it(engine):
 
 async def test_pinned_blocks_survive_pressure_and_unpin_releases_them(engine):
     pin = await engine.pin_prefix(SYSTEM, tenant="a")
-    for i in range(12):  # each fills most of the pool: every unpinned block is recycled
-        await cached_tokens(engine, [100 + i] * 400, tenant="b")
+    # Each fills most of the pool: every unpinned block is recycled. The pressure is a's own:
+    # eviction takes the largest holder's blocks first, so another tenant's requests would
+    # recycle their own blocks before a's few, pinned or not.
+    for i in range(12):
+        await cached_tokens(engine, [100 + i] * 400, tenant="a")
     assert await cached_tokens(engine, SYSTEM + [9], tenant="a") == 64
     await engine.unpin(pin.pin_id)
     assert engine.stats()["num_pinned_blocks"] == 0 and engine.pinned() == []
     for i in range(12):
-        await cached_tokens(engine, [200 + i] * 400, tenant="b")
+        await cached_tokens(engine, [200 + i] * 400, tenant="a")
     assert await cached_tokens(engine, SYSTEM + [9], tenant="a") == 0
     with pytest.raises(KeyError):
         await engine.unpin(pin.pin_id)
+
+
+async def test_a_busy_tenant_recycles_its_own_blocks_before_a_quiet_ones(engine):
+    """Nothing pinned: a's prompt is cached once, then b fills most of the pool twelve times.
+    Eviction takes from the tenant holding the most free cache, so b recycles its own blocks
+    and a's stay (plain LRU would have evicted a's first: they are the oldest)."""
+    await cached_tokens(engine, SYSTEM + [9], tenant="a")
+    for i in range(12):
+        await cached_tokens(engine, [300 + i] * 400, tenant="b")
+    assert await cached_tokens(engine, SYSTEM + [9], tenant="a") == 64
 
 
 async def test_pins_past_the_pinned_fraction_are_refused(engine):
