@@ -223,7 +223,7 @@ class BlockManager:
         `cached` are prefix-cache hits from `find_cached_blocks`, taken for a sequence that
         has no blocks yet; they count as computed tokens.
         """
-        need = self._num_new_blocks(seq, num_new_tokens, cached)
+        need = self.num_new_blocks(seq, num_new_tokens, cached)
         cow = self._needs_copy_on_write(seq, num_new_tokens)
         if need + cow + reserve > self._num_available(cached):
             return False
@@ -235,7 +235,8 @@ class BlockManager:
             seq.block_table.append(self._pop_free(seq.tenant).block_id)
         return True
 
-    def _num_new_blocks(self, seq: Sequence, num_new_tokens: int, cached: list[KVBlock]) -> int:
+    def num_new_blocks(self, seq: Sequence, num_new_tokens: int, cached: list[KVBlock] = ()) -> int:
+        """Free blocks `seq` takes to compute `num_new_tokens` more (after `cached` hits)."""
         have = len(seq.block_table) + len(cached)
         computed = seq.num_computed_tokens + len(cached) * self.block_size
         return max(0, self.blocks_needed(computed + num_new_tokens) - have)

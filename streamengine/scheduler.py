@@ -18,6 +18,7 @@ from __future__ import annotations
 import bisect
 import itertools
 from collections import Counter, deque
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 from streamengine.block_manager import BlockManager
@@ -288,7 +289,10 @@ class Scheduler:
         admitted = {item.seq for item in out.scheduled}  # this step's, scheduled already
         if self.policy == "fair":
             self._free_for_next_tokens(out, admitted)
-            order = self.share.service_order(self.running, self._over_block_share())
+            # With one tenant running, its being over its share would move all or none: the
+            # order is the service order, without scanning every block table each step.
+            several = len({s.tenant for s in self.running}) > 1
+            order = self.share.service_order(self.running, self._over_block_share() if several else ())
         else:
             order = list(self.running)
         for seq in order:
@@ -316,27 +320,21 @@ class Scheduler:
         which is often a quiet tenant's lone prompt (charged in full as it started), preempted
         for the growth of a busy tenant's many sequences, its blocks then the first evicted."""
         bm = self.block_manager
-        needs = {seq: self._blocks_for_next_token(seq) for seq in self.running if seq not in admitted}
+        needs = {seq: bm.num_new_blocks(seq, 1) for seq in self.running
+                 if seq not in admitted and seq.num_computed_tokens < seq.num_tokens}
         short = sum(needs.values()) - bm.num_free_blocks
-        while short > 0:
-            candidates = [s for s in needs if s.status is SequenceStatus.RUNNING]
-            if not candidates:
-                return
-            victim = self.share.pick_victim(candidates, self._blocks_by_tenant())
+        if short <= 0:
+            return
+        for victim, freed in self._yield_order(list(needs)):
             self.running.remove(victim)
-            freed = self._blocks_freed_by(victim)
             if self.preemption.should_swap(victim, bm):
                 self._swap_out(victim, out)
             else:
                 self._preempt(victim)
             out.preempted.append(victim)
-            short -= freed + needs.pop(victim)
-
-    def _blocks_for_next_token(self, seq: Sequence) -> int:
-        """Free blocks `seq` takes to compute one more token (0 with nothing to compute)."""
-        if seq.num_computed_tokens >= seq.num_tokens:
-            return 0
-        return int(seq.num_computed_tokens // self.block_manager.block_size >= len(seq.block_table))
+            short -= freed + needs[victim]
+            if short <= 0:
+                return
 
     def _fit_chunk(self, seq: Sequence, n: int) -> int:
         """A running prompt's chunk of `n` tokens, shrunk to what its blocks and the free ones
@@ -434,15 +432,22 @@ class Scheduler:
         """Up to `limit` running sequences owing `tenant` room (none of `kept`), in the order
         they would yield."""
         owing = [s for s in self._owing(tenant) if s not in kept]
+        return [victim for victim, _ in itertools.islice(self._yield_order(owing), limit)]
+
+    def _yield_order(self, candidates: list[Sequence]) -> Iterator[tuple[Sequence, int]]:
+        """`candidates` in the order they yield (FairShare.pick_victim), each with the blocks
+        its preemption frees; each pick sees its tenant's holdings without those picked
+        before it. Lazy: each pair is computed as it is taken, after the previous victim's
+        preemption, if the caller preempts as it goes."""
         held = self._blocks_by_tenant()
-        victims = []
-        while owing and len(victims) < limit:
-            victim = self.share.pick_victim(owing, held)
-            owing.remove(victim)
-            victims.append(victim)
+        left = list(candidates)
+        while left:
+            victim = self.share.pick_victim(left, held)
+            left.remove(victim)
+            freed = self._blocks_freed_by(victim)
             num_seqs, num_blocks = held[victim.tenant]
-            held[victim.tenant] = (num_seqs - 1, num_blocks - self._blocks_freed_by(victim))
-        return victims
+            held[victim.tenant] = (num_seqs - 1, num_blocks - freed)
+            yield victim, freed
 
     def _blocks_freed_by(self, *seqs: Sequence) -> int:
         """Blocks that only `seqs` hold (no pin, no other sequence): what preempting them
