@@ -57,13 +57,14 @@ enum Format : int64_t { F32 = 0, Q4_0 = 2, Q4_1 = 3, Q8_0 = 8, BF16 = 30 };
 inline vf half16(const uint8_t* p) { return vload_half(reinterpret_cast<const uint16_t*>(p)); }
 
 // Q4 codes: per 32-bit lane (one column), the 4-bit codes of 8 consecutive k, the t-th in bits
-// 4t..4t+3. Each comes out as q * 2^NIBBLE_SHIFT[t] exactly (cpu_simd.h's nibbles(): with
-// AVX-512 masked in place and converted, with AVX2 shifted down first); whatever multiplies it
+// 4t..4t+3. Each comes out as q * 2^NIBBLE_SHIFT[t] exactly (cpu_simd.h's nibble(): masked in
+// place and converted; AVX2 shifts the top code down); whatever multiplies it
 // is scaled by nibble_unscale(t) (exact too: a power of two), so the product is exact as with q
 // itself. A lookup (shift, then a lane permute in a table of the 16 values) was the earlier
 // AVX-512 way: on the Zen 4 cores this was measured on, shift and permute share two pipes and
 // bounded the kernel; a mask and a conversion spread over more.
 inline void q4_codes(const uint8_t* codes, int64_t u, int g, vf q[8]) { nibbles(codes + (u * NR + g * 16) * 4, q); }
+inline vf q4_code(const uint8_t* codes, int64_t u, int g, int t) { return nibble(codes + (u * NR + g * 16) * 4, t); }
 
 // What exact dequantization of a Q4 block needs: the scale times nibble_unscale(t) for each
 // nibble t, and the offset (the minimum m, or -8 d).
@@ -84,8 +85,9 @@ inline void q4_unit(const uint8_t* codes, int64_t u, int g, const Q4Exact& e, vf
 
 // Each format: bytes per block; the scales of a block's 48 columns; `unit(...)`, the exactly
 // dequantized weights of 16 columns (group g) for the K_PER_UNIT consecutive k of code unit u,
-// from the block's `exact(scales)`; for the factored kernels, `codes(...)`, the same codes
-// unscaled, and `scale(...)`, a block's partial sum over them scaled into the output.
+// from the block's `exact(scales)`; for the factored kernels, `code(..., t)`, the t-th k's codes
+// of the unit unscaled (one at a time, so the unpacked codes never crowd out the accumulators),
+// and `scale(...)`, a block's partial sum over them scaled into the output.
 struct Q4_1Format {
   static constexpr bool FACTORED = true;
   static constexpr int64_t BLOCK_BYTES = 2 * SCALES + 16 * NR, CODES = 2 * SCALES, K_PER_UNIT = 8;
@@ -97,7 +99,7 @@ struct Q4_1Format {
   static Exact exact(const Scales& s) { return q4_exact(s.d, s.m); }
   static void unit(const uint8_t* codes, int64_t u, const Exact& e, int g, vf w[8]) { q4_unit(codes, u, g, e, w); }
   static constexpr bool NIBBLE_SCALED = true;
-  static void codes(const uint8_t* codes, int64_t u, int g, vf q[8]) { q4_codes(codes, u, g, q); }
+  static vf code(const uint8_t* codes, int64_t u, int g, int t) { return q4_code(codes, u, g, t); }
   // sum_k x_k (d q_k + m) = d sum_k x_k q_k + m sum_k x_k
   static vf scale(const Scales& s, vf part, vf x_sum, vf acc) { return vfmadd(s.m, x_sum, vfmadd(s.d, part, acc)); }
 };
@@ -111,7 +113,7 @@ struct Q4_0Format {
   static Exact exact(const Scales& s) { return q4_exact(s.d, vmul(s.d, vset1(-8.0f))); }
   static void unit(const uint8_t* codes, int64_t u, const Exact& e, int g, vf w[8]) { q4_unit(codes, u, g, e, w); }
   static constexpr bool NIBBLE_SCALED = true;
-  static void codes(const uint8_t* codes, int64_t u, int g, vf q[8]) { q4_codes(codes, u, g, q); }
+  static vf code(const uint8_t* codes, int64_t u, int g, int t) { return q4_code(codes, u, g, t); }
   // sum_k x_k d (q_k - 8) = d sum_k x_k q_k - 8 d sum_k x_k
   static vf scale(const Scales& s, vf part, vf x_sum, vf acc) {
     return vfmadd(vmul(s.d, vset1(-8.0f)), x_sum, vfmadd(s.d, part, acc));
@@ -129,8 +131,8 @@ struct Q8_0Format {
     w[0] = vmul(vload_i8(reinterpret_cast<const int8_t*>(codes + u * NR + g * 16)), s.d);
   }
   static constexpr bool NIBBLE_SCALED = false;
-  static void codes(const uint8_t* codes, int64_t u, int g, vf q[1]) {
-    q[0] = vload_i8(reinterpret_cast<const int8_t*>(codes + u * NR + g * 16));
+  static vf code(const uint8_t* codes, int64_t u, int g, int) {
+    return vload_i8(reinterpret_cast<const int8_t*>(codes + u * NR + g * 16));
   }
   static vf scale(const Scales& s, vf part, vf, vf acc) { return vfmadd(s.d, part, acc); }
 };
@@ -147,6 +149,19 @@ struct BF16Format {
     w[0] = vload_bf16(reinterpret_cast<const uint16_t*>(codes + (u * NR + g * 16) * 2));
   }
 };
+
+// Weights stream from memory once per step. The hardware prefetcher alone keeps too few lines
+// in flight while the unpacking keeps the core busy: on Zen 3 (AVX2) one row's Q4_1 GEMM read
+// its weights at about 9 GB/s of the 20+ GB/s two cores stream. Asking for the lines
+// PREFETCH_BYTES ahead (into L2: the core's L1 is left to the codes in use) overlaps the two.
+constexpr int64_t PREFETCH_BYTES = 16 * 1024;
+
+template <typename Fmt>
+inline void prefetch_ahead(const uint8_t* block) {
+  UNROLL_TILE
+  for (int64_t line = 0; line < (Fmt::BLOCK_BYTES + 63) / 64; ++line)
+    _mm_prefetch(reinterpret_cast<const char*>(block + PREFETCH_BYTES + line * 64), _MM_HINT_T1);
+}
 
 // ROWS input rows against one panel, codes unpacked in registers, GROUPS of the panel's three
 // 16-column groups at a time. Each unpacked weight serves every row. Few rows take all three
@@ -198,20 +213,20 @@ void factored_rows(const float* x, const float* x_sums, int64_t K, const uint8_t
       for (int g = 0; g < GROUPS; ++g) acc[r][g] = vzero();
     for (int64_t b = 0; b < blocks; ++b) {
       const uint8_t* block = panel + b * Fmt::BLOCK_BYTES;
+      if (g0 == 0) prefetch_ahead<Fmt>(block);
       vf part[ROWS][GROUPS];
       UNROLL_TILE
       for (int r = 0; r < ROWS; ++r)
         for (int g = 0; g < GROUPS; ++g) part[r][g] = vzero();
       for (int64_t u = 0; u < QK / KU; ++u) {
         const int64_t k = b * QK + u * KU;
-        for (int g = 0; g < GROUPS; ++g) {
-          vf q[KU];
-          Fmt::codes(block + Fmt::CODES, u, g0 + g, q);
-          for (int64_t t = 0; t < KU; ++t)
+        UNROLL_TILE
+        for (int t = 0; t < KU; ++t)
+          for (int g = 0; g < GROUPS; ++g) {
+            const vf q = Fmt::code(block + Fmt::CODES, u, g0 + g, t);
             UNROLL_TILE
-            for (int r = 0; r < ROWS; ++r)
-              part[r][g] = vfmadd(vset1(x[r * K + k + t]), q[t], part[r][g]);
-        }
+            for (int r = 0; r < ROWS; ++r) part[r][g] = vfmadd(vset1(x[r * K + k + t]), q, part[r][g]);
+          }
       }
       for (int g = 0; g < GROUPS; ++g) {
         const typename Fmt::Scales s = Fmt::scales(block, g0 + g);
