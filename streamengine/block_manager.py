@@ -11,7 +11,8 @@ bytes. Invariants (checked by tests/test_block_manager.py and tests/test_prefix_
   behind an evicted parent;
 - free blocks that a waiting sequence's prefix will hit (`want`) sit in a second queue, taken
   only after the same tenant's others: a request queued behind others keeps the history it
-  re-sends, instead of losing it to the churn of the requests it waits for;
+  re-sends, instead of losing it to the churn of the requests it waits for. In that queue the
+  blocks of the request served last go first (the order of the waiting line, not LRU);
 - eviction takes from the tenant whose free cached blocks (both queues) are the most per unit
   of weight (free_blocks.py): the free cache is shared max-min fairly, so a busy tenant's
   traffic cannot flush a quiet tenant's prefixes.
@@ -321,15 +322,26 @@ class BlockManager:
 
     # -- prefixes of waiting sequences --------------------------------------------------------
 
-    def want(self, seq: Sequence) -> None:
+    def want(self, seq: Sequence, first: bool = False) -> None:
         """`seq` waits to be admitted: the free blocks its prefix would hit (and any that get
-        cached under its hashes meanwhile) are evicted only after every other free block."""
+        cached under its hashes meanwhile) are evicted only after every other free block.
+
+        Among wanted blocks, those of the request served last go first. A request queued
+        behind others (`first=False`) is served after them, so the blocks only it wants go in
+        front of theirs; one put at the head of the line (a preempted sequence, `first=True`)
+        keeps its blocks behind everyone's. Kept in LRU order instead, a queue longer than the
+        cache would lose each request's history just before its turn: the oldest waiter's
+        blocks would be the least recently used."""
         if not self.enable_prefix_caching or seq.seq_id in self._wants:
             return
         hashes = self.compute_block_hashes(seq)[: (seq.num_tokens - 1) // self.block_size]
+        own = [block_hash for block_hash in hashes if block_hash not in self._wanted]
         self._wants[seq.seq_id] = hashes
         self._wanted.update(hashes)
-        self._requeue(hashes)
+        if first:
+            self._requeue(hashes)
+        else:
+            self._requeue_front(own)
 
     def unwant(self, seq: Sequence) -> None:
         """`seq` stopped waiting (admitted or removed); idempotent."""
@@ -350,6 +362,15 @@ class BlockManager:
             if block is not None and block.ref_cnt == 0:
                 block.queue.remove(block)
                 self._queue_of(block).append(block)
+
+    def _requeue_front(self, hashes: list[bytes]) -> None:
+        """Moves the free cached blocks of a chain to the front of the queue they now belong
+        in, root first, so the chain's tail ends up first and each parent behind its children."""
+        for block_hash in hashes:
+            block = self.cached.get(block_hash)
+            if block is not None and block.ref_cnt == 0:
+                block.queue.remove(block)
+                self._queue_of(block).appendleft(block)
 
     def _touch_free_cached(self, block_hash: bytes) -> None:
         """The sequence being freed held a duplicate of a cached block (both computed at

@@ -140,7 +140,7 @@ class Scheduler:
         seq.status = SequenceStatus.WAITING
         self.share.on_arrival(seq, waiting=(s.tenant for s in self.waiting))
         self.waiting.append(seq)
-        self._want(seq)
+        self._want(seq, first=False)
 
     def add_running(self, seq: Sequence) -> None:
         """A sequence that starts with computed blocks already (a fork of a running one)."""
@@ -154,11 +154,11 @@ class Scheduler:
         seq.num_computed_tokens = 0
         self.share.on_arrival(seq, charged_upto=seq.num_tokens)  # a beam whose parent paid for them
         self.waiting.appendleft(seq)
-        self._want(seq)
+        self._want(seq, first=True)
 
-    def _want(self, seq: Sequence) -> None:
+    def _want(self, seq: Sequence, first: bool) -> None:
         if self.retain_waiting_prefixes:
-            self.block_manager.want(seq)
+            self.block_manager.want(seq, first)
 
     def has_work(self) -> bool:
         return bool(self.waiting or self.running or self.swapped)
@@ -533,7 +533,7 @@ class Scheduler:
         seq.num_preemptions += 1
         self.num_preemptions += 1
         (self.waiting.appendleft if front else self.waiting.append)(seq)
-        self._want(seq)  # its blocks, just freed, are what it resumes on
+        self._want(seq, first=front)  # its blocks, just freed, are what it resumes on
 
     def _swap_out(self, seq: Sequence, out: SchedulerOutput) -> None:
         """Swap preemption: the blocks go to the host pool; the sequence keeps its computed

@@ -420,6 +420,36 @@ def hits(bm: BlockManager, seq: Sequence) -> int:
     return len(bm.find_cached_blocks(seq))
 
 
+def test_wanted_blocks_go_in_the_order_the_waiting_line_is_served() -> None:
+    """Three conversations' histories, each re-sent by a waiting request. The pool must give up
+    3 of their 6 blocks: the request queued last loses its history first, then the next to
+    last; the one at the head of the line keeps its own. (LRU would take the first waiter's:
+    its blocks were wanted longest ago.) A preempted request put back at the head of the line
+    keeps its blocks behind everyone's."""
+    bm = BlockManager(9, BS)
+    histories = [list(range(100 * i, 100 * i + 8)) for i in range(3)]
+    for i, tokens in enumerate(histories):
+        done = make_seq(i, tokens)
+        prefill(bm, done)
+        bm.free(done)
+    first, second, last = (make_seq(10 + i, tokens + [1]) for i, tokens in enumerate(histories))
+    for seq in (first, second, last):
+        bm.want(seq)
+    assert bm.allocate_slots(make_seq(20, [7] * 24), 24)  # 3 empty blocks, then 3 evicted
+    assert [hits(bm, seq) for seq in (first, second, last)] == [2, 1, 0]
+
+    bm = BlockManager(9, BS)
+    for i, tokens in enumerate(histories):
+        done = make_seq(i, tokens)
+        prefill(bm, done)
+        bm.free(done)
+    waiting, resumed = make_seq(10, histories[0] + [1]), make_seq(11, histories[1] + [1])
+    bm.want(waiting)
+    bm.want(resumed, first=True)
+    assert bm.allocate_slots(make_seq(20, [7] * 28), 28)  # 3 empty, the unwanted 2, then 2 more
+    assert [hits(bm, waiting), hits(bm, resumed)] == [0, 2]
+
+
 def test_eviction_takes_from_the_tenant_holding_the_most_free_cache() -> None:
     """B's 2 blocks were freed before A's 6, so plain LRU would evict B's first; evicting
     from the largest holder takes A's tail down to B's level instead, and B keeps its own."""
