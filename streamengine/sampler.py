@@ -106,9 +106,17 @@ class Sampler:
 
 
 def greedy_tokens(scores: torch.Tensor) -> torch.Tensor:
-    """The argmax of each row, first index on ties (as argmax). `max(dim)` gives the same
-    indices as `argmax`, and is the faster of the two on CPU."""
-    return scores.max(dim=-1).indices
+    """The argmax of each row, first index on ties (as argmax)."""
+    return _row_arg(scores, np.argmax, torch.argmax)
+
+
+def _row_arg(scores: torch.Tensor, numpy_arg, torch_arg) -> torch.Tensor:
+    """Each row's argmax or argmin: NumPy's on CPU float tensors (the same index, first on ties
+    and at the first NaN, and several times faster than torch's reduction over a vocabulary on
+    CPU; docs/performance.md), torch's elsewhere."""
+    if scores.device.type == "cpu" and scores.dtype in (torch.float32, torch.float64):
+        return torch.from_numpy(numpy_arg(scores.numpy(), axis=-1))
+    return torch_arg(scores, dim=-1)
 
 
 def _index(positions: list[int], device: torch.device) -> torch.Tensor:
@@ -207,7 +215,7 @@ def _sample_random(
     # (the Gumbel-max trick in probability space) and equals argmin(p / log u). Dropped
     # tokens give -0.0 and never win; u < 1 keeps log u < 0, so no division by zero or NaN.
     log_u = _uniform_noise(probs, rows, default).log_()  # [R, V]
-    return probs.div_(log_u).argmin(dim=-1)  # [R]
+    return _row_arg(probs.div_(log_u), np.argmin, torch.argmin)  # [R]
 
 
 def _uniform_noise(

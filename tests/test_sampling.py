@@ -20,6 +20,7 @@ from streamengine.sampler import (
     SamplingRow,
     _filter_threshold,
     apply_penalties,
+    greedy_tokens,
     sample_generator,
 )
 from streamengine.sampling_params import (
@@ -660,3 +661,17 @@ def test_penalties_match_loop_reference(batch: int, seed: int, data: st.DataObje
             count = r.output_token_ids.count(t)
             expected[b, t] -= p.presence_penalty + p.frequency_penalty * count
     assert torch.allclose(apply_penalties(logits, rows), expected, atol=1e-5)
+
+
+def test_greedy_tokens_are_torch_argmax_on_ties_nan_and_views() -> None:
+    """The CPU path takes NumPy's argmax: same index as torch's, first on ties, first NaN."""
+    scores = torch.randn(5, 1000, generator=torch.Generator().manual_seed(0))
+    scores[1, [3, 700]] = 50.0  # a tie: the first index
+    scores[2, [10, 20]] = float("nan")  # NaN wins, the first one
+    scores[3] = 0.0  # all equal
+    expected = torch.argmax(scores, dim=-1).tolist()
+    assert expected[1:4] == [3, 10, 0]
+    assert greedy_tokens(scores).tolist() == expected
+    view = scores[:, 1::2]  # strided rows
+    assert greedy_tokens(view).tolist() == torch.argmax(view, dim=-1).tolist()
+    assert greedy_tokens(scores.double()).dtype == torch.int64
