@@ -341,7 +341,7 @@ class BlockManager:
         if first:
             self._requeue(hashes)
         else:
-            self._requeue_front(own)
+            self._requeue(own, front=True)
 
     def unwant(self, seq: Sequence) -> None:
         """`seq` stopped waiting (admitted or removed); idempotent."""
@@ -354,23 +354,16 @@ class BlockManager:
                 del self._wanted[block_hash]
         self._requeue(hashes)
 
-    def _requeue(self, hashes: list[bytes]) -> None:
-        """Moves the free cached blocks of a chain to the back of the queue they now belong
-        in, deepest first, so each parent stays behind its children."""
-        for block_hash in reversed(hashes):
+    def _requeue(self, hashes: list[bytes], front: bool = False) -> None:
+        """Moves the free cached blocks of a chain to the back (or `front`) of the queue they
+        now belong in, so that either way the chain's tail comes first and each parent stays
+        behind its children: to the back deepest first, to the front root first."""
+        for block_hash in hashes if front else reversed(hashes):
             block = self.cached.get(block_hash)
             if block is not None and block.ref_cnt == 0:
                 block.queue.remove(block)
-                self._queue_of(block).append(block)
-
-    def _requeue_front(self, hashes: list[bytes]) -> None:
-        """Moves the free cached blocks of a chain to the front of the queue they now belong
-        in, root first, so the chain's tail ends up first and each parent behind its children."""
-        for block_hash in hashes:
-            block = self.cached.get(block_hash)
-            if block is not None and block.ref_cnt == 0:
-                block.queue.remove(block)
-                self._queue_of(block).appendleft(block)
+                queue = self._queue_of(block)
+                (queue.appendleft if front else queue.append)(block)
 
     def _touch_free_cached(self, block_hash: bytes) -> None:
         """The sequence being freed held a duplicate of a cached block (both computed at

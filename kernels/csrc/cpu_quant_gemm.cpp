@@ -63,7 +63,6 @@ inline vf half16(const uint8_t* p) { return vload_half(reinterpret_cast<const ui
 // itself. A lookup (shift, then a lane permute in a table of the 16 values) was the earlier
 // AVX-512 way: on the Zen 4 cores this was measured on, shift and permute share two pipes and
 // bounded the kernel; a mask and a conversion spread over more.
-inline void q4_codes(const uint8_t* codes, int64_t u, int g, vf q[8]) { nibbles(codes + (u * NR + g * 16) * 4, q); }
 inline vf q4_code(const uint8_t* codes, int64_t u, int g, int t) { return nibble(codes + (u * NR + g * 16) * 4, t); }
 
 // What exact dequantization of a Q4 block needs: the scale times nibble_unscale(t) for each
@@ -78,9 +77,7 @@ inline Q4Exact q4_exact(vf d, vf offset) {
 }
 
 inline void q4_unit(const uint8_t* codes, int64_t u, int g, const Q4Exact& e, vf w[8]) {
-  vf q[8];
-  q4_codes(codes, u, g, q);
-  for (int t = 0; t < 8; ++t) w[t] = vfmadd(q[t], e.dt[t], e.offset);
+  for (int t = 0; t < 8; ++t) w[t] = vfmadd(q4_code(codes, u, g, t), e.dt[t], e.offset);
 }
 
 // Each format: bytes per block; the scales of a block's 48 columns; `unit(...)`, the exactly
@@ -310,7 +307,7 @@ inline FactoredInputs prepare_inputs(const float* x, int64_t M, int64_t K, bool 
       const float* v = x + r * K + b * QK;
       sums[r * blocks + b] = vreduce_add(vadd(vload(v), vload(v + 16)));
     }
-  if (!nibble_scaled || !NIBBLES_SCALED) return {x, sums.data()};
+  if (!nibble_scaled) return {x, sums.data()};
   const vf pattern = vload(NIBBLE_SCALES);
   if (static_cast<int64_t>(scaled.size()) < M * K) scaled.resize(M * K);
   for (int64_t i = 0; i < M * K; i += 16) vstore(scaled.data() + i, vmul(vload(x + i), pattern));

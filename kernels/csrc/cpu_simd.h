@@ -241,16 +241,8 @@ inline vf nibble(const uint8_t* p, int t) {
 
 #endif
 
-// All 8 codes of each lane. The loads repeat per code but hit L1 (or are folded into the
-// shift): one code at a time keeps a caller's registers for its accumulators.
-inline void nibbles(const uint8_t* p, vf q[8]) {
-  for (int t = 0; t < 8; ++t) q[t] = nibble(p, t);
-}
-
 // 2^-NIBBLE_SHIFT[t]: what undoes the factor nibble() leaves on code t (a power of two: exact).
 constexpr float nibble_unscale(int t) { return 1.0f / static_cast<float>(1u << NIBBLE_SHIFT[t]); }
-// Whether nibble() leaves any factor at all (both builds do today).
-constexpr bool NIBBLES_SCALED = NIBBLE_SHIFT[1] != 0;
 
 }  // namespace streamengine_simd
 
