@@ -35,9 +35,12 @@ FAIRNESS_SLACK = 1024.0
 sequences give way to it: about one request's service, so tenants within a request of each
 other never preempt each other, and a tenant that was just made room for must be served a
 whole slack further before the other can take its room back."""
-MAX_YIELDS_PER_STEP = 4
+MAX_YIELDS_PER_STEP = 16
 """Running sequences preempted per step to make room for under-served tenants (all of them
-together): room comes over a few steps rather than by emptying the batch at once."""
+together): room comes over a few steps rather than by emptying the batch at once. A busy
+tenant's sequences on a shared system prompt free a block or two each, so 4 (the first
+value) admitted about one quiet request a step, and on a one-thread CPU engine, with steps
+of a second or two, a burst of quiet bots waited several seconds each for admission."""
 TENANT_PREFILL_CHUNKS = 4
 """Under "fair" a tenant's prompts in flight share this many prefill chunks per step (each
 prompt still gets at least one). A quiet tenant's lone cold prompt, such as a bot's system

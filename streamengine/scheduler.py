@@ -184,9 +184,10 @@ class Scheduler:
         out = SchedulerOutput()
         self._count_prefills()
         budget = self.max_num_batched_tokens - self._serve_underserved(out)
-        # Tenants that gave way this step admit nothing in it: that would undo the yield.
-        yielded = {seq.tenant for seq in out.preempted}
-        num_yielded = len(out.preempted)
+        # Tenants that gave way this step admit nothing in it (that would undo the yield), nor
+        # does anyone served as much as they were: the room is theirs, lent to those owed more.
+        yielded = list(out.preempted)
+        num_yielded = len(yielded)
         budget = self._schedule_running(out, budget)
         pressed = len(out.preempted) > num_yielded  # memory pressure: admit nobody this step
         if not pressed:
@@ -385,8 +386,8 @@ class Scheduler:
         while queues and scheduled < self.max_num_batched_tokens and len(self.running) < self.max_num_seqs:
             tenant = self.share.first_to_serve(queues, running)
             queue, idle = queues.pop(tenant), tenant not in running
-            if any(victim.tenant == tenant for victim in out.preempted):
-                continue  # it yielded for an earlier one this step
+            if not self._owed_room_of(tenant, out.preempted):
+                continue  # it yielded for an earlier one this step, or is served as much as one that did
             if not idle and self._has_room(self._head_need(queue[0])):
                 break  # the common case, decided before any hashing: ordinary admission serves it
             if in_flight is None:
@@ -407,6 +408,15 @@ class Scheduler:
             running.add(tenant)
             scheduled += n
         return scheduled
+
+    def _owed_room_of(self, tenant: str, yielded: list[Sequence]) -> bool:
+        """Whether `tenant` may take room that the tenants of `yielded` gave this step: not
+        if it is one of them, nor if it is served more than any of them. (Room a tenant gave
+        for one owed more service went, in the same step, to a tenant served more than the
+        one that gave it.)"""
+        vt = self.share.usage_of(tenant).virtual_time
+        return all(victim.tenant != tenant and vt <= self.share.usage_of(victim.tenant).virtual_time
+                   for victim in yielded)
 
     def _give_way(self, tenant: str, need: int, limit: int, out: SchedulerOutput) -> int:
         """Preempts up to `limit` running sequences that owe `tenant` room until `need` free
@@ -473,13 +483,22 @@ class Scheduler:
         return n
 
     def _owing(self, tenant: str) -> list[Sequence]:
-        """The running sequences (no beams or samples of a group) that owe `tenant` room."""
-        behind = self.share.usage_of(tenant).virtual_time + FAIRNESS_SLACK
+        """The running sequences (no beams or samples of a group) that owe `tenant` room: of
+        tenants more than FAIRNESS_SLACK ahead of it, and, when it runs nothing, of tenants
+        over their share of the pool that are served at least as much as it is (a tenant
+        owed more service than the one arriving does not give way to it: with the slack
+        there too, the least-served bot of a busy trace still yielded, mid-prompt, to quiet
+        ones)."""
+        served = self.share.usage_of(tenant).virtual_time
         over_share = set()
         if all(s.tenant != tenant for s in self.running):
             over_share = self._over_block_share()
-        return [s for s in self.running if s.group_size == 1 and (
-            s.tenant in over_share or self.share.usage_of(s.tenant).virtual_time > behind)]
+
+        def owes(other: str) -> bool:
+            vt = self.share.usage_of(other).virtual_time
+            return vt > served + FAIRNESS_SLACK or (other in over_share and vt >= served)
+
+        return [s for s in self.running if s.group_size == 1 and owes(s.tenant)]
 
     def _head_need(self, seq: Sequence) -> int:
         return self._blocks_to_start(seq, self.block_manager.find_cached_blocks(seq))
@@ -565,9 +584,9 @@ class Scheduler:
             budget -= n
         return budget
 
-    def _schedule_waiting(self, out: SchedulerOutput, budget: int, yielded: set[str] = frozenset()) -> None:
+    def _schedule_waiting(self, out: SchedulerOutput, budget: int, yielded: list[Sequence] | None = None) -> None:
         if self.policy == "fair":
-            self._schedule_waiting_fair(out, budget, yielded)
+            self._schedule_waiting_fair(out, budget, yielded or [])
         else:
             self._schedule_waiting_fcfs(out, budget)
 
@@ -590,16 +609,17 @@ class Scheduler:
             in_flight.update(self._pending_hashes(seq))
             budget -= n
 
-    def _schedule_waiting_fair(self, out: SchedulerOutput, budget: int, yielded: set[str]) -> None:
-        """Admits from the tenant owed the most service, none of the `yielded`. A tenant over
+    def _schedule_waiting_fair(self, out: SchedulerOutput, budget: int, yielded: list[Sequence]) -> None:
+        """Admits from the tenant owed the most service, among those less served than every
+        tenant of the `yielded` sequences (the room they gave this step). A tenant over
         its own quota is passed (its limit must not hold back the others); when the chosen
         sequence does not fit the pool, admission stops: the room that frees up goes to the
         tenant owed the most, as in FCFS it goes to the head of the line, so a large request
         cannot starve."""
         in_flight = self._blocks_in_flight()
         queues = self._waiting_by_tenant()
-        for tenant in yielded:
-            queues.pop(tenant, None)
+        for tenant in [t for t in queues if not self._owed_room_of(t, yielded)]:
+            del queues[tenant]
         while queues and budget > 0 and len(self.running) < self.max_num_seqs:
             tenant = self.share.least_served(queues)
             if self._prefill_slices.get(tenant, 1) <= 0:

@@ -15,6 +15,7 @@ from streamengine.fair_share import (
     CACHE_AWARE_MIN_WAITING,
     FAIRNESS_SLACK,
     MAX_PASS_OVERS,
+    MAX_YIELDS_PER_STEP,
     TENANT_PREFILL_CHUNKS,
     weighted_split,
 )
@@ -330,21 +331,24 @@ def test_a_running_prompts_chunk_shrinks_to_the_free_blocks_instead_of_preemptin
 
 
 def test_nobody_yields_when_yielding_cannot_make_the_room() -> None:
-    """Busy's six sequences run on a pinned prefix, each with one block of its own. Quiet's
-    prompt needs 9 blocks: 4 are free, and the 4 yields a step allows would free 4 more, not
-    enough. So nobody yields (a yield would be undone the next step, over and over), and
-    quiet starts when busy's sequences end."""
-    sim = Sim(16, tenants=[TenantConfig("busy"), TenantConfig("quiet")])
+    """Busy's sequences (MAX_YIELDS_PER_STEP + 2) run on a pinned prefix, each with one block
+    of its own. Quiet's prompt needs MAX_YIELDS_PER_STEP + 5 blocks: 4 are free, and the
+    yields a step allows would free MAX_YIELDS_PER_STEP more, one short. So nobody yields (a
+    yield would be undone the next step, over and over), and quiet starts when busy's
+    sequences end."""
+    num_busy = MAX_YIELDS_PER_STEP + 2
+    sim = Sim(6 + num_busy + 4, tenants=[TenantConfig("busy"), TenantConfig("quiet")], budget=256,
+              max_num_seqs=num_busy + 2)
     first = sim.add("busy", tokens(24) + [7], max_tokens=1)
     sim.run()  # caches the 6 blocks of the shared prefix
     sim.bm.pin_blocks(sim.bm.cached_block_ids(first.block_hashes[:6]))
-    busy = [sim.add("busy", tokens(24) + [50 + k], max_tokens=3) for k in range(6)]
+    busy = [sim.add("busy", tokens(24) + [50 + k], max_tokens=3) for k in range(num_busy)]
     sim.step()
-    assert sim.bm.num_free_blocks == 4  # 16 - 6 pinned - 6 last blocks
-    quiet = sim.add("quiet", tokens(36, 900), max_tokens=1)
+    assert sim.bm.num_free_blocks == 4  # all but the pinned blocks and busy's last blocks
+    quiet = sim.add("quiet", tokens(BS * (MAX_YIELDS_PER_STEP + 5), 900), max_tokens=1)
     sim.run()
     assert sim.sched.num_preemptions == 0
-    assert sim.finished.index(quiet) == 7 and all(s.num_output_tokens == 3 for s in busy)
+    assert sim.finished.index(quiet) == num_busy + 1 and all(s.num_output_tokens == 3 for s in busy)
 
 
 def fill_pool(sim: Sim, tenant: str, n: int) -> list[Sequence]:
@@ -390,8 +394,9 @@ def test_on_a_tie_the_tenant_with_nothing_running_is_made_room_for() -> None:
 
 def test_a_tenant_with_nothing_running_goes_before_a_less_served_running_one() -> None:
     """B was served more than C and is idle now; C runs a request and waits with another, with
-    the least counter; A fills the rest of the pool. B's new request is the one made room for and
-    started: a returning tenant's first token does not wait behind tenants already running."""
+    the least counter; A, served as much as B, fills the rest of the pool. B's new request is the
+    one made room for (by A) and started: a returning tenant's first token does not wait behind
+    tenants already running."""
     sim = Sim(12, tenants=[TenantConfig(t) for t in "abc"], prefix_caching=False)
     sim.add("b", tokens(8, 700), max_tokens=4)
     sim.run()
@@ -402,7 +407,8 @@ def test_a_tenant_with_nothing_running_goes_before_a_less_served_running_one() -
             break
         sim.step()
     c_wait = sim.add("c", tokens(6, 600), max_tokens=2)
-    sim.sched.share.usage_of("b").virtual_time = 1000.0  # as if B had been served much more
+    for tenant in "ab":  # as if B, and A holding the pool, had been served much more
+        sim.sched.share.usage_of(tenant).virtual_time = 1000.0
     b1 = sim.add("b", tokens(6, 900), max_tokens=2)
     assert sim.stat("c", "virtual_time") < sim.stat("b", "virtual_time")
     assert c_run.status is SequenceStatus.RUNNING
@@ -464,6 +470,50 @@ def test_a_request_started_for_one_tenant_never_yields_for_the_next_in_that_step
     assert out.preempted == [a[2], a[1]]
     assert {b0, c0} <= {i.seq for i in out.scheduled}
     sim.run()
+
+
+def test_a_tenant_owed_more_service_never_gives_way_to_one_served_more() -> None:
+    """L (owed the most service) and N (served the most) both run two requests and are over
+    their share of the pool, L holding more blocks; Q returns from idle, served between them.
+    Q's room comes from N: L, less served than Q, does not yield to it, although L holds the
+    most blocks (the victims were taken by blocks held alone, and the least-served tenant of a
+    busy trace was preempted again and again for quiet ones served more)."""
+    sim = Sim(12, tenants=[TenantConfig(t) for t in "lnq"], prefix_caching=False)
+    low = [sim.add("l", tokens(10, 100 * i), max_tokens=20) for i in range(2)]
+    busy = [sim.add("n", tokens(2, 500 + 100 * i), max_tokens=20) for i in range(2)]
+    for _ in range(20):
+        if sim.bm.num_free_blocks < 2:  # too few for Q's request
+            break
+        sim.step()
+    q0 = sim.add("q", tokens(6, 900), max_tokens=2)
+    for tenant, vt in (("l", 100.0), ("n", 5000.0), ("q", 2000.0)):
+        sim.sched.share.usage_of(tenant).virtual_time = vt
+    assert len(sim.running_of("l")) == len(sim.running_of("n")) == 2
+    assert sim.blocks_of("l") > sim.blocks_of("n")
+    out = sim.step()
+    assert out.preempted and all(v.tenant == "n" for v in out.preempted)
+    assert q0 in [i.seq for i in out.scheduled]
+    sim.run()
+    assert all(s.num_output_tokens == 20 for s in low + busy)
+
+
+def test_room_given_this_step_goes_to_no_tenant_served_more_than_the_giver() -> None:
+    """A fills the pool, far ahead of B; B and U return from idle, U served even more than A.
+    A's newest yields for B, and the room left over stays free in that step: U, although idle
+    and small enough to fit, does not start on room taken from a tenant it is ahead of."""
+    sim = Sim(12, tenants=[TenantConfig(t) for t in "abu"], prefix_caching=False)
+    a = fill_pool(sim, "a", 3)
+    sim.sched.share.usage_of("a").virtual_time = 5000.0
+    b0 = sim.add("b", tokens(2, 900), max_tokens=2)  # 1 block (2 with the next token)
+    u0 = sim.add("u", tokens(2, 950), max_tokens=2)
+    sim.sched.share.usage_of("u").virtual_time = 9000.0
+    out = sim.step()
+    assert out.preempted == [a[2]]
+    scheduled = [i.seq for i in out.scheduled]
+    assert b0 in scheduled and u0 not in scheduled
+    assert sim.bm.num_free_blocks >= 1  # the room was there
+    sim.run()
+    assert all(s.num_output_tokens == 10 for s in a) and u0.num_output_tokens == 2
 
 
 @pytest.mark.parametrize("seed", range(12))
