@@ -335,13 +335,10 @@ class BlockManager:
         if not self.enable_prefix_caching or seq.seq_id in self._wants:
             return
         hashes = self.compute_block_hashes(seq)[: (seq.num_tokens - 1) // self.block_size]
-        own = [block_hash for block_hash in hashes if block_hash not in self._wanted]
+        own = hashes if first else [block_hash for block_hash in hashes if block_hash not in self._wanted]
         self._wants[seq.seq_id] = hashes
         self._wanted.update(hashes)
-        if first:
-            self._requeue(hashes)
-        else:
-            self._requeue(own, front=True)
+        self._requeue(own, front=not first)
 
     def unwant(self, seq: Sequence) -> None:
         """`seq` stopped waiting (admitted or removed); idempotent."""

@@ -185,7 +185,7 @@ class Scheduler:
         self._count_prefills()
         budget = self.max_num_batched_tokens - self._serve_underserved(out)
         # Tenants that gave way this step admit nothing in it (that would undo the yield), nor
-        # does anyone served as much as they were: the room is theirs, lent to those owed more.
+        # does anyone served more than one of them: the room is lent only to those it owes.
         yielded = list(out.preempted)
         num_yielded = len(yielded)
         budget = self._schedule_running(out, budget)
@@ -387,7 +387,7 @@ class Scheduler:
             tenant = self.share.first_to_serve(queues, running)
             queue, idle = queues.pop(tenant), tenant not in running
             if not self._owed_room_of(tenant, out.preempted):
-                continue  # it yielded for an earlier one this step, or is served as much as one that did
+                continue  # it yielded for an earlier one this step, or is served more than one that did
             if not idle and self._has_room(self._head_need(queue[0])):
                 break  # the common case, decided before any hashing: ordinary admission serves it
             if in_flight is None:
@@ -414,9 +414,10 @@ class Scheduler:
         if it is one of them, nor if it is served more than any of them. (Room a tenant gave
         for one owed more service went, in the same step, to a tenant served more than the
         one that gave it.)"""
+        if any(victim.tenant == tenant for victim in yielded):
+            return False
         vt = self.share.usage_of(tenant).virtual_time
-        return all(victim.tenant != tenant and vt <= self.share.usage_of(victim.tenant).virtual_time
-                   for victim in yielded)
+        return all(vt <= self.share.usage_of(victim.tenant).virtual_time for victim in yielded)
 
     def _give_way(self, tenant: str, need: int, limit: int, out: SchedulerOutput) -> int:
         """Preempts up to `limit` running sequences that owe `tenant` room until `need` free
@@ -610,8 +611,8 @@ class Scheduler:
             budget -= n
 
     def _schedule_waiting_fair(self, out: SchedulerOutput, budget: int, yielded: list[Sequence]) -> None:
-        """Admits from the tenant owed the most service, among those less served than every
-        tenant of the `yielded` sequences (the room they gave this step). A tenant over
+        """Admits from the tenant owed the most service, among those that may take the room
+        the `yielded` sequences gave this step (_owed_room_of). A tenant over
         its own quota is passed (its limit must not hold back the others); when the chosen
         sequence does not fit the pool, admission stops: the room that frees up goes to the
         tenant owed the most, as in FCFS it goes to the head of the line, so a large request
