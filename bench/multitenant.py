@@ -14,12 +14,13 @@ all tokens the run ever holds (every system prompt plus every conversation's ful
 
 Two systems, same weights, same KV pool, same arrivals, one after the other:
 
-  baseline      scheduling_policy="fcfs", nothing pinned, retain_waiting_prefixes=False: plain
-                LRU eviction, each bot's salt isolating its cache (what vLLM does with a
-                per-bot cache_salt)
+  baseline      scheduling_policy="fcfs", nothing pinned, retain_waiting_prefixes=False and
+                tenant_fair_eviction=False: plain LRU eviction across all bots, each bot's salt
+                isolating its cache (what vLLM does with a per-bot cache_salt)
   streamengine  scheduling_policy="fair" (virtual token counter, cache-aware admission), each
-                bot's system prompt pinned (most popular first, up to max_pinned_fraction), and
-                waiting requests' cached prefixes evicted last (the defaults)
+                bot's system prompt pinned (most popular first, up to max_pinned_fraction),
+                waiting requests' cached prefixes evicted last, and the free cache shared
+                max-min fairly between bots (the defaults)
 
 Both start warm in the same way: each bot's system prompt is computed once before the clock
 starts (pinned by streamengine, a one-token request for the baseline). Measured per tenant class
@@ -303,7 +304,8 @@ def engine_config(args, workload: Workload, system: str):
         kv_cache_bytes=args.kv_bytes, max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens, num_threads=args.threads, seed=args.seed,
         scheduling_policy=POLICIES[system], tenants=tuple(TenantConfig(b.name) for b in workload.bots),
-        retain_waiting_prefixes=system == "streamengine",  # the baseline evicts by plain LRU
+        # The baseline evicts by plain LRU across all tenants, as vLLM does.
+        retain_waiting_prefixes=system == "streamengine", tenant_fair_eviction=system == "streamengine",
     )
 
 
@@ -475,6 +477,7 @@ def build_report(args, workload: Workload, systems: dict[str, dict]) -> dict:
         "hit_rate_gain_points": 100 * (ours["hit_rate"] - base["hit_rate"]) if base and ours else None,
         # The ceiling: no eviction at all, on the same turns (a gain past it is impossible).
         "hit_rate_unbounded": ours["hit_rate_unbounded"] if ours else None,
+        **headroom(base, ours),
         "throughput_ratio": ratio(ours and ours["output_tok_s"], base and base["output_tok_s"]),
         # Jain's index: over the backlogged phase (tenants that all wait the whole time), and
         # over the bots' trace, where few windows have two tenants waiting side by side.
@@ -494,6 +497,16 @@ def build_report(args, workload: Workload, systems: dict[str, dict]) -> dict:
     report["systems"] = systems
     report["config"] = run_config(args)
     return report
+
+
+def headroom(base: dict | None, ours: dict | None) -> dict:
+    """How far the baseline is from the never-evicting ceiling, in points, and the share of
+    that distance ours closes: the hit-rate goal is reachable only where the first is >= 15."""
+    if not base or not ours:
+        return {"hit_rate_headroom_points": None, "hit_rate_gap_closed": None}
+    points = 100 * (ours["hit_rate_unbounded"] - base["hit_rate"])
+    gain = 100 * (ours["hit_rate"] - base["hit_rate"])
+    return {"hit_rate_headroom_points": points, "hit_rate_gap_closed": gain / points if points > 0 else None}
 
 
 def _backlogged(system: dict | None, key: str) -> float | int | None:
@@ -554,6 +567,8 @@ def print_table(report: dict) -> None:
     print(f"jain_baseline {fmt_x(report['jain_baseline'], '.3f')}, hit rate {fmt_x(report['hit_rate_fair'], '.1%')} "
           f"(streamengine) vs {fmt_x(report['hit_rate_baseline'], '.1%')} (baseline), "
           f"{fmt_x(report['hit_rate_unbounded'], '.1%')} with a cache that never evicts")
+    print(f"hit-rate headroom over the baseline {fmt_x(report['hit_rate_headroom_points'], '.1f')} points "
+          f"(the goal needs >= 15), of which streamengine closes {fmt_x(report['hit_rate_gap_closed'], '.0%')}")
 
 
 COLORS = {"noisy": "#d62728", "popular": "#1f77b4", "rare": "#2ca02c"}

@@ -120,8 +120,11 @@ class BlockManager:
     def __init__(
         self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
         num_cpu_blocks: int = 0, weight_of: Callable[[str], float] | None = None,
+        tenant_fair_eviction: bool = True,
     ) -> None:
-        """`weight_of(tenant)` weighs each tenant's claim on the free cache (default: equal)."""
+        """`weight_of(tenant)` weighs each tenant's claim on the free cache (default: equal);
+        with `tenant_fair_eviction` off every free block is filed under one owner, so eviction
+        is one LRU order across tenants."""
         if num_blocks < 1 or block_size < 1 or num_cpu_blocks < 0:
             raise ValueError("num_blocks and block_size must be >= 1, num_cpu_blocks >= 0")
         self.num_blocks = num_blocks
@@ -133,6 +136,7 @@ class BlockManager:
         self.free_queue = TenantFreeBlocks(self.blocks)
         self.wanted_queue = TenantFreeBlocks()
         self.weight_of = weight_of or (lambda tenant: 1.0)
+        self.tenant_fair_eviction = tenant_fair_eviction
         self.cached: dict[bytes, KVBlock] = {}
         self._wanted: Counter[bytes] = Counter()  # hash -> waiting sequences that will hit it
         self._wants: dict[int, list[bytes]] = {}  # seq_id -> the hashes it wants
@@ -302,12 +306,16 @@ class BlockManager:
                 raise RuntimeError(f"double free of block {block.block_id}")
             _drop(block, seq.tenant)
             if block.ref_cnt == 0:
-                block.evict_tenant = seq.tenant
+                block.evict_tenant = self._evict_owner(seq.tenant)
                 self._enqueue_free(block)
             if block.block_hash is None and i < len(hashes):
                 self._touch_free_cached(hashes[i])
         seq.block_table = []
         seq.num_cached_blocks = 0
+
+    def _evict_owner(self, tenant: str | None) -> str:
+        """Whose share of the free cache a block freed by `tenant` counts in."""
+        return (tenant or SHARED_OWNER) if self.tenant_fair_eviction else SHARED_OWNER
 
     def _enqueue_free(self, block: KVBlock) -> None:
         if block.block_hash is None:
@@ -498,7 +506,7 @@ class BlockManager:
             block.ref_cnt -= 1
             if block.pins == 0:
                 self._num_pinned -= 1
-                block.evict_tenant = block.pin_owner or SHARED_OWNER  # if nobody holds it either
+                block.evict_tenant = self._evict_owner(block.pin_owner)  # if nobody holds it either
                 block.pin_owner = None
             if block.ref_cnt == 0:
                 self._enqueue_free(block)

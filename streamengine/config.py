@@ -76,7 +76,11 @@ class EngineConfig:
         None, "longest sequence; None: the model's context, capped by the pool", minimum=1)
     enable_prefix_caching: bool = _option(True, "reuse the KV blocks of prompts' shared prefixes")
     retain_waiting_prefixes: bool = _option(
-        True, "evict last the cached blocks that a waiting request's prefix will hit (False: plain LRU)")
+        True, "evict last the cached blocks that a waiting request's prefix will hit (False: in LRU order)")
+    tenant_fair_eviction: bool = _option(
+        True,
+        "evict free cached blocks from the tenant holding the most of them per unit of weight, LRU "
+        "within it; False: one LRU order across tenants (vLLM's)")
     attention_backend: str = _option("auto", "paged attention implementation", choices=ATTENTION_BACKENDS)
     model_impl: str = _option(
         "auto",

@@ -101,7 +101,7 @@ class EngineCore:
         config, kv = self.config, self.kv_spec
         block_manager = BlockManager(
             kv.num_blocks, config.block_size, config.enable_prefix_caching, num_cpu_blocks=kv.num_cpu_blocks,
-            weight_of=self._tenant_weight,
+            weight_of=self._tenant_weight, tenant_fair_eviction=config.tenant_fair_eviction,
         )
         scheduler = Scheduler(
             block_manager, config.max_num_seqs, config.max_num_batched_tokens,

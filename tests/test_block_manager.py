@@ -467,6 +467,20 @@ def test_eviction_takes_from_the_tenant_holding_the_most_free_cache() -> None:
     assert hits(bm, tenant_seq(4, "b", list(range(100, 109)))) == 2
 
 
+def test_without_tenant_fair_eviction_one_lru_order_spans_tenants() -> None:
+    """The same frees as above with tenant_fair_eviction off (the multi-tenant bench's
+    baseline, vLLM's order): B's 2 blocks, freed first, go first, then A's tail."""
+    bm = BlockManager(12, BS, tenant_fair_eviction=False)
+    a, b = tenant_seq(0, "a", list(range(25))), tenant_seq(1, "b", list(range(100, 109)))
+    prefill(bm, b)
+    prefill(bm, a)
+    bm.free(b)
+    bm.free(a)
+    assert bm.allocate_slots(tenant_seq(2, "c", list(range(500, 532))), 32)
+    assert hits(bm, tenant_seq(3, "a", list(range(25)))) == 4
+    assert hits(bm, tenant_seq(4, "b", list(range(100, 109)))) == 0
+
+
 def test_a_tenants_weight_scales_its_claim_on_the_free_cache() -> None:
     """Weight 4 for A: its 6 free blocks count as 1.5 against B's 2, so B gives up one first."""
     bm = BlockManager(8, BS, weight_of=lambda tenant: 4.0 if tenant == "a" else 1.0)
