@@ -44,6 +44,13 @@ F32 copy's counterpart), and the parallel work once more per format with a float
 interleaved batch-1 rounds run. Every figure is the best of `--reps` repetitions (the machine is
 shared: noise only slows a run down); means are kept in the JSON beside the samples.
 
+The goal table counts exact arithmetic only (the engine's packed and dequantized weights compute
+the float32 GEMM). Beside it, the engine's opt-in `int8_activations` mode (packed weights times
+inputs quantized to int8 per 32 values, as llama.cpp's own Q4_1 run multiplies them; not exact)
+runs the same three works (`--no-int8-activations` skips it): JSON `engine_int8act_<work>_tok_s`,
+`int8act_ratios` (against llama.cpp's best), `int8act_ratios_vs_llamacpp_q4_1`, and
+`int8act_greedy_agreement` (16 prompts x 64 greedy tokens against the exact packed weights).
+
     python bench/peers.py --quick                  # builds llama.cpp first when missing
     python bench/peers.py                          # 3 repetitions of everything
     python bench/peers.py --llamacpp-dir ~/llama.cpp/build/bin --threads 2
@@ -315,10 +322,12 @@ def engine_formats() -> list[str]:
     return ["packed", "dequantized"]
 
 
-def engine_config(args, weight_format: str, whole_prompt: bool, kv_cache_dtype: str = "auto"):
+def engine_config(args, weight_format: str, whole_prompt: bool, kv_cache_dtype: str = "auto", int8: bool = False):
     from streamengine import EngineConfig
 
     extra: dict = {"weight_format": weight_format, "kv_cache_dtype": kv_cache_dtype}
+    if int8:
+        extra["int8_activations"] = True
     if whole_prompt:
         extra.update(max_prefill_chunk=None, max_num_batched_tokens=max(2048, *args.prefill_lens))
     return EngineConfig(model=str(args.gguf), dtype="float32", device="cpu", num_threads=args.threads, seed=0,
@@ -432,12 +441,12 @@ def weight_log():
         logger.setLevel(level)
 
 
-async def _session_default(args, weight_format: str) -> dict:
+async def _session_default(args, weight_format: str, int8: bool = False) -> dict:
     """b1, prefill (default chunking) and tput on one engine."""
     from streamengine import AsyncEngine
 
     with weight_log() as lines:
-        engine = AsyncEngine(engine_config(args, weight_format, whole_prompt=False))
+        engine = AsyncEngine(engine_config(args, weight_format, False, int8=int8))
     async with engine:
         prompts = Prompts.of(engine, f"peers:{weight_format}:default")
         await _warm_up(engine, prompts)
@@ -449,21 +458,21 @@ async def _session_default(args, weight_format: str) -> dict:
                 "max_prefill_chunk": engine.config.max_prefill_chunk, "weight_path": " / ".join(lines) or None}
 
 
-async def _session_tput(args, weight_format: str, kv_cache_dtype: str) -> dict:
+async def _session_tput(args, weight_format: str, kv_cache_dtype: str, int8: bool = False) -> dict:
     """tput alone, on an engine whose KV cache is `kv_cache_dtype`."""
     from streamengine import AsyncEngine
 
-    async with AsyncEngine(engine_config(args, weight_format, False, kv_cache_dtype)) as engine:
+    async with AsyncEngine(engine_config(args, weight_format, False, kv_cache_dtype, int8)) as engine:
         prompts = Prompts.of(engine, f"peers:{weight_format}:{kv_cache_dtype}")
         await _warm_up(engine, prompts)
         tput = [await tput_once(engine, prompts, args) for _ in range(args.tput_reps)]
         return {**figures(tput), "num_preemptions": engine.stats()["num_preemptions"]}
 
 
-async def _session_whole_prompt(args, weight_format: str) -> dict:
+async def _session_whole_prompt(args, weight_format: str, int8: bool = False) -> dict:
     from streamengine import AsyncEngine
 
-    async with AsyncEngine(engine_config(args, weight_format, whole_prompt=True)) as engine:
+    async with AsyncEngine(engine_config(args, weight_format, True, int8=int8)) as engine:
         prompts = Prompts.of(engine, f"peers:{weight_format}:whole")
         await _warm_up(engine, prompts)
         return await _prefill(engine, prompts, args)
@@ -495,6 +504,76 @@ def measure_engine_format(args, weight_format: str) -> dict:
     if kv16 is not None:
         out["tput_kv_float16"] = kv16
     return out
+
+
+AGREEMENT_PROMPTS = [
+    "The capital of France is", "def fibonacci(n):", "Once upon a time", "The three laws of robotics are",
+    "Water boils at", "List three colors:", "Translate to French: good morning", "The meaning of life is",
+    "In 1492,", "Explain photosynthesis in one sentence.", "import numpy as np\n", "My favourite food is",
+    "The quick brown fox", "Q: What is 2+2?\nA:", "Dear Sir,", "The best way to learn programming is",
+]
+AGREEMENT_TOKENS = 64
+
+
+async def _greedy_tokens(args, int8: bool) -> list[list[int]]:
+    from streamengine import AsyncEngine, SamplingParams
+
+    params = SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=AGREEMENT_TOKENS)
+
+    async def one(engine, prompt: str) -> list[int]:
+        final = None
+        async for out in engine.generate(prompt, params):
+            final = out
+        return list(final.outputs[0].token_ids)
+
+    async with AsyncEngine(engine_config(args, "packed", False, int8=int8)) as engine:
+        return list(await asyncio.gather(*(one(engine, p) for p in AGREEMENT_PROMPTS)))
+
+
+def greedy_agreement(args) -> dict:
+    """int8 activations against the exact packed weights, greedy on AGREEMENT_PROMPTS: the
+    share of tokens before each output's first difference, and how many outputs are identical."""
+    exact, int8 = asyncio.run(_greedy_tokens(args, False)), asyncio.run(_greedy_tokens(args, True))
+    same = [next((i for i, (a, b) in enumerate(zip(x, y)) if a != b), len(x)) for x, y in zip(exact, int8)]
+    return {"prompts": len(exact), "tokens": AGREEMENT_TOKENS, "tokens_before_first_difference": sum(same) / sum(map(len, exact)),
+            "identical_outputs": sum(n == len(x) for n, x in zip(same, exact)), "first_tokens_equal": sum(n > 0 for n in same)}
+
+
+def measure_int8_activations(args) -> dict:
+    """The opt-in int8-activation mode on the packed weights (not exact): b1, prefill, tput
+    (also at a float16 KV cache), and its greedy agreement with the exact packed weights."""
+    print("engine packed, int8 activations ...", file=sys.stderr)
+    try:
+        default = asyncio.run(_session_default(args, "packed", int8=True))
+        gc.collect()
+        whole = asyncio.run(_session_whole_prompt(args, "packed", int8=True))
+        gc.collect()
+        kv16 = asyncio.run(_session_tput(args, "packed", "float16", int8=True))
+        gc.collect()
+        agreement = greedy_agreement(args)
+    except (ValueError, TypeError) as exc:  # cannot run here, or an engine without the option
+        return {"error": str(exc)}
+    return {"b1": default["b1"], "prefill": best_prefill(default["prefill"], whole), "tput": default["tput"],
+            "tput_kv_float16": kv16, "weight_path": default["weight_path"], "greedy_agreement": agreement}
+
+
+def int8_activation_keys(int8: dict | None, llamacpp: dict, prefill_lens: list[int]) -> dict:
+    """The int8-activation figures beside the goal table (which counts exact arithmetic only):
+    per work its tok/s, the ratio to llama.cpp's best and to llama.cpp on the Q4_1 file as
+    stored (whose matmuls quantize activations likewise)."""
+    if not int8 or "error" in int8:
+        return {"int8_activations": int8}
+    tput = max(int8["tput"]["tok_s"], int8.get("tput_kv_float16", {}).get("tok_s", 0.0))
+    figures = {"b1": int8["b1"]["tok_s"], "tput": tput,
+               **{f"prefill{n}": int8["prefill"][str(n)]["tok_s"] for n in prefill_lens}}
+    keys: dict = {f"engine_int8act_{work}_tok_s": v for work, v in figures.items()}
+    picks = {"b1": _pick("b1"), "tput": _pick("tput"), **{f"prefill{n}": _prefill_of(n) for n in prefill_lens}}
+    keys["int8act_ratios"] = {work: _ratio(v, _best(llamacpp, picks[work])[0]) for work, v in figures.items()}
+    q4 = llamacpp.get("Q4_1")
+    keys["int8act_ratios_vs_llamacpp_q4_1"] = {
+        work: _ratio(v, picks[work](q4)) if q4 and "error" not in q4 else None for work, v in figures.items()}
+    keys["int8act_greedy_agreement"] = int8["greedy_agreement"]
+    return {**keys, "int8_activations": int8}
 
 
 def measure_engine(args) -> dict:
@@ -684,6 +763,14 @@ def print_table(report: dict) -> None:
             print(f"{label} interleaved ({inter[ours]} vs llama.cpp {inter['llamacpp_variant']} "
                   f"-fa {inter['llamacpp_flash_attn']}), engine/llama.cpp tok/s per round: {rounds}; "
                   f"median ratio {inter['ratio_median']:.2f}x")
+    if ratios := report.get("int8act_ratios"):
+        agree = report["int8act_greedy_agreement"]
+        figures = ", ".join(f"{w} {report[f'engine_int8act_{w}_tok_s']:.1f} tok/s ({r:.2f}x)" for w, r in ratios.items() if r)
+        print(f"engine packed with int8 activations (opt-in, not exact; beside the goals): {figures} against "
+              f"llama.cpp's best; greedy: {agree['tokens_before_first_difference']:.0%} of tokens before the first "
+              f"difference, {agree['identical_outputs']} of {agree['prompts']} outputs identical")
+    elif report.get("int8_activations"):
+        print(f"engine packed with int8 activations: {report['int8_activations'].get('error')}")
     for name, g in report["goals"].items():
         r = g["ratio"]
         print(f"{name}: engine / llama.cpp best = {'-' if r is None else f'{r:.2f}'} "
@@ -754,6 +841,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--json", type=Path, default=RESULTS_DIR / "peers.json")
     p.add_argument("--png", type=Path, default=RESULTS_DIR / "peers.png")
     p.add_argument("--no-png", action="store_true")
+    p.add_argument("--no-int8-activations", dest="int8_activations", action="store_false",
+                   help="skip the engine's opt-in int8-activation mode (not exact; reported beside the goals)")
     args = p.parse_args(argv)
     args.reps = args.reps or (1 if args.quick else 3)
     args.tput_reps = args.tput_reps or (1 if args.quick else 2)
@@ -782,7 +871,7 @@ def run_config(args) -> dict:
     from common import software
 
     keys = ("quick", "threads", "reps", "tput_reps", "decode_tokens", "b1_rounds", "tput_rounds", "prefill_lens", "parallel",
-            "tput_prompt", "tput_gen", "weight_formats", "kv16")
+            "tput_prompt", "tput_gen", "weight_formats", "kv16", "int8_activations")
     return {"gguf": str(args.gguf), **{k: getattr(args, k) for k in keys}, **software()}
 
 
@@ -796,7 +885,9 @@ def main(argv: list[str] | None = None) -> int:
     files = llamacpp_files(tools, args.gguf, args)
     llamacpp, rows = measure_llamacpp(tools, files, args)
     engine = measure_engine(args)
+    int8 = measure_int8_activations(args) if args.int8_activations else None
     report = build_report(engine, llamacpp, llamacpp_info(tools, rows), run_config(args))
+    report.update(int8_activation_keys(int8, llamacpp, args.prefill_lens))
     report["b1_interleaved"] = interleaved_b1(tools, llamacpp, files, engine, args)
     report["tput_interleaved"] = interleaved_tput(tools, report, files, args)
     print_table(report)

@@ -53,6 +53,8 @@ class PanelLinear:
     kernel_weight: torch.Tensor
     _lib: ctypes.CDLL
 
+    kernel_only = False  # whether every batch size must run through the kernel (not a float32 matmul)
+
     def _view(self, fmt: int, panels: torch.Tensor) -> torch.Tensor:
         return torch.tensor([fmt, panels.data_ptr(), self.padded, self.in_features], dtype=torch.int64)
 
@@ -61,7 +63,7 @@ class PanelLinear:
             raise ValueError(f"expected a float32 CPU [M, {self.in_features}] input, got {x.dtype} {list(x.shape)}")
         x = x.contiguous()
         m = x.shape[0]
-        if m <= SMALL_M_MAX:
+        if m <= SMALL_M_MAX or self.kernel_only:
             y = torch.empty((m, self.padded), dtype=torch.float32)  # [M, N_padded]
             if self._lib.streamengine_gemm(self.kernel_weight.data_ptr(), x.data_ptr(), m, y.data_ptr()) != 0:
                 raise RuntimeError(f"cpu gemm rejected shape M={m} K={self.in_features} N={self.padded}")

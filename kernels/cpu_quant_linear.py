@@ -44,6 +44,7 @@ FORMATS = {f.type_id: f for f in (
 )}
 FORMAT_NAMES = frozenset(f.name for f in FORMATS.values())
 Q8_0_TYPE = 8  # the GGUF type id of Q8_0: the int8 weight-only mode's blocks
+INT8_ACTIVATIONS = 0x100  # added to a Q4_0, Q4_1 or Q8_0 format code: the kernel quantizes the inputs (cpu_quant_gemm.h)
 BF16_TYPE = 30
 
 
@@ -87,6 +88,32 @@ def dequantize(blocks: np.ndarray | torch.Tensor, quant_type: int, shape: tuple[
     return w.reshape(n, k)
 
 
+def quantize_activations(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """[M, K] float32 inputs as the int8-activation kernel quantizes them: per 32 values
+    dx = max |x| / 127 and xq = round(x / dx) (ties to even). Returns xq [M, K / 32, 32]
+    (float32 holding integers) and dx [M, K / 32, 1]."""
+    m, k = x.shape
+    blocks = np.asarray(x, dtype=np.float32).reshape(m, k // QK, QK)
+    dx = np.abs(blocks).max(axis=-1, keepdims=True) / np.float32(127)
+    inverse = np.divide(np.float32(1), dx, out=np.zeros_like(dx), where=dx != 0)
+    return np.rint(blocks * inverse), dx
+
+
+def int8_activation_reference(x: np.ndarray, blocks: np.ndarray, quant_type: int, shape: tuple[int, int]) -> np.ndarray:
+    """y [M, N] float64 as the int8-activation kernel defines it, summed exactly: per block
+    d * dx * sum(q * xq) + m * dx * sum(xq), m = -8 d for Q4_0 and 0 for Q8_0."""
+    fmt, (n, k) = block_format(quant_type), shape
+    if not takes_int8_activations(quant_type):
+        raise ValueError(f"int8 activations run with Q4_0, Q4_1 or Q8_0 weights, not {fmt.name}")
+    d, m, q = _fields(np.asarray(blocks), fmt, k)
+    d64 = d.astype(np.float64)
+    m64 = m.astype(np.float64) if m is not None else (-8 if fmt.code_bits == 4 else 0) * d64
+    xq, dx = (a.astype(np.float64) for a in quantize_activations(x))  # [M, nb, 32], [M, nb, 1]
+    dots = np.einsum("mbk,nbk->mnb", xq, q.astype(np.float64))  # [M, N, nb]
+    scaled = dx[..., 0][:, None, :]  # [M, 1, nb]
+    return (dots * d64[None] * scaled + m64[None] * scaled * xq.sum(-1)[:, None, :]).sum(-1)
+
+
 def quantize_q8_0(weight: torch.Tensor) -> np.ndarray:
     """[N, K] float weights as Q8_0 blocks [N, K / 32 * 34] (the int8 weight-only mode): per 32
     weights one float16 scale d = max |w| / 127 and codes round(w / d). Not exact: each weight
@@ -111,8 +138,11 @@ def bfloat16_rows(weight: torch.Tensor) -> np.ndarray | None:
     return (bits >> 16).to(torch.int16).numpy().view(np.uint8).reshape(weight.shape[0], -1)
 
 
-def pack_blocks(blocks: np.ndarray, quant_type: int, shape: tuple[int, int], width: int) -> np.ndarray:
-    """The kernel's panels (uint8, flat) of a weight given as GGUF blocks [N, bytes per row]."""
+def pack_blocks(blocks: np.ndarray, quant_type: int, shape: tuple[int, int], width: int,
+                int8_layout: bool = False) -> np.ndarray:
+    """The kernel's panels (uint8, flat) of a weight given as GGUF blocks [N, bytes per row];
+    `int8_layout`: Q8_0 codes as the int8-activation kernel reads them (per 8 k, a column's
+    codes for the even k, then the odd k, 4 bytes each, stored plus 128)."""
     fmt, (n, k) = block_format(quant_type), shape
     if k % QK:
         raise ValueError(f"in_features {k} is not a multiple of {QK}")
@@ -131,6 +161,9 @@ def pack_blocks(blocks: np.ndarray, quant_type: int, shape: tuple[int, int], wid
     scales = [by_panel(s).transpose(0, 2, 1).copy().view(np.uint8) for s in (d, m) if s is not None]  # [P, nb, 96]
     if fmt.code_bits == 4:  # [P, 48, nb, 4 units, 4 bytes] -> [P, nb, units, 48, bytes]: a column's unit is one int32
         codes = by_panel(q.reshape(n, nb, 4, 4)).transpose(0, 2, 3, 1, 4)
+    elif int8_layout:  # [P, 48, nb, 4 units, 4 k, 2 (even, odd)] -> [P, nb, units, 2, 48, 4 k]
+        shifted = (q.astype(np.int16) + 128).astype(np.uint8)
+        codes = by_panel(shifted.reshape(n, nb, 4, 4, 2)).transpose(0, 2, 3, 5, 1, 4)
     else:  # [P, 48, nb, 32] -> [P, nb, 32, 48]
         codes = by_panel(q.view(np.uint8)).transpose(0, 2, 3, 1)
     codes = codes.reshape(padded // width, nb, -1)
@@ -138,22 +171,35 @@ def pack_blocks(blocks: np.ndarray, quant_type: int, shape: tuple[int, int], wid
 
 
 class QuantLinear(PanelLinear):
-    """y = x @ W^T + b with W in a GGUF block format, packed for csrc/cpu_quant_gemm.cpp."""
+    """y = x @ W^T + b with W in a GGUF block format, packed for csrc/cpu_quant_gemm.cpp.
+
+    With `int8_activations` (Q4_0, Q4_1, Q8_0) the inputs are quantized to int8 per 32 values
+    and multiplied with integer dot products at every batch size, as llama.cpp runs its Q4
+    formats: faster where the GEMM is compute-bound, and not exact (see
+    `int8_activation_reference`)."""
 
     def __init__(self, blocks: np.ndarray, quant_type: int, shape: tuple[int, int], bias: torch.Tensor | None,
-                 lib: ctypes.CDLL) -> None:
+                 lib: ctypes.CDLL, int8_activations: bool = False) -> None:
         self.format = block_format(quant_type)
+        if int8_activations and not takes_int8_activations(quant_type):
+            raise ValueError(f"int8 activations run with Q4_0, Q4_1 or Q8_0 weights, not {self.format.name}")
+        self.int8_activations = int8_activations
         self.out_features, self.in_features = shape
         self.width = lib.streamengine_panel_width()
         self.padded = -(-self.out_features // self.width) * self.width
-        self.panels = torch.from_numpy(pack_blocks(blocks, quant_type, shape, self.width))
+        self.panels = torch.from_numpy(pack_blocks(blocks, quant_type, shape, self.width, int8_activations))
         expected = self.padded // self.width * (self.in_features // QK) * lib.streamengine_quant_block_bytes(
             self.format.type_id)
         if self.panels.numel() != expected:
             raise RuntimeError(f"{self.format.name} panels of {self.panels.numel()} bytes, kernel expects {expected}")
         self.bias = bias
-        self.kernel_weight = self._view(self.format.type_id, self.panels)
+        flag = INT8_ACTIVATIONS if int8_activations else 0
+        self.kernel_weight = self._view(self.format.type_id | flag, self.panels)
         self._lib = lib
+
+    @property
+    def kernel_only(self) -> bool:
+        return self.int8_activations  # the float32 matmul of large batches would be exact
 
     @property
     def nbytes(self) -> int:
@@ -178,6 +224,11 @@ def load_library() -> ctypes.CDLL | None:
     if lib is not None:
         lib.streamengine_quant_block_bytes.restype = ctypes.c_int64
     return lib
+
+
+def takes_int8_activations(quant_type: int) -> bool:
+    """Whether a weight of this GGUF type can multiply int8-quantized inputs (Q4_0, Q4_1, Q8_0)."""
+    return int(quant_type) in FORMATS and FORMATS[int(quant_type)].code_bits in (4, 8)
 
 
 def supported(quant_type: int) -> bool:

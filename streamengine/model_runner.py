@@ -67,14 +67,24 @@ def select_native(config: EngineConfig, loaded: LoadedModel, device: torch.devic
     if config.weight_format == "int8" and kernels is not None:
         raise ValueError(f"EngineConfig.weight_format='int8' cannot run: {kernels}")
     packed = select_packed(config, loaded, kernels)
+    if config.int8_activations and packed is None:
+        why = (kernels or (f"weight_format={config.weight_format!r}" if config.weight_format in ("dequantized", "int8")
+                           else "the model is not a GGUF file"))
+        raise ValueError(f"EngineConfig.int8_activations needs a GGUF model's Q4 weights running packed, not here: {why}")
     if reason is not None:
         return None
     # Float weights: "int8" quantizes them; "auto" keeps those that are all bfloat16 values
     # (a bfloat16 checkpoint) as bfloat16, which is exact.
     unpacked = {"int8": "int8", "auto": "bfloat16"}.get(config.weight_format, "float32") if kernels is None else "float32"
-    native = NativeDecoder(model, backend, packed, unpacked)
+    native = NativeDecoder(model, backend, packed, unpacked, config.int8_activations)
     log.info("weights: %d of %d weight matrices packed (%s)", native.num_packed, native.num_linears,
              "GGUF blocks" if packed is not None else f"float weights kept as {unpacked}")
+    if config.int8_activations:
+        if native.num_int8_activations == 0:
+            raise ValueError("EngineConfig.int8_activations needs Q4_0 or Q4_1 weights running packed; "
+                             f"{loaded.gguf.name} has none ({packed.type_counts()})")
+        log.info("weights: %d of %d weight matrices multiply int8-quantized inputs (int8_activations; not exact)",
+                 native.num_int8_activations, native.num_linears)
     if packed is not None and native.num_packed == 0 and config.weight_format == "packed":
         raise ValueError(f"EngineConfig.weight_format='packed' cannot run: no tensor of {loaded.gguf.name} "
                          f"has a packed kernel ({packed.type_counts()})")

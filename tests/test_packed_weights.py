@@ -135,6 +135,25 @@ async def test_int8_weight_only_mode_is_close_to_the_float_model(smollm_dir):
 
 
 @needs_kernels
+async def test_int8_activations_stay_close_to_the_exact_weights(gguf_model, packed_outputs):
+    """Opt-in and not exact: the packed Q4_1/Q8_0 weights multiply int8-quantized inputs. A
+    regression guard on how close it stays (greedy, deterministic): every first token agrees
+    with the exact packed engine's, and at least half the prompts agree on all their tokens."""
+    fmt, int8 = await run(gguf_model, PROMPTS, int8_activations=True)
+    assert fmt == "packed"
+    assert [lp for _, lp in int8] != [lp for _, lp in packed_outputs]  # the inputs really were quantized
+    assert all(a[0] == b[0] for (a, _), (b, _) in zip(int8, packed_outputs, strict=True))
+    assert sum(a == b for (a, _), (b, _) in zip(int8, packed_outputs, strict=True)) >= len(PROMPTS) / 2
+
+
+@needs_kernels
+async def test_int8_activations_without_packed_weights_say_why(gguf_model):
+    with pytest.raises(ValueError, match="int8_activations needs a GGUF model's Q4 weights running packed, "
+                                         "not here: weight_format='dequantized'"):
+        await run(gguf_model, PROMPTS, int8_activations=True, weight_format="dequantized")
+
+
+@needs_kernels
 async def test_a_bfloat16_checkpoint_runs_as_bfloat16_bit_for_bit(tiny_llama_dir):
     """Float weights that are all bfloat16 values (a bfloat16 checkpoint loaded as float32) are
     kept as bfloat16 under "auto", half the bytes, with the float32 results exactly."""

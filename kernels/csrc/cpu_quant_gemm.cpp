@@ -53,6 +53,7 @@ constexpr int REGISTER_ROWS = STREAMENGINE_SIMD == 512 ? 8 : 6;
 constexpr int groups_for(int rows) { return rows <= (STREAMENGINE_SIMD == 512 ? 4 : 2) ? 3 : 1; }
 
 enum Format : int64_t { F32 = 0, Q4_0 = 2, Q4_1 = 3, Q8_0 = 8, BF16 = 30 };
+constexpr int64_t INT8_ACTIVATIONS = STREAMENGINE_INT8_ACTIVATIONS;  // cpu_quant_gemm.h
 
 inline vf half16(const uint8_t* p) { return vload_half(reinterpret_cast<const uint16_t*>(p)); }
 
@@ -74,6 +75,14 @@ inline Q4Exact q4_exact(vf d, vf offset) {
   for (int t = 0; t < 8; ++t) e.dt[t] = vmul(d, vset1(nibble_unscale(t)));
   e.offset = offset;
   return e;
+}
+
+// For the int8-activation kernel: unit u's codes of group g (a column's 8 codes per int32
+// lane) as bytes, those of the even k, then those of the odd k.
+inline void q4_int8_codes(const uint8_t* codes, int64_t u, int g, vi& even, vi& odd) {
+  const vi v = vload_bytes(codes + (u * NR + g * 16) * 4);
+  even = low_nibbles(v);
+  odd = high_nibbles(v);
 }
 
 inline void q4_unit(const uint8_t* codes, int64_t u, int g, const Q4Exact& e, vf w[8]) {
@@ -99,6 +108,8 @@ struct Q4_1Format {
   static vf code(const uint8_t* codes, int64_t u, int g, int t) { return q4_code(codes, u, g, t); }
   // sum_k x_k (d q_k + m) = d sum_k x_k q_k + m sum_k x_k
   static vf scale(const Scales& s, vf part, vf x_sum, vf acc) { return vfmadd(s.m, x_sum, vfmadd(s.d, part, acc)); }
+  static void int8_codes(const uint8_t* codes, int64_t u, int g, vi& even, vi& odd) { q4_int8_codes(codes, u, g, even, odd); }
+  static vi int8_dot(vi acc, vi codes, vi xq) { return dot_u8s8(acc, codes, xq); }
 };
 
 struct Q4_0Format {
@@ -115,6 +126,8 @@ struct Q4_0Format {
   static vf scale(const Scales& s, vf part, vf x_sum, vf acc) {
     return vfmadd(vmul(s.d, vset1(-8.0f)), x_sum, vfmadd(s.d, part, acc));
   }
+  static void int8_codes(const uint8_t* codes, int64_t u, int g, vi& even, vi& odd) { q4_int8_codes(codes, u, g, even, odd); }
+  static vi int8_dot(vi acc, vi codes, vi xq) { return dot_u8s8(acc, codes, xq); }
 };
 
 struct Q8_0Format {
@@ -347,6 +360,141 @@ void dequant_all(const uint8_t* panels, int64_t K, int64_t n_padded, float* out)
   for (int64_t p = 0; p < n_padded / NR; ++p) dequant_panel<Fmt>(panels + p * panel_bytes, K, out + p * K * NR);
 }
 
+// ---- int8 activations (opt-in: not the float32 GEMM) ----
+//
+// Each row's inputs are quantized per 32-input block as llama.cpp quantizes them for its Q4
+// formats (Q8_1): dx = max |x| / 127, xq = round(x / dx) in int8. A block's Q4 codes (0..15,
+// unsigned) times xq then sum in integers, four products per int32 lane in one instruction
+// (VNNI's vpdpbusd, or a multiply-add pair without it), and the block adds
+//   d * dx * sum_k q_k xq_k + m * dx * sum_k xq_k  (Q4_1; Q4_0 is m = -8 d)
+// to the float32 output. Per 32 inputs x 16 columns: 8 integer dot instructions where the
+// float32 kernel does 32 multiply-adds. Not exact: each input moves by up to dx / 2. Q8_0
+// weights take the same path from their own layout (Q8_0Int8Format).
+//
+// The codes are read from the same panels as above, unpacked in registers: a column's unit
+// (8 k) is one int32 whose low nibbles hold its codes for the even k and whose high nibbles
+// those for the odd k, so each row's quantized inputs are stored per unit as its 4 even-k
+// then its 4 odd-k values (what one int32 lane multiplies by the low, then the high, nibbles).
+
+// Q8_0 for the int8-activation kernel (made by cpu_quant_linear.pack_blocks with
+// int8_layout): the same bytes per block as Q8_0, the 48 float16 scales, then per unit of 8 k
+// two rows of 48 columns x 4 bytes, a column's codes for the unit's even k, then for its odd k,
+// each stored plus 128 (unsigned, as the dot instruction's first operand must be):
+// sum_k (w_k + 128) xq_k = sum_k w_k xq_k + 128 sum_k xq_k.
+struct Q8_0Int8Format {
+  static constexpr int64_t BLOCK_BYTES = Q8_0Format::BLOCK_BYTES, CODES = Q8_0Format::CODES;
+  using Scales = Q4_0Format::Scales;
+  static Scales scales(const uint8_t* block, int g) { return Q4_0Format::scales(block, g); }
+  static void int8_codes(const uint8_t* codes, int64_t u, int g, vi& even, vi& odd) {
+    even = vload_bytes(codes + (2 * u * NR + g * 16) * 4);
+    odd = vload_bytes(codes + ((2 * u + 1) * NR + g * 16) * 4);
+  }
+  static vi int8_dot(vi acc, vi codes, vi xq) { return dot_u8s8_wide(acc, codes, xq); }  // codes up to 255
+  static vf scale(const Scales& s, vf part, vf x_sum, vf acc) {
+    return vfmadd(vmul(s.d, vset1(-128.0f)), x_sum, vfmadd(s.d, part, acc));
+  }
+};
+
+// Rows' quantized inputs: q [M][K] int8 in unit order (above), per 32-input block the scale
+// dx and dx * sum xq, [M][K / 32] each.
+struct Int8Rows { const int8_t* q; const float* scale; const float* sum; int64_t K; };
+
+// x[0..32) quantized into q (unit order), *scale and *sum.
+inline void quantize_block(const float* x, int8_t* q, float* scale, float* sum) {
+  const vf a = vload(x), b = vload(x + 16);
+  const float dx = vreduce_max(vmax(vabs(a), vabs(b))) / 127.0f;
+  const vf inverse = vset1(dx != 0.0f ? 1.0f / dx : 0.0f);
+  const vf qa = round_nearest(vmul(a, inverse)), qb = round_nearest(vmul(b, inverse));
+  // Within each unit of 8: even positions, then odd ones.
+  const __m128i units = _mm_setr_epi8(0, 2, 4, 6, 1, 3, 5, 7, 8, 10, 12, 14, 9, 11, 13, 15);
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(q), _mm_shuffle_epi8(to_i8(qa), units));
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(q + 16), _mm_shuffle_epi8(to_i8(qb), units));
+  *scale = dx;
+  *sum = dx * vreduce_add(vadd(qa, qb));
+}
+
+// Rows per register tile, and how many of a panel's three column groups a pass takes: with
+// AVX-512 4 rows x 3 groups of integer and float accumulators fill 24 of the 32 registers;
+// AVX2 (16 registers, each vector two) takes one group at a time.
+constexpr int INT8_ROWS = 4;
+constexpr int INT8_GROUPS = STREAMENGINE_SIMD == 512 ? 3 : 1;
+
+// Rows [r0, r0 + ROWS) against one panel.
+template <typename Fmt, int ROWS>
+void int8_rows(const Int8Rows& x, int64_t r0, const uint8_t* panel, float* y, int64_t ldy) {
+  const int64_t K = x.K, blocks = K / QK;
+  for (int g0 = 0; g0 < 3; g0 += INT8_GROUPS) {
+    vf acc[ROWS][INT8_GROUPS];
+    UNROLL_TILE
+    for (int r = 0; r < ROWS; ++r)
+      for (int g = 0; g < INT8_GROUPS; ++g) acc[r][g] = vzero();
+    for (int64_t b = 0; b < blocks; ++b) {
+      const uint8_t* block = panel + b * Fmt::BLOCK_BYTES;
+      vi dots[ROWS][INT8_GROUPS];
+      UNROLL_TILE
+      for (int r = 0; r < ROWS; ++r)
+        for (int g = 0; g < INT8_GROUPS; ++g) dots[r][g] = vzero_i();
+      for (int64_t u = 0; u < QK / 8; ++u) {
+        const int8_t* xq = x.q + r0 * K + b * QK + u * 8;
+        UNROLL_TILE
+        for (int g = 0; g < INT8_GROUPS; ++g) {
+          vi even, odd;
+          Fmt::int8_codes(block + Fmt::CODES, u, g0 + g, even, odd);
+          UNROLL_TILE
+          for (int r = 0; r < ROWS; ++r)
+            dots[r][g] = Fmt::int8_dot(Fmt::int8_dot(dots[r][g], even, broadcast4(xq + r * K)), odd, broadcast4(xq + r * K + 4));
+        }
+      }
+      UNROLL_TILE
+      for (int g = 0; g < INT8_GROUPS; ++g) {
+        const typename Fmt::Scales s = Fmt::scales(block, g0 + g);
+        UNROLL_TILE
+        for (int r = 0; r < ROWS; ++r) {
+          const int64_t i = (r0 + r) * blocks + b;
+          acc[r][g] = Fmt::scale(s, vmul(vcvt_i(dots[r][g]), vset1(x.scale[i])), vset1(x.sum[i]), acc[r][g]);
+        }
+      }
+    }
+    UNROLL_TILE
+    for (int r = 0; r < ROWS; ++r)
+      for (int g = 0; g < INT8_GROUPS; ++g) vstore(y + r * ldy + (g0 + g) * 16, acc[r][g]);
+  }
+}
+
+template <typename Fmt>
+void int8_panel(const Int8Rows& x, int64_t M, const uint8_t* panel, float* y, int64_t ldy) {
+  int64_t r = 0;
+  for (; r + INT8_ROWS <= M; r += INT8_ROWS) int8_rows<Fmt, INT8_ROWS>(x, r, panel, y + r * ldy, ldy);
+  switch (M - r) {
+    case 1: return int8_rows<Fmt, 1>(x, r, panel, y + r * ldy, ldy);
+    case 2: return int8_rows<Fmt, 2>(x, r, panel, y + r * ldy, ldy);
+    case 3: return int8_rows<Fmt, 3>(x, r, panel, y + r * ldy, ldy);
+    default: return;
+  }
+}
+
+// Quantizes the rows once (the buffers belong to the calling thread, shared by the team for
+// this call), then hands out panels as the other kernels do.
+template <typename Fmt>
+void int8_gemm(const float* x, int64_t M, int64_t K, const uint8_t* panels, int64_t n_padded, float* y) {
+  thread_local std::vector<int8_t> q;
+  thread_local std::vector<float> scales, sums;
+  const int64_t blocks = K / QK, num_panels = n_padded / NR, panel_bytes = blocks * Fmt::BLOCK_BYTES;
+  if (static_cast<int64_t>(q.size()) < M * K) q.resize(M * K);
+  if (static_cast<int64_t>(scales.size()) < M * blocks) scales.resize(M * blocks), sums.resize(M * blocks);
+  const Int8Rows rows{q.data(), scales.data(), sums.data(), K};
+  int8_t* q_out = q.data();
+  float *scale_out = scales.data(), *sum_out = sums.data();
+#pragma omp parallel
+  {
+#pragma omp for schedule(static)
+    for (int64_t i = 0; i < M * blocks; ++i) quantize_block(x + i * QK, q_out + i * QK, scale_out + i, sum_out + i);
+#pragma omp for schedule(guided)
+    for (int64_t p = 0; p < num_panels; ++p)
+      int8_panel<Fmt>(rows, M, panels + p * panel_bytes, y + p * NR, n_padded);
+  }
+}
+
 bool valid(const int64_t* w) {
   return w[WEIGHT_K] > 0 && w[WEIGHT_N_PADDED] > 0 && w[WEIGHT_N_PADDED] % NR == 0 &&
          (w[WEIGHT_FORMAT] == F32 || w[WEIGHT_K] % QK == 0);
@@ -372,6 +520,9 @@ extern "C" int streamengine_gemm(const int64_t* weight, const float* x, int64_t 
   const int64_t K = weight[WEIGHT_K], n_padded = weight[WEIGHT_N_PADDED];
   const auto* data = reinterpret_cast<const uint8_t*>(weight[WEIGHT_DATA]);
   switch (weight[WEIGHT_FORMAT]) {
+    case Q4_0 | INT8_ACTIVATIONS: int8_gemm<Q4_0Format>(x, M, K, data, n_padded, y); return 0;
+    case Q4_1 | INT8_ACTIVATIONS: int8_gemm<Q4_1Format>(x, M, K, data, n_padded, y); return 0;
+    case Q8_0 | INT8_ACTIVATIONS: int8_gemm<Q8_0Int8Format>(x, M, K, data, n_padded, y); return 0;
     case F32: return streamengine_sgemm_packed(x, M, K, reinterpret_cast<const float*>(data), n_padded, y);
     case Q4_0: quant_gemm<Q4_0Format>(x, M, K, data, n_padded, y); return 0;
     case Q4_1: quant_gemm<Q4_1Format>(x, M, K, data, n_padded, y); return 0;
@@ -386,7 +537,9 @@ extern "C" int streamengine_dequant_panels(const int64_t* weight, float* out) {
   const int64_t K = weight[WEIGHT_K], n_padded = weight[WEIGHT_N_PADDED];
   const auto* data = reinterpret_cast<const uint8_t*>(weight[WEIGHT_DATA]);
   switch (weight[WEIGHT_FORMAT]) {
+    case Q4_0 | INT8_ACTIVATIONS:
     case Q4_0: dequant_all<Q4_0Format>(data, K, n_padded, out); return 0;
+    case Q4_1 | INT8_ACTIVATIONS:
     case Q4_1: dequant_all<Q4_1Format>(data, K, n_padded, out); return 0;
     case Q8_0: dequant_all<Q8_0Format>(data, K, n_padded, out); return 0;
     case BF16: dequant_all<BF16Format>(data, K, n_padded, out); return 0;

@@ -8,7 +8,10 @@
 extern "C" {
 
 // A packed weight as four int64: {format, address of its panels, n_padded, K}. format is the
-// GGUF type id: 0 float32 panels (cpu_gemm.h), 2 Q4_0, 3 Q4_1, 8 Q8_0, 30 BF16.
+// GGUF type id: 0 float32 panels (cpu_gemm.h), 2 Q4_0, 3 Q4_1, 8 Q8_0, 30 BF16; Q4_0, Q4_1
+// or Q8_0 (in its own layout) with STREAMENGINE_INT8_ACTIVATIONS added runs with its inputs
+// quantized to int8 (opt-in, not exact: cpu_quant_gemm.cpp).
+#define STREAMENGINE_INT8_ACTIVATIONS 0x100
 enum WeightField { WEIGHT_FORMAT, WEIGHT_DATA, WEIGHT_N_PADDED, WEIGHT_K, WEIGHT_FIELDS };
 
 // y[M, n_padded] = x[M, K] @ W^T for any packed weight; 0, or -1 on a format or shape it

@@ -12,6 +12,7 @@
 #include <immintrin.h>
 
 #include <cstdint>
+#include <cstring>
 
 #if defined(__AVX512F__)
 #define STREAMENGINE_SIMD 512
@@ -76,6 +77,38 @@ inline vf vload_bf16(const uint16_t* p) {
 inline vf vload_i8(const int8_t* p) {
   return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
 }
+
+// Integer dot products (the int8-activation GEMM): a vi as 64 bytes, 4 per int32 lane.
+inline vi vzero_i() { return _mm512_setzero_si512(); }
+inline vi vload_bytes(const uint8_t* p) { return _mm512_loadu_si512(p); }
+inline vi low_nibbles(vi v) { return _mm512_and_si512(v, _mm512_set1_epi8(0x0F)); }
+inline vi high_nibbles(vi v) { return _mm512_and_si512(_mm512_srli_epi16(v, 4), _mm512_set1_epi8(0x0F)); }
+inline vi broadcast4(const int8_t* p) { int32_t v; std::memcpy(&v, p, 4); return _mm512_set1_epi32(v); }
+// acc + per lane the 4 products of u's unsigned bytes by s's signed ones, for u's bytes below
+// 16 (Q4 codes): without VNNI the pairs go through int16, which holds them then.
+inline vi dot_u8s8(vi acc, vi u, vi s) {
+#if defined(__AVX512VNNI__)
+  return _mm512_dpbusd_epi32(acc, u, s);
+#else
+  return _mm512_add_epi32(acc, _mm512_madd_epi16(_mm512_maddubs_epi16(u, s), _mm512_set1_epi16(1)));
+#endif
+}
+// The same for any unsigned bytes: without VNNI each is split into nibbles (16 h + l), so that
+// the pairs stay within int16.
+inline vi dot_u8s8_wide(vi acc, vi u, vi s) {
+#if defined(__AVX512VNNI__)
+  return _mm512_dpbusd_epi32(acc, u, s);
+#else
+  const __m512i ones = _mm512_set1_epi16(1);
+  const __m512i lo = _mm512_madd_epi16(_mm512_maddubs_epi16(low_nibbles(u), s), ones);
+  const __m512i hi = _mm512_madd_epi16(_mm512_maddubs_epi16(high_nibbles(u), s), ones);
+  return _mm512_add_epi32(acc, _mm512_add_epi32(lo, _mm512_slli_epi32(hi, 4)));
+#endif
+}
+inline vf vcvt_i(vi v) { return _mm512_cvtepi32_ps(v); }
+inline vf vabs(vf v) { return _mm512_abs_ps(v); }
+// 16 integral floats in [-128, 127] as int8, in lane order.
+inline __m128i to_i8(vf v) { return _mm512_cvtepi32_epi8(_mm512_cvtps_epi32(v)); }
 
 inline vf round_nearest(vf x) { return _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC); }
 // p * 2^n for integral n.
@@ -187,6 +220,47 @@ inline vf vload_bf16(const uint16_t* p) {
 inline vf vload_i8(const int8_t* p) {
   const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
   return {_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(bytes)), _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(bytes, 8)))};
+}
+
+inline vi vzero_i() { return {_mm256_setzero_si256(), _mm256_setzero_si256()}; }
+inline vi vload_bytes(const uint8_t* p) {
+  return {_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)), _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 32))};
+}
+inline vi low_nibbles(vi v) {
+  const __m256i m = _mm256_set1_epi8(0x0F);
+  return {_mm256_and_si256(v.lo, m), _mm256_and_si256(v.hi, m)};
+}
+inline vi high_nibbles(vi v) {
+  const __m256i m = _mm256_set1_epi8(0x0F);
+  return {_mm256_and_si256(_mm256_srli_epi16(v.lo, 4), m), _mm256_and_si256(_mm256_srli_epi16(v.hi, 4), m)};
+}
+inline vi broadcast4(const int8_t* p) {
+  int32_t v;
+  std::memcpy(&v, p, 4);
+  const __m256i b = _mm256_set1_epi32(v);
+  return {b, b};
+}
+// As with AVX-512 without VNNI: pairs through int16 (exact while u's bytes are below 16).
+inline __m256i dot_u8s8_8(__m256i acc, __m256i u, __m256i s) {
+  return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1)));
+}
+inline vi dot_u8s8(vi acc, vi u, vi s) { return {dot_u8s8_8(acc.lo, u.lo, s.lo), dot_u8s8_8(acc.hi, u.hi, s.hi)}; }
+// Any unsigned bytes: each split into nibbles (16 h + l), so that the pairs stay within int16.
+inline vi dot_u8s8_wide(vi acc, vi u, vi s) {
+  const vi lo = dot_u8s8(vzero_i(), low_nibbles(u), s), hi = dot_u8s8(vzero_i(), high_nibbles(u), s);
+  return {_mm256_add_epi32(acc.lo, _mm256_add_epi32(lo.lo, _mm256_slli_epi32(hi.lo, 4))),
+          _mm256_add_epi32(acc.hi, _mm256_add_epi32(lo.hi, _mm256_slli_epi32(hi.hi, 4)))};
+}
+inline vf vcvt_i(vi v) { return {_mm256_cvtepi32_ps(v.lo), _mm256_cvtepi32_ps(v.hi)}; }
+inline vf vabs(vf v) {
+  const __m256 m = _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFFFFFF));
+  return {_mm256_and_ps(v.lo, m), _mm256_and_ps(v.hi, m)};
+}
+inline __m128i to_i8(vf v) {
+  const __m256i lo = _mm256_cvtps_epi32(v.lo), hi = _mm256_cvtps_epi32(v.hi);
+  const __m128i lo16 = _mm_packs_epi32(_mm256_castsi256_si128(lo), _mm256_extracti128_si256(lo, 1));
+  const __m128i hi16 = _mm_packs_epi32(_mm256_castsi256_si128(hi), _mm256_extracti128_si256(hi, 1));
+  return _mm_packs_epi16(lo16, hi16);
 }
 
 inline vf round_nearest(vf x) {

@@ -75,7 +75,7 @@ class NativeDecoder:
     """
 
     def __init__(self, model, backend: AttentionBackend, packed: GgufWeights | None = None,
-                 unpacked: str = "float32") -> None:
+                 unpacked: str = "float32", int8_activations: bool = False) -> None:
         reason = unsupported_reason(model)
         if reason is not None:
             raise ValueError(f"native decoder cannot run this model: {reason}")
@@ -89,11 +89,14 @@ class NativeDecoder:
         self.rotary = decoder.rotary_emb
         self.final_norm = decoder.norm.weight
         blocks = packed.layers if packed else [None] * len(decoder.layers)
-        self.layers = [self._layer(layer, b, unpacked) for layer, b in zip(decoder.layers, blocks, strict=True)]
+        self.layers = [self._layer(layer, b, unpacked, int8_activations)
+                       for layer, b in zip(decoder.layers, blocks, strict=True)]
         head = model.get_output_embeddings()
-        self.lm_head = _projection([head.weight], [packed.output] if packed else None, head.bias, unpacked)
+        self.lm_head = _projection([head.weight], [packed.output] if packed else None, head.bias, unpacked,
+                                   int8_activations)
         linears = [self.lm_head, *(lin for layer in self.layers for lin in (layer.qkv, layer.o, layer.gate_up, layer.down))]
         self.num_packed = sum(isinstance(lin, QuantLinear) for lin in linears)  # of len(linears) weight matrices
+        self.num_int8_activations = sum(getattr(lin, "int8_activations", False) for lin in linears)
         self.num_linears = len(linears)
         self.fused = self._fused_layers() if backend.fused_cpu_layers else None
         self.stack = None if self.fused is None else cpu_layer.DecodeStack(
@@ -101,7 +104,7 @@ class NativeDecoder:
         )
 
     @staticmethod
-    def _layer(layer, blocks: dict[str, BlockTensor] | None, unpacked: str) -> NativeLayer:
+    def _layer(layer, blocks: dict[str, BlockTensor] | None, unpacked: str, int8_activations: bool) -> NativeLayer:
         attn, mlp = layer.self_attn, layer.mlp
 
         def of(*names: str) -> list[BlockTensor] | None:
@@ -115,11 +118,13 @@ class NativeDecoder:
             ])
         return NativeLayer(
             input_norm=layer.input_layernorm.weight,
-            qkv=_projection([p.weight for p in projections], of("q_proj", "k_proj", "v_proj"), qkv_bias, unpacked),
-            o=_projection([attn.o_proj.weight], of("o_proj"), attn.o_proj.bias, unpacked),
+            qkv=_projection([p.weight for p in projections], of("q_proj", "k_proj", "v_proj"), qkv_bias, unpacked,
+                            int8_activations),
+            o=_projection([attn.o_proj.weight], of("o_proj"), attn.o_proj.bias, unpacked, int8_activations),
             post_norm=layer.post_attention_layernorm.weight,
-            gate_up=_projection([mlp.gate_proj.weight, mlp.up_proj.weight], of("gate_proj", "up_proj"), None, unpacked),
-            down=_projection([mlp.down_proj.weight], of("down_proj"), None, unpacked),
+            gate_up=_projection([mlp.gate_proj.weight, mlp.up_proj.weight], of("gate_proj", "up_proj"), None,
+                                unpacked, int8_activations),
+            down=_projection([mlp.down_proj.weight], of("down_proj"), None, unpacked, int8_activations),
         )
 
     def _fused_layers(self) -> list[cpu_layer.FusedLayer] | None:
@@ -193,16 +198,18 @@ class NativeDecoder:
 
 
 def _projection(weights: list[torch.Tensor], blocks: list[BlockTensor] | None,
-                bias: torch.Tensor | None = None, unpacked: str = "float32") -> Linear:
+                bias: torch.Tensor | None = None, unpacked: str = "float32", int8_activations: bool = False) -> Linear:
     """One linear over the row-wise concatenation of `weights`: from their GGUF blocks when
     given, all of one type and that type runs packed here; else from the float weights, kept
     as `unpacked` says (where the kernels run and in_features is whole 32-weight blocks):
     "int8" quantized to Q8_0, "bfloat16" as bfloat16 when every value is one (exact), else as
-    float32 panels."""
+    float32 panels. With `int8_activations` Q4 blocks multiply int8-quantized inputs."""
     lib = cpu_quant_linear.load_library()
     if blocks is not None and len({b.quant_type for b in blocks}) == 1 and cpu_quant_linear.supported(blocks[0].quant_type):
+        quant_type = blocks[0].quant_type
         shape = (sum(b.shape[0] for b in blocks), blocks[0].shape[1])
-        return QuantLinear(np.concatenate([b.blocks for b in blocks]), blocks[0].quant_type, shape, bias, lib)
+        int8 = int8_activations and cpu_quant_linear.takes_int8_activations(quant_type)
+        return QuantLinear(np.concatenate([b.blocks for b in blocks]), quant_type, shape, bias, lib, int8)
     weight = torch.cat(weights) if len(weights) > 1 else weights[0]  # not built when the blocks serve
     if blocks is not None:
         return make_linear(weight, bias)
