@@ -101,7 +101,7 @@ class EngineConfig:
         choices=WEIGHT_FORMATS)
     int8_activations: bool = _option(
         False,
-        "Opt-in, not exact: Q4_0/Q4_1 weights of a packed GGUF model multiply inputs quantized to int8 "
+        "Opt-in, not exact: the Q4_0, Q4_1 and Q8_0 weights of a packed GGUF model multiply inputs quantized to int8 "
         "per 32 values (as llama.cpp runs those formats), with integer dot products: about 2.5x the "
         "float32 GEMM's speed where it is compute-bound (prompts, large batches); greedy tokens may "
         "diverge from the float model's. Needs the weights packed (weight_format 'auto' or 'packed').")
