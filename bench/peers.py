@@ -534,9 +534,11 @@ def greedy_agreement(args) -> dict:
     """int8 activations against the exact packed weights, greedy on AGREEMENT_PROMPTS: the
     share of tokens before each output's first difference, and how many outputs are identical."""
     exact, int8 = asyncio.run(_greedy_tokens(args, False)), asyncio.run(_greedy_tokens(args, True))
-    same = [next((i for i, (a, b) in enumerate(zip(x, y)) if a != b), len(x)) for x, y in zip(exact, int8)]
+    same = [next((i for i, (a, b) in enumerate(zip(x, y, strict=True)) if a != b), len(x))
+            for x, y in zip(exact, int8, strict=True)]
     return {"prompts": len(exact), "tokens": AGREEMENT_TOKENS, "tokens_before_first_difference": sum(same) / sum(map(len, exact)),
-            "identical_outputs": sum(n == len(x) for n, x in zip(same, exact)), "first_tokens_equal": sum(n > 0 for n in same)}
+            "identical_outputs": sum(n == len(x) for n, x in zip(same, exact, strict=True)),
+            "first_tokens_equal": sum(n > 0 for n in same)}
 
 
 def measure_int8_activations(args) -> dict:
@@ -563,7 +565,7 @@ def int8_activation_keys(int8: dict | None, llamacpp: dict, prefill_lens: list[i
     stored (whose matmuls quantize activations likewise)."""
     if not int8 or "error" in int8:
         return {"int8_activations": int8}
-    tput = max(int8["tput"]["tok_s"], int8.get("tput_kv_float16", {}).get("tok_s", 0.0))
+    tput = max(int8["tput"]["tok_s"], int8["tput_kv_float16"]["tok_s"])
     figures = {"b1": int8["b1"]["tok_s"], "tput": tput,
                **{f"prefill{n}": int8["prefill"][str(n)]["tok_s"] for n in prefill_lens}}
     keys: dict = {f"engine_int8act_{work}_tok_s": v for work, v in figures.items()}

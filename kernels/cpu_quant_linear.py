@@ -102,7 +102,7 @@ def quantize_activations(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
 def int8_activation_reference(x: np.ndarray, blocks: np.ndarray, quant_type: int, shape: tuple[int, int]) -> np.ndarray:
     """y [M, N] float64 as the int8-activation kernel defines it, summed exactly: per block
     d * dx * sum(q * xq) + m * dx * sum(xq), m = -8 d for Q4_0 and 0 for Q8_0."""
-    fmt, (n, k) = block_format(quant_type), shape
+    fmt, k = block_format(quant_type), shape[1]
     if not takes_int8_activations(quant_type):
         raise ValueError(f"int8 activations run with Q4_0, Q4_1 or Q8_0 weights, not {fmt.name}")
     d, m, q = _fields(np.asarray(blocks), fmt, k)

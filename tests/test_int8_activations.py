@@ -9,7 +9,6 @@ model stay close to the exact ones."""
 
 from __future__ import annotations
 
-import ctypes
 import subprocess
 import sys
 

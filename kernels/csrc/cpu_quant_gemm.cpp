@@ -77,13 +77,17 @@ inline Q4Exact q4_exact(vf d, vf offset) {
   return e;
 }
 
-// For the int8-activation kernel: unit u's codes of group g (a column's 8 codes per int32
-// lane) as bytes, those of the even k, then those of the odd k.
-inline void q4_int8_codes(const uint8_t* codes, int64_t u, int g, vi& even, vi& odd) {
-  const vi v = vload_bytes(codes + (u * NR + g * 16) * 4);
-  even = low_nibbles(v);
-  odd = high_nibbles(v);
-}
+// What the int8-activation kernel reads from a Q4 format: unit u's codes of group g (a
+// column's 8 codes per int32 lane) as bytes, those of the even k, then those of the odd k; and
+// how they multiply (codes below 16).
+struct Q4Int8 {
+  static void int8_codes(const uint8_t* codes, int64_t u, int g, vi& even, vi& odd) {
+    const vi v = vload_bytes(codes + (u * NR + g * 16) * 4);
+    even = low_nibbles(v);
+    odd = high_nibbles(v);
+  }
+  static vi int8_dot(vi acc, vi codes, vi xq) { return dot_u8s8(acc, codes, xq); }
+};
 
 inline void q4_unit(const uint8_t* codes, int64_t u, int g, const Q4Exact& e, vf w[8]) {
   for (int t = 0; t < 8; ++t) w[t] = vfmadd(q4_code(codes, u, g, t), e.dt[t], e.offset);
@@ -94,7 +98,7 @@ inline void q4_unit(const uint8_t* codes, int64_t u, int g, const Q4Exact& e, vf
 // from the block's `exact(scales)`; for the factored kernels, `code(..., t)`, the t-th k's codes
 // of the unit unscaled (one at a time, so the unpacked codes never crowd out the accumulators),
 // and `scale(...)`, a block's partial sum over them scaled into the output.
-struct Q4_1Format {
+struct Q4_1Format : Q4Int8 {
   static constexpr bool FACTORED = true;
   static constexpr int64_t BLOCK_BYTES = 2 * SCALES + 16 * NR, CODES = 2 * SCALES, K_PER_UNIT = 8;
   struct Scales { vf d, m; };
@@ -108,11 +112,9 @@ struct Q4_1Format {
   static vf code(const uint8_t* codes, int64_t u, int g, int t) { return q4_code(codes, u, g, t); }
   // sum_k x_k (d q_k + m) = d sum_k x_k q_k + m sum_k x_k
   static vf scale(const Scales& s, vf part, vf x_sum, vf acc) { return vfmadd(s.m, x_sum, vfmadd(s.d, part, acc)); }
-  static void int8_codes(const uint8_t* codes, int64_t u, int g, vi& even, vi& odd) { q4_int8_codes(codes, u, g, even, odd); }
-  static vi int8_dot(vi acc, vi codes, vi xq) { return dot_u8s8(acc, codes, xq); }
 };
 
-struct Q4_0Format {
+struct Q4_0Format : Q4Int8 {
   static constexpr bool FACTORED = true;
   static constexpr int64_t BLOCK_BYTES = SCALES + 16 * NR, CODES = SCALES, K_PER_UNIT = 8;
   struct Scales { vf d; };
@@ -126,8 +128,6 @@ struct Q4_0Format {
   static vf scale(const Scales& s, vf part, vf x_sum, vf acc) {
     return vfmadd(vmul(s.d, vset1(-8.0f)), x_sum, vfmadd(s.d, part, acc));
   }
-  static void int8_codes(const uint8_t* codes, int64_t u, int g, vi& even, vi& odd) { q4_int8_codes(codes, u, g, even, odd); }
-  static vi int8_dot(vi acc, vi codes, vi xq) { return dot_u8s8(acc, codes, xq); }
 };
 
 struct Q8_0Format {
