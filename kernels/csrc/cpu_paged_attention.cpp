@@ -35,21 +35,27 @@ struct Layout {
   int64_t block_stride, token_stride;  // floats between blocks / between tokens of a block
 };
 
-// Blocks sit anywhere in the pool, so the hardware prefetcher cannot guess the next one: ask
-// for the next chunk's K and V rows of these heads while the current chunk is being scored.
+// Blocks sit anywhere in the pool, so the hardware prefetcher cannot guess the next one, and
+// inside the scoring loops each token's loads wait behind the arithmetic of the tokens before
+// it: only a few cache misses are in flight at once. So before a span is scored, one byte of
+// every cache line of its K and V rows (these heads) is loaded, back to back, letting dozens of
+// misses overlap; the scoring then reads from L1/L2. Software prefetches of the same lines
+// (_mm_prefetch, to L1 or L2, one span ahead or the whole context) changed nothing on Zen 4,
+// where this took 27-32% off the kernel's time at 32 sequences (bench: docs/performance.md).
 template <typename T>
-inline void prefetch_chunk(const T* key_cache, const T* value_cache, const int32_t* table,
-                           int64_t start, int64_t context_len, int64_t first_kv, int64_t last_kv,
-                           const Layout& L) {
-  if (start >= context_len) return;
-  const int64_t offset = start % L.block_size;
-  const int64_t n = std::min<int64_t>({CHUNK, L.block_size - offset, context_len - start});
-  const int64_t base = table[start / L.block_size] * L.block_stride + offset * L.token_stride;
-  for (int64_t t = 0; t < n; ++t)
-    for (int64_t d = first_kv * L.head_dim; d < last_kv * L.head_dim; d += 64 / sizeof(T)) {  // a line each
-      _mm_prefetch(reinterpret_cast<const char*>(key_cache + base + t * L.token_stride + d), _MM_HINT_T0);
-      _mm_prefetch(reinterpret_cast<const char*>(value_cache + base + t * L.token_stride + d), _MM_HINT_T0);
-    }
+inline void touch_span(const T* key_cache, const T* value_cache, const int32_t* table, int64_t start,
+                       int64_t context_len, int64_t first_kv, int64_t last_kv, const Layout& L) {
+  for (int piece = 0; piece < SPAN && start < context_len; ++piece) {
+    const int64_t offset = start % L.block_size;
+    const int64_t n = std::min<int64_t>({CHUNK, L.block_size - offset, context_len - start});
+    const int64_t base = table[start / L.block_size] * L.block_stride + offset * L.token_stride;
+    for (int64_t t = 0; t < n; ++t)
+      for (int64_t d = first_kv * L.head_dim; d < last_kv * L.head_dim; d += 64 / sizeof(T)) {  // a line each
+        (void)*reinterpret_cast<const volatile char*>(key_cache + base + t * L.token_stride + d);
+        (void)*reinterpret_cast<const volatile char*>(value_cache + base + t * L.token_stride + d);
+      }
+    start += n;
+  }
 }
 
 // The online-softmax state of one KV head's group of query heads: q and the accumulators are
@@ -157,6 +163,7 @@ void attend(const float* q, float scale, const void* key_cache_bytes, const void
   for (int64_t h = 0; h < heads; ++h) state[h].init(q + (first_kv + h) * L.group * L.head_dim, scale, L);
   int64_t start = 0;
   while (start < context_len) {
+    touch_span(key_cache, value_cache, table, start, context_len, first_kv, last_kv, L);
     int64_t offsets[SPAN], lens[SPAN], pieces = 0;
     for (; pieces < SPAN && start < context_len; ++pieces) {  // pieces never cross a block
       const int64_t offset = start % L.block_size;
@@ -164,7 +171,6 @@ void attend(const float* q, float scale, const void* key_cache_bytes, const void
       offsets[pieces] = table[start / L.block_size] * L.block_stride + offset * L.token_stride;
       start += lens[pieces];
     }
-    prefetch_chunk(key_cache, value_cache, table, start, context_len, first_kv, last_kv, L);
     for (int64_t h = 0; h < heads; ++h) {
       int64_t head_offsets[SPAN];
       for (int64_t j = 0; j < pieces; ++j) head_offsets[j] = offsets[j] + (first_kv + h) * L.head_dim;
