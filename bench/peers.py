@@ -33,7 +33,8 @@ Work, with the same thread count on both sides:
             keep the figures above.
 
   tput, interleaved: `--tput-rounds` rounds of one llama-batched-bench run of llama.cpp's best
-            file and setting, then one engine run of its best variant, likewise.
+            file and setting, then one engine run of its best variant, likewise; and as many
+            rounds again with the engine in its int8-activation mode (below).
 
 llama.cpp runs the file as stored (Q4_1) and its F32 copy, each with flash attention off and on
 (`-fa 0,1`; `-fa off|on` for llama-batched-bench), its KV cache in float16 (its default). The
@@ -49,7 +50,8 @@ the float32 GEMM). Beside it, the engine's opt-in `int8_activations` mode (packe
 inputs quantized to int8 per 32 values, as llama.cpp's own Q4_1 run multiplies them; not exact)
 runs the same three works (`--no-int8-activations` skips it): JSON `engine_int8act_<work>_tok_s`,
 `int8act_ratios` (against llama.cpp's best), `int8act_ratios_vs_llamacpp_q4_1`, and
-`int8act_greedy_agreement` (16 prompts x 64 greedy tokens against the exact packed weights).
+`int8act_greedy_agreement` (16 prompts x 64 greedy tokens against the exact packed weights),
+`int8act_goals` (the goals evaluated on its ratios) and `tput_interleaved_int8`.
 
     python bench/peers.py --quick                  # builds llama.cpp first when missing
     python bench/peers.py                          # 3 repetitions of everything
@@ -575,6 +577,7 @@ def int8_activation_keys(int8: dict | None, llamacpp: dict, prefill_lens: list[i
     keys["int8act_ratios_vs_llamacpp_q4_1"] = {
         work: _ratio(v, picks[work](q4)) if q4 and "error" not in q4 else None for work, v in figures.items()}
     keys["int8act_greedy_agreement"] = int8["greedy_agreement"]
+    keys["int8act_goals"] = goal_status(keys["int8act_ratios"])
     return {**keys, "int8_activations": int8}
 
 
@@ -610,12 +613,13 @@ def llamacpp_b1_once(tools: Path, model: Path, flash_attn: str, args) -> float:
     return max(parse_llama_bench(run_tool(cmd, timeout=600))[0]["samples_ts"])
 
 
-async def _rounds(args, weight_format: str, kv_cache_dtype: str, num_rounds: int, engine_once, llama_once) -> list[dict]:
+async def _rounds(args, weight_format: str, kv_cache_dtype: str, num_rounds: int, engine_once, llama_once,
+                  int8: bool = False) -> list[dict]:
     """`num_rounds` rounds of one llama.cpp run, then one `engine_once(engine, prompts)` on an
     engine kept loaded."""
     from streamengine import AsyncEngine
 
-    async with AsyncEngine(engine_config(args, weight_format, False, kv_cache_dtype)) as engine:
+    async with AsyncEngine(engine_config(args, weight_format, False, kv_cache_dtype, int8)) as engine:
         prompts = Prompts.of(engine, f"peers:{weight_format}:{kv_cache_dtype}:rounds")
         await engine_once(engine, prompts)  # warm
         rounds = []
@@ -650,17 +654,36 @@ def interleaved_b1(tools: Path, llamacpp: dict, files: dict[str, Path], engine: 
 def interleaved_tput(tools: Path, report: dict, files: dict[str, Path], args) -> dict | None:
     """Parallel throughput side by side, as for batch-1: `--tput-rounds` rounds of one
     llama-batched-bench run (its best file and setting) then one engine run (its best variant)."""
-    ours, theirs = report["engine_best_variant"].get("tput"), report["llamacpp_best_variant"].get("tput")
-    if ours is None or theirs is None or args.tput_rounds == 0:
+    ours = report["engine_best_variant"].get("tput")
+    if ours is None:
         return None
     fmt, kv = engine_variants(report["engine"])[ours]["setting"]
+    return _interleaved_tput(tools, report, files, args, fmt, kv, ours)
+
+
+def interleaved_tput_int8(tools: Path, report: dict, files: dict[str, Path], args) -> dict | None:
+    """The same rounds with the engine in its int8-activation mode (packed weights, the KV cache
+    dtype that gave its best parallel figure), so that its ratio too is one of figures taken
+    side by side."""
+    int8 = report.get("int8_activations")
+    if not int8 or "error" in int8:
+        return None
+    kv = "float16" if int8["tput_kv_float16"]["tok_s"] >= int8["tput"]["tok_s"] else "auto"
+    return _interleaved_tput(tools, report, files, args, "packed", kv, f"packed, int8 activations, KV {kv}", int8=True)
+
+
+def _interleaved_tput(tools: Path, report: dict, files: dict[str, Path], args, fmt: str, kv: str, label: str,
+                      int8: bool = False) -> dict | None:
+    theirs = report["llamacpp_best_variant"].get("tput")
+    if theirs is None or args.tput_rounds == 0:
+        return None
     flash_attn = report["llamacpp"][theirs]["tput"]["flash_attn"]
     cmd = batched_bench_cmd(tools, files[theirs], args, flash_attn)
-    print(f"parallel interleaved: engine {ours} vs llama.cpp {theirs} -fa {flash_attn} ...", file=sys.stderr)
+    print(f"parallel interleaved: engine {label} vs llama.cpp {theirs} -fa {flash_attn} ...", file=sys.stderr)
     rounds = asyncio.run(_rounds(args, fmt, kv, args.tput_rounds, lambda e, prompts: tput_once(e, prompts, args),
-                                 lambda: parse_batched_bench(run_tool(cmd, timeout=3600))[-1]["speed"]))
+                                 lambda: parse_batched_bench(run_tool(cmd, timeout=3600))[-1]["speed"], int8))
     gc.collect()
-    return _rounds_report(rounds, engine_variant=ours, llamacpp_variant=theirs, llamacpp_flash_attn=flash_attn)
+    return _rounds_report(rounds, engine_variant=label, llamacpp_variant=theirs, llamacpp_flash_attn=flash_attn)
 
 
 # -- report ---------------------------------------------------------------------------------
@@ -704,6 +727,13 @@ def _pick(work: str):
     return lambda r: r[work]["tok_s"] if work in r else None
 
 
+def goal_status(ratios: dict) -> dict:
+    """Each goal of GOALS against `ratios` (work -> engine / llama.cpp's best)."""
+    return {name: {"goal": g, "done_at": d, "ratio": ratios.get(name),
+                   "goal_met": ratios.get(name) is not None and ratios[name] >= g,
+                   "done": ratios.get(name) is not None and ratios[name] >= d} for name, (g, d) in GOALS.items()}
+
+
 def build_report(engine: dict, llamacpp: dict, info: dict, config: dict) -> dict:
     """The issue's keys (the engine's best variant vs llama.cpp's best, per work) plus every
     variant's figures."""
@@ -718,13 +748,10 @@ def build_report(engine: dict, llamacpp: dict, info: dict, config: dict) -> dict
         keys[f"engine_{name}_tok_s"], ours_best[name] = _best(ours, pick)
         keys[f"llamacpp_{name}_tok_s"], best_of[name] = _best(llamacpp, pick)
         ratios[name] = _ratio(keys[f"engine_{name}_tok_s"], keys[f"llamacpp_{name}_tok_s"])
-    goals = {name: {"goal": g, "done_at": d, "ratio": ratios[name],
-                    "goal_met": ratios[name] is not None and ratios[name] >= g,
-                    "done": ratios[name] is not None and ratios[name] >= d} for name, (g, d) in GOALS.items()}
     return {
         **keys,
         "ratios": ratios,
-        "goals": goals,
+        "goals": goal_status(ratios),
         "engine_weight_format": fmt,
         "engine_best_variant": ours_best,
         "engine_prefill_best_config": {n: r.get("best_config") for n, r in engine[fmt]["prefill"].items()} if fmt else {},
@@ -759,7 +786,8 @@ def print_table(report: dict) -> None:
     for fmt, r in engine.items():
         print(f"engine {fmt}: {r.get('error') or r.get('weight_path') or 'no weight log line'}")
     for key, label, ours in (("b1_interleaved", "batch-1", "engine_weight_format"),
-                             ("tput_interleaved", "parallel", "engine_variant")):
+                             ("tput_interleaved", "parallel", "engine_variant"),
+                             ("tput_interleaved_int8", "parallel", "engine_variant")):
         if inter := report.get(key):
             rounds = ", ".join(f"{r['engine']:.0f}/{r['llamacpp']:.0f}" for r in inter["rounds"])
             print(f"{label} interleaved ({inter[ours]} vs llama.cpp {inter['llamacpp_variant']} "
@@ -773,10 +801,11 @@ def print_table(report: dict) -> None:
               f"difference, {agree['identical_outputs']} of {agree['prompts']} outputs identical")
     elif report.get("int8_activations"):
         print(f"engine packed with int8 activations: {report['int8_activations'].get('error')}")
-    for name, g in report["goals"].items():
-        r = g["ratio"]
-        print(f"{name}: engine / llama.cpp best = {'-' if r is None else f'{r:.2f}'} "
-              f"(goal >= {g['goal']}, done at {g['done_at']}: {'met' if g['goal_met'] else 'done' if g['done'] else 'not yet'})")
+    for label, goals in (("engine", report["goals"]), ("engine, int8 activations", report.get("int8act_goals") or {})):
+        for name, g in goals.items():
+            r = g["ratio"]
+            print(f"{name}: {label} / llama.cpp best = {'-' if r is None else f'{r:.2f}'} (goal >= {g['goal']}, "
+                  f"done at {g['done_at']}: {'met' if g['goal_met'] else 'done' if g['done'] else 'not yet'})")
 
 
 def _cell(result: dict, pick) -> str:
@@ -892,6 +921,7 @@ def main(argv: list[str] | None = None) -> int:
     report.update(int8_activation_keys(int8, llamacpp, args.prefill_lens))
     report["b1_interleaved"] = interleaved_b1(tools, llamacpp, files, engine, args)
     report["tput_interleaved"] = interleaved_tput(tools, report, files, args)
+    report["tput_interleaved_int8"] = interleaved_tput_int8(tools, report, files, args)
     print_table(report)
     from common import write_report
 

@@ -105,6 +105,21 @@ def test_report_takes_each_sides_best_variant(peers):
     assert report["goals"]["tput"]["done"] and not report["goals"]["tput"]["goal_met"]  # 2.25x
 
 
+def test_int8_activation_keys_evaluate_the_goals_on_their_own_ratios(peers):
+    llamacpp = {"Q4_1": _variant(120.0, {"4096": 200.0}, 300.0), "F32": _variant(60.0, {"4096": 250.0}, 400.0)}
+    int8 = {"b1": {"tok_s": 180.0}, "prefill": {"4096": {"tok_s": 500.0}}, "tput": {"tok_s": 1000.0},
+            "tput_kv_float16": {"tok_s": 1300.0}, "greedy_agreement": {"prompts": 16}}
+    keys = peers.int8_activation_keys(int8, llamacpp, [4096])
+    assert keys["engine_int8act_tput_tok_s"] == 1300.0  # the better KV cache dtype
+    assert keys["int8act_ratios"] == {"b1": 1.5, "tput": 3.25, "prefill4096": 2.0}  # against each work's best
+    assert keys["int8act_ratios_vs_llamacpp_q4_1"]["tput"] == pytest.approx(1300.0 / 300.0)
+    goals = keys["int8act_goals"]
+    assert goals["tput"]["goal_met"] and goals["prefill4096"]["goal_met"]
+    assert goals["b1"]["done"] and not goals["b1"]["goal_met"]
+    assert peers.int8_activation_keys({"error": "needs packed weights"}, llamacpp, [4096]) == {
+        "int8_activations": {"error": "needs packed weights"}}
+
+
 def test_report_falls_back_when_packed_cannot_run(peers):
     engine = {"packed": {"error": "packed weights need AVX-512"},
               "dequantized": _variant(70.0, {"4096": 200.0}, 600.0)}
@@ -197,6 +212,8 @@ def test_peers_quick_with_stand_in_tools(peers, tiny_llama_dir, tmp_path):
     assert inter["engine_variant"] == best and inter["llamacpp_variant"] == report["llamacpp_best_variant"]["tput"]
     (r,) = inter["rounds"]
     assert r["llamacpp"] == pytest.approx(32.89222) and r["ratio"] == pytest.approx(r["engine"] / r["llamacpp"])
+    # The int8-activation mode needs packed weights, which a folder model has not: said, no rounds.
+    assert "error" in report["int8_activations"] and report["tput_interleaved_int8"] is None
 
 
 def write_gguf(path: Path, tied: bool) -> Path:
