@@ -561,14 +561,18 @@ def measure_int8_activations(args) -> dict:
             "tput_kv_float16": kv16, "weight_path": default["weight_path"], "greedy_agreement": agreement}
 
 
+def int8_best_tput(int8: dict) -> tuple[str, float]:
+    """The int8 mode's better parallel run: (its KV cache dtype, tok/s)."""
+    return max(("float16", int8["tput_kv_float16"]["tok_s"]), ("auto", int8["tput"]["tok_s"]), key=lambda kv: kv[1])
+
+
 def int8_activation_keys(int8: dict | None, llamacpp: dict, prefill_lens: list[int]) -> dict:
     """The int8-activation figures beside the goal table (which counts exact arithmetic only):
     per work its tok/s, the ratio to llama.cpp's best and to llama.cpp on the Q4_1 file as
     stored (whose matmuls quantize activations likewise)."""
     if not int8 or "error" in int8:
         return {"int8_activations": int8}
-    tput = max(int8["tput"]["tok_s"], int8["tput_kv_float16"]["tok_s"])
-    figures = {"b1": int8["b1"]["tok_s"], "tput": tput,
+    figures = {"b1": int8["b1"]["tok_s"], "tput": int8_best_tput(int8)[1],
                **{f"prefill{n}": int8["prefill"][str(n)]["tok_s"] for n in prefill_lens}}
     keys: dict = {f"engine_int8act_{work}_tok_s": v for work, v in figures.items()}
     picks = {"b1": _pick("b1"), "tput": _pick("tput"), **{f"prefill{n}": _prefill_of(n) for n in prefill_lens}}
@@ -668,7 +672,7 @@ def interleaved_tput_int8(tools: Path, report: dict, files: dict[str, Path], arg
     int8 = report.get("int8_activations")
     if not int8 or "error" in int8:
         return None
-    kv = "float16" if int8["tput_kv_float16"]["tok_s"] >= int8["tput"]["tok_s"] else "auto"
+    kv, _ = int8_best_tput(int8)
     return _interleaved_tput(tools, report, files, args, "packed", kv, f"packed, int8 activations, KV {kv}", int8=True)
 
 

@@ -102,9 +102,7 @@ def quantize_activations(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
 def int8_activation_reference(x: np.ndarray, blocks: np.ndarray, quant_type: int, shape: tuple[int, int]) -> np.ndarray:
     """y [M, N] float64 as the int8-activation kernel defines it, summed exactly: per block
     d * dx * sum(q * xq) + m * dx * sum(xq), m = -8 d for Q4_0 and 0 for Q8_0."""
-    fmt, k = block_format(quant_type), shape[1]
-    if not takes_int8_activations(quant_type):
-        raise ValueError(f"int8 activations run with Q4_0, Q4_1 or Q8_0 weights, not {fmt.name}")
+    fmt, k = require_int8_activations(quant_type), shape[1]
     d, m, q = _fields(np.asarray(blocks), fmt, k)
     d64 = d.astype(np.float64)
     m64 = m.astype(np.float64) if m is not None else (-8 if fmt.code_bits == 4 else 0) * d64
@@ -180,9 +178,7 @@ class QuantLinear(PanelLinear):
 
     def __init__(self, blocks: np.ndarray, quant_type: int, shape: tuple[int, int], bias: torch.Tensor | None,
                  lib: ctypes.CDLL, int8_activations: bool = False) -> None:
-        self.format = block_format(quant_type)
-        if int8_activations and not takes_int8_activations(quant_type):
-            raise ValueError(f"int8 activations run with Q4_0, Q4_1 or Q8_0 weights, not {self.format.name}")
+        self.format = require_int8_activations(quant_type) if int8_activations else block_format(quant_type)
         self.int8_activations = int8_activations
         self.out_features, self.in_features = shape
         self.width = lib.streamengine_panel_width()
@@ -229,6 +225,14 @@ def load_library() -> ctypes.CDLL | None:
 def takes_int8_activations(quant_type: int) -> bool:
     """Whether a weight of this GGUF type can multiply int8-quantized inputs (Q4_0, Q4_1, Q8_0)."""
     return int(quant_type) in FORMATS and FORMATS[int(quant_type)].code_bits in (4, 8)
+
+
+def require_int8_activations(quant_type: int) -> BlockFormat:
+    """The block format of `quant_type`; a ValueError unless it takes int8 activations."""
+    fmt = block_format(quant_type)
+    if not takes_int8_activations(quant_type):
+        raise ValueError(f"int8 activations run with Q4_0, Q4_1 or Q8_0 weights, not {fmt.name}")
+    return fmt
 
 
 def supported(quant_type: int) -> bool:

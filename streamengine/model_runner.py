@@ -81,7 +81,7 @@ def select_native(config: EngineConfig, loaded: LoadedModel, device: torch.devic
              "GGUF blocks" if packed is not None else f"float weights kept as {unpacked}")
     if config.int8_activations:
         if native.num_int8_activations == 0:
-            raise ValueError("EngineConfig.int8_activations needs Q4_0 or Q4_1 weights running packed; "
+            raise ValueError("EngineConfig.int8_activations needs Q4_0, Q4_1 or Q8_0 weights running packed; "
                              f"{loaded.gguf.name} has none ({packed.type_counts()})")
         log.info("weights: %d of %d weight matrices multiply int8-quantized inputs (int8_activations; not exact)",
                  native.num_int8_activations, native.num_linears)

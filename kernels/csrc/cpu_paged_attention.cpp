@@ -42,20 +42,16 @@ struct Layout {
 // misses overlap; the scoring then reads from L1/L2. Software prefetches of the same lines
 // (_mm_prefetch, to L1 or L2, one span ahead or the whole context) changed nothing on Zen 4,
 // where this took 27-32% off the kernel's time at 32 sequences (bench: docs/performance.md).
+// offsets[j] / lens[j]: where piece j of the span starts in the caches and its tokens.
 template <typename T>
-inline void touch_span(const T* key_cache, const T* value_cache, const int32_t* table, int64_t start,
-                       int64_t context_len, int64_t first_kv, int64_t last_kv, const Layout& L) {
-  for (int piece = 0; piece < SPAN && start < context_len; ++piece) {
-    const int64_t offset = start % L.block_size;
-    const int64_t n = std::min<int64_t>({CHUNK, L.block_size - offset, context_len - start});
-    const int64_t base = table[start / L.block_size] * L.block_stride + offset * L.token_stride;
-    for (int64_t t = 0; t < n; ++t)
+inline void touch_span(const T* key_cache, const T* value_cache, const int64_t* offsets, const int64_t* lens,
+                       int64_t pieces, int64_t first_kv, int64_t last_kv, const Layout& L) {
+  for (int64_t j = 0; j < pieces; ++j)
+    for (int64_t t = 0; t < lens[j]; ++t)
       for (int64_t d = first_kv * L.head_dim; d < last_kv * L.head_dim; d += 64 / sizeof(T)) {  // a line each
-        (void)*reinterpret_cast<const volatile char*>(key_cache + base + t * L.token_stride + d);
-        (void)*reinterpret_cast<const volatile char*>(value_cache + base + t * L.token_stride + d);
+        (void)*reinterpret_cast<const volatile char*>(key_cache + offsets[j] + t * L.token_stride + d);
+        (void)*reinterpret_cast<const volatile char*>(value_cache + offsets[j] + t * L.token_stride + d);
       }
-    start += n;
-  }
 }
 
 // The online-softmax state of one KV head's group of query heads: q and the accumulators are
@@ -163,7 +159,6 @@ void attend(const float* q, float scale, const void* key_cache_bytes, const void
   for (int64_t h = 0; h < heads; ++h) state[h].init(q + (first_kv + h) * L.group * L.head_dim, scale, L);
   int64_t start = 0;
   while (start < context_len) {
-    touch_span(key_cache, value_cache, table, start, context_len, first_kv, last_kv, L);
     int64_t offsets[SPAN], lens[SPAN], pieces = 0;
     for (; pieces < SPAN && start < context_len; ++pieces) {  // pieces never cross a block
       const int64_t offset = start % L.block_size;
@@ -171,6 +166,7 @@ void attend(const float* q, float scale, const void* key_cache_bytes, const void
       offsets[pieces] = table[start / L.block_size] * L.block_stride + offset * L.token_stride;
       start += lens[pieces];
     }
+    touch_span(key_cache, value_cache, offsets, lens, pieces, first_kv, last_kv, L);
     for (int64_t h = 0; h < heads; ++h) {
       int64_t head_offsets[SPAN];
       for (int64_t j = 0; j < pieces; ++j) head_offsets[j] = offsets[j] + (first_kv + h) * L.head_dim;

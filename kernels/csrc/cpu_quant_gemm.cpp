@@ -461,16 +461,20 @@ void int8_rows(const Int8Rows& x, int64_t r0, const uint8_t* panel, float* y, in
   }
 }
 
+// The last 1..INT8_ROWS - 1 rows (from r0), each count its own instance, as factored_panel does.
+template <typename Fmt, int ROWS = 1>
+void int8_tail(const Int8Rows& x, int64_t rows, int64_t r0, const uint8_t* panel, float* y, int64_t ldy) {
+  if constexpr (ROWS + 1 < INT8_ROWS) {
+    if (rows > ROWS) return int8_tail<Fmt, ROWS + 1>(x, rows, r0, panel, y, ldy);
+  }
+  int8_rows<Fmt, ROWS>(x, r0, panel, y, ldy);
+}
+
 template <typename Fmt>
 void int8_panel(const Int8Rows& x, int64_t M, const uint8_t* panel, float* y, int64_t ldy) {
   int64_t r = 0;
   for (; r + INT8_ROWS <= M; r += INT8_ROWS) int8_rows<Fmt, INT8_ROWS>(x, r, panel, y + r * ldy, ldy);
-  switch (M - r) {
-    case 1: return int8_rows<Fmt, 1>(x, r, panel, y + r * ldy, ldy);
-    case 2: return int8_rows<Fmt, 2>(x, r, panel, y + r * ldy, ldy);
-    case 3: return int8_rows<Fmt, 3>(x, r, panel, y + r * ldy, ldy);
-    default: return;
-  }
+  if (r < M) int8_tail<Fmt>(x, M - r, r, panel, y + r * ldy, ldy);
 }
 
 // Quantizes the rows once (the buffers belong to the calling thread, shared by the team for
