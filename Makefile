@@ -5,6 +5,10 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 export HF_HUB_OFFLINE := 1
 export TOKENIZERS_PARALLELISM := false
+# Keep the working directory off sys.path (python -P) in everything make starts, tests' child
+# processes included: at the repository root the kernels/ folder would shadow the `kernels`
+# package that transformers (5.25 and later) imports.
+export PYTHONSAFEPATH := 1
 
 .PHONY: setup serve test lint bench-quick
 
