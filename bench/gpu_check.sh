@@ -50,7 +50,7 @@ if [[ -f bench/gpu_engine_check.py ]]; then
 else
   echo "=== gpu_check: bench/gpu_engine_check.py not present, skipped"
 fi
-step "kernel benchmark" 90 "$PY" bench/kernels.py --quick --json bench/results/kernels_gpu.json
+step "kernel benchmark" 90 "$PY" bench/attention_kernels.py --quick --json bench/results/kernels_gpu.json
 
 if [[ $status -eq 0 ]]; then echo "gpu_check: all steps passed"; else echo "gpu_check: FAILED (see above)"; fi
 exit $status

@@ -9,6 +9,10 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING
 
+from streamengine.checkout import drop_checkout_root
+
+drop_checkout_root()  # before anything imports transformers: see checkout.py
+
 __all__ = [
     "AllBlocksCleared",
     "AsyncEngine",

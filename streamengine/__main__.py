@@ -260,15 +260,5 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def _drop_working_directory() -> None:
-    """`python -m` puts the working directory first on sys.path. Run from a checkout of this
-    repository, its kernels/ folder (installed as `streamengine.kernels`) would then shadow the
-    `kernels` package transformers imports, and loading a model fails. The command needs
-    nothing from the working directory, so it leaves the path."""
-    if sys.path and sys.path[0] in ("", os.getcwd()):
-        del sys.path[0]
-
-
 if __name__ == "__main__":
-    _drop_working_directory()
     sys.exit(main())

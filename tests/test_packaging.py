@@ -6,7 +6,10 @@ from __future__ import annotations
 
 import ast
 import fnmatch
+import os
 import re
+import subprocess
+import sys
 import tomllib
 from importlib import resources
 from pathlib import Path
@@ -93,3 +96,17 @@ def test_kernels_import_nothing_from_the_engine():
         for name in _imported_modules(source):
             engine = name == "streamengine" or name.startswith("streamengine.")
             assert not engine or name.startswith("streamengine.kernels"), f"{source.name} imports {name}"
+
+
+def test_the_checkouts_kernels_folder_never_shadows_the_hugging_face_package():
+    """Run from the repository's root (python -m, a Ray worker given the driver's working
+    directory), `import kernels` must still find the package transformers imports, not the
+    folder installed as streamengine.kernels."""
+    probe = ("import sys; sys.path.insert(0, ''); import streamengine, kernels; "
+             "print(kernels.__file__); print('' in sys.path)")
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONSAFEPATH"}
+    done = subprocess.run([sys.executable, "-c", probe], cwd=ROOT, env=env, capture_output=True, text=True,
+                          timeout=120)
+    assert done.returncode == 0, done.stderr
+    where, root_on_path = done.stdout.split()
+    assert Path(where).resolve().parent != ROOT / "kernels" and root_on_path == "False"

@@ -4,12 +4,12 @@ For a grid of batch x context x head configurations it times the Triton `paged_a
 over a paged cache with shuffled physical blocks, next to torch SDPA over contiguous K/V of
 the same sizes (the cost paging is measured against), and checks that both agree.
 
-    python bench/kernels.py [--quick] [--json bench/results/kernels_gpu.json] [--dtype bf16]
+    python bench/attention_kernels.py [--quick] [--json bench/results/kernels_gpu.json] [--dtype bf16]
 
 Decode: every request has one new token and `context` cached tokens. Prefill: every request
 processes `context` new tokens causally. Bandwidth = bytes of K and V read (each request's
 context once) / time; prefill also reports TFLOP/s of the causal QK^T and PV matmuls.
-Without CUDA it prints "bench/kernels.py needs CUDA" and exits with status 2 (nothing measured,
+Without CUDA it prints "bench/attention_kernels.py needs CUDA" and exits with status 2 (nothing measured,
 so a calling script can tell a skipped run from a successful one).
 
 CPU prefill (`--cpu-prefill`, no CUDA needed): the C++ paged prefill kernel
@@ -19,7 +19,7 @@ K/V gathered from the cache), on SmolLM2-135M's heads (9/3/64), a float32 cache 
 blocks. A prompt is prefilled whole or in chunks, every chunk timed (median of --iters) and
 summed; one more case prefills several prompts in one step.
 
-    python bench/kernels.py --cpu-prefill [--threads 2] [--json bench/results/prefill_cpu.json]
+    python bench/attention_kernels.py --cpu-prefill [--threads 2] [--json bench/results/prefill_cpu.json]
 """
 
 from __future__ import annotations
@@ -300,7 +300,7 @@ def cpu_prefill_main(args: argparse.Namespace) -> int:
     from streamengine.kernels.cpu_prefill_attention import prefill_supported
 
     if not prefill_supported(*PREFILL_HEADS, args.block_size):
-        print("bench/kernels.py --cpu-prefill: the C++ prefill kernel does not run here; nothing measured")
+        print("bench/attention_kernels.py --cpu-prefill: the C++ prefill kernel does not run here; nothing measured")
         return EXIT_NO_CUDA
     torch.set_num_threads(args.threads)
     rows = [run_prefill_case(p, n, c, args) for p, n, c in PREFILL_CASES]
@@ -342,7 +342,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.cpu_prefill:
         return cpu_prefill_main(args)
     if not torch.cuda.is_available():
-        print("bench/kernels.py needs CUDA (no CUDA device here); nothing measured")
+        print("bench/attention_kernels.py needs CUDA (no CUDA device here); nothing measured")
         return EXIT_NO_CUDA
     import triton
 
