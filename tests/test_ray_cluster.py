@@ -199,6 +199,12 @@ async def test_y_a_replica_killed_mid_stream_ends_its_request_and_others_go_on(c
     hang); new requests are served by the replica left."""
     a = _client(cluster, KEY_A)
     model = (await a.models.list()).data[0].id
+    # Idle first, as the reports show it: a report still counting an earlier test's request
+    # would make the wrong replica look like the one streaming.
+    deadline = time.monotonic() + 30
+    while any(load["stats"]["num_running"] for load in cluster.replica_loads().values()):
+        assert time.monotonic() < deadline, "the replicas never went idle"
+        await asyncio.sleep(0.1)
     stream = await a.completions.create(model=model, prompt="Tell me a story.", max_tokens=900,
                                         temperature=0.0, stream=True, extra_body={"ignore_eos": True})
     received = 0
