@@ -25,8 +25,9 @@ clock starts):
   pow2         2 Ray Serve replicas (1 thread, 1 Ray CPU each) behind the ingress, Ray
                Serve's default power-of-two-choices router
   ray_prefix   the same, Ray's PrefixCacheAffinityRouter (matches prompt text)
-  cached       the same, streamengine's router (ranks replicas by the cached chain of the
-               prompt's salted block hashes, from the replicas' KV events)
+  cached       the same, streamengine's router (the prompt tokens a replica would compute
+               past its cached chain of the prompt's salted block hashes, from the replicas'
+               KV events, times --cache-weight, plus the tokens queued there; cheapest wins)
 
 Each replica's KV pool holds `--kv-fraction` (0.33) of every token the trace ever holds (the
 system prompts of the bots it talks to plus every conversation's full history), so both
@@ -349,6 +350,7 @@ def run_cluster(args, router: str, pool: Pool, workload: Workload, keys: dict[st
     options = ClusterOptions(
         replicas=REPLICAS, router=router, app_name=f"bench-{router}", port=port, replica_cpus=1.0,
         tenants_file=tenants, graceful_shutdown_timeout_s=5.0,
+        router_kwargs={"cache_weight": args.cache_weight} if router == "cached" and args.cache_weight else {},
     )
     app = deploy(engine_config(args, pool.blocks, 1, tenants), options)
     setup = time.perf_counter() - began
@@ -622,7 +624,17 @@ def run_config(args) -> dict:
             "kv_fraction", "seed")
     return {"model": args.model or "default (SmolLM2-135M-Instruct)", "replicas": REPLICAS,
             "replica_threads": 1, **{k: getattr(args, k) for k in (*keys, "single_threads")},
+            "cache_weight": args.cache_weight or router_default("cache_weight"),
             **software()}
+
+
+def router_default(name: str) -> float:
+    """One of CachedBlockRouter's settings as it stands when the benchmark does not set it."""
+    import inspect
+
+    from streamengine.ray.router import CachedBlockRouter
+
+    return inspect.signature(CachedBlockRouter.initialize_state).parameters[name].default
 
 
 def fmt(x: float | None, spec: str) -> str:
@@ -698,6 +710,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--scale", type=float, help="multiplies every length range (0.7 quick, 1 full)")
     add_conversation_args(p)
     p.add_argument("--kv-fraction", type=float, default=0.33, help="each replica's KV pool / tokens the run holds")
+    p.add_argument("--cache-weight", type=float,
+                   help="our router's price of a prompt token computed, against one queued (default: router.py's)")
     p.add_argument("--single-threads", type=int, default=REPLICAS, help="torch threads of the single engine")
     p.add_argument("--index-hashes", type=int, default=100_000, help="hashes of the offline router-memory test")
     p.add_argument("--seed", type=int, default=0)

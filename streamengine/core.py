@@ -503,6 +503,7 @@ class EngineCore:
             # Sharing: physical blocks in use vs the block-table entries that point at them.
             "num_used_blocks": bm.num_blocks - bm.num_free_blocks,
             "num_logical_blocks": sum(len(s.block_table) for s in self._live_seqs()),
+            "num_tokens_to_compute": self.num_tokens_to_compute(),
             "kv_cache_usage": bm.usage(),
             "num_running": len(sched.running),
             "num_waiting": len(sched.waiting),
@@ -537,6 +538,17 @@ class EngineCore:
             row["num_pinned_blocks"] = pinned.get(name, 0)
             row["num_rejected"] = self.tenants.num_rejected.get(name, 0)
         return figures
+
+    def num_tokens_to_compute(self) -> int:
+        """Tokens still to run through the model for the requests held: a waiting prompt net
+        of its cached prefix, the rest of a prompt prefilled in chunks, one per decoding
+        sequence. A replica reports it so a router can weigh the work queued there."""
+        bm = self.block_manager
+        total = 0
+        for seq in self._live_seqs():
+            computed = seq.num_computed_tokens or len(bm.find_cached_blocks(seq)) * bm.block_size
+            total += seq.num_tokens - computed
+        return total
 
     def _live_seqs(self) -> Iterator[Sequence]:
         for req in self.requests.values():

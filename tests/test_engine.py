@@ -295,3 +295,22 @@ def test_kv_cache_dtype_sizes_the_pool_and_is_validated(tiny_llama_dir):
         EngineConfig(kv_cache_dtype="fp8")
     with pytest.raises(ValueError, match="kv_cache_dtype=torch.float16 runs on CPU only"):
         select_backend("triton", torch.device("cpu"), model_config, 16, torch.float32, torch.float16)
+
+
+def test_tokens_to_compute_counts_queued_work_net_of_the_cache(tiny_llama_dir):
+    """The figure a router weighs: waiting prompts less their cached prefix, one token per
+    decoding sequence, nothing when idle."""
+    from streamengine.core import EngineCore
+
+    core = EngineCore(EngineConfig(model=str(tiny_llama_dir), num_gpu_blocks=64, block_size=16))
+    prompt = list(range(3, 3 + 50))  # 3 full blocks and 2 tokens
+    params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    core.add_request("a", prompt, params)
+    assert core.stats()["num_tokens_to_compute"] == 50
+    core.step()  # the whole prompt in one step: now one sequence decoding
+    assert core.stats()["num_tokens_to_compute"] == 1
+    core.add_request("b", prompt[:40] + [7] * 10, params)  # shares 2 cached blocks with "a"
+    assert core.stats()["num_tokens_to_compute"] == 1 + (50 - 32)
+    while core.has_work():
+        core.step()
+    assert core.stats()["num_tokens_to_compute"] == 0

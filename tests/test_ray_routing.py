@@ -15,7 +15,7 @@ from streamengine.block_manager import prompt_block_hashes  # noqa: E402
 from streamengine.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, EventBatch, encode  # noqa: E402
 from streamengine.ray.block_index import BlockIndex  # noqa: E402
 from streamengine.ray.cluster_engine import merge_stats  # noqa: E402
-from streamengine.ray.directory import ReplicaDirectory  # noqa: E402
+from streamengine.ray.directory import DirectoryUpdate, ReplicaDirectory  # noqa: E402
 from streamengine.ray.request import ReplicaRequest  # noqa: E402
 from streamengine.ray.router import CachedBlockRouter  # noqa: E402
 from streamengine.sampling_params import SamplingParams  # noqa: E402
@@ -76,6 +76,9 @@ async def test_directory_serves_events_after_a_cursor_and_snapshots_late_readers
     await d.publish("r1", [encode(_batch(_stored(h[2:3])))], {"n": 2})
     news = await d.poll(first.cursor, timeout_s=0.01)
     assert news.snapshot is None and len(news.batches) == 1 and news.loads == {"r1": {"n": 2}}
+    assert news.work == {"r1": (0, 2)}  # no stats in these reports: nothing queued, 2 reports
+    await d.publish("r1", [], {"stats": {"num_tokens_to_compute": 40}})
+    assert (await d.poll(news.cursor, timeout_s=0.01, with_loads=False)).work == {"r1": (40, 3)}
     # Four more batches overflow a log of 3: a reader at the old cursor gets a snapshot.
     for i in range(3, 5):
         await d.publish("r1", [encode(_batch(_stored(h[i:i + 1]))), encode(_batch())], {"n": i})
@@ -132,23 +135,57 @@ def test_router_prefers_the_deepest_chain_then_the_least_loaded():
     assert hashes == prompt_block_hashes(ids[: 5 * BS], BS, SALT_A)  # the engine's own hashes
     router._index.add("r2", hashes[:3])
     router._index.add("r1", hashes[:1])
-    assert router.rank(reps, hashes)[0] is reps[2]
+    assert router.rank(reps, hashes, len(ids))[0] is reps[2]
     router._index.add("r0", hashes[:3])
     router._in_flight["r2"] = 2
-    assert router.rank(reps, hashes)[0] is reps[0]  # equal depth: the less loaded
+    assert router.rank(reps, hashes, len(ids))[0] is reps[0]  # equal cost: the fewer in flight
     assert router.decisions["cached"] == 2
 
 
-def test_router_balances_when_the_best_replica_is_overloaded():
-    router = _router(imbalance_threshold=2)
+def _report(router, rid: str, tokens: int, number: int = 1) -> None:
+    router.apply(DirectoryUpdate(cursor=0, work={rid: (tokens, number)}))
+
+
+def test_router_weighs_queued_work_against_the_tokens_its_cache_saves():
+    router = _router(cache_weight=2.0)
     reps = [_Replica(_ID("r0")), _Replica(_ID("r1"))]
-    hashes = router.request_hashes(_request(range(4 * BS + 1)))
-    router._index.add("r0", hashes)
-    router._in_flight["r0"] = 3  # 3 > 0 + 2: too far ahead of r1
-    assert router.rank(reps, hashes)[0] is reps[1]
-    assert router.decisions["balanced"] == 1
-    router._in_flight["r0"] = 2
-    assert router.rank(reps, hashes)[0] is reps[0]
+    n = 10 * BS + 1
+    hashes = router.request_hashes(_request(range(n)))
+    router._index.add("r0", hashes)  # r0 computes 1 token, r1 all 161 (cost 2 x 161 = 322)
+    _report(router, "r0", 300)
+    _report(router, "r1", 0)
+    assert router.rank(reps, hashes, n)[0] is reps[0]  # 2 + 300 < 322
+    _report(router, "r0", 330, 2)
+    assert router.rank(reps, hashes, n)[0] is reps[1]  # 2 + 330 > 322: the idle replica
+    assert router.decisions == {"cached": 1, "balanced": 1}
+    router._index.add("r1", hashes[:8])  # r1 now lacks 2 blocks and the last token: 2 x 33
+    _report(router, "r1", 250, 2)
+    assert router.rank(reps, hashes, n)[0] is reps[1]  # 66 + 250 < 332
+
+
+def test_placements_since_the_last_report_count_as_queued():
+    router = _router(cache_weight=1.0, report_lag_s=0.0)
+    reps = [_Replica(_ID("r0")), _Replica(_ID("r1"))]
+    _report(router, "r0", 0)
+    _report(router, "r1", 100)
+    big = _request(range(20 * BS + 1))  # nobody holds it: r0, the idle one, takes it
+    assert router.rank(reps, router.request_hashes(big), 20 * BS + 1)[0] is reps[0]
+    _routed(router, big, reps[0], "x")
+    assert router.queued_tokens("r0") == 20 * BS + 1  # not in r0's report yet
+    small = _request(range(1000, 1000 + 2 * BS + 1), salt=SALT_B)
+    assert router.rank(reps, router.request_hashes(small), 2 * BS + 1)[0] is reps[1]
+    _report(router, "r0", 7, 2)  # a newer report covers the placement
+    assert router.queued_tokens("r0") == 7
+
+
+def _routed(router, req: ReplicaRequest, replica, request_id: str) -> None:
+    class _Pending:
+        args = (req,)
+
+        class metadata:
+            internal_request_id = request_id
+
+    router.on_request_routed(_Pending(), replica.replica_id, None)
 
 
 def test_recent_placements_draw_a_burst_until_they_expire():
@@ -156,13 +193,7 @@ def test_recent_placements_draw_a_burst_until_they_expire():
     reps = [_Replica(_ID("r0")), _Replica(_ID("r1"))]
     req = _request(range(4 * BS + 1))
 
-    class _Pending:
-        args = (req,)
-
-        class metadata:
-            internal_request_id = "x"
-
-    router.on_request_routed(_Pending(), reps[1].replica_id, None)
+    _routed(router, req, reps[1], "x")
     router.on_request_completed(reps[1].replica_id, "x")
     hashes = router.request_hashes(req)
     assert all(router.rank(reps, hashes)[0] is reps[1] for _ in range(10))

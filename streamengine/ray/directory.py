@@ -37,6 +37,9 @@ class DirectoryUpdate:
     batches: list[tuple[str, bytes]] = field(default_factory=list)
     snapshot: dict[str, list[bytes]] | None = None  # replica -> every hash it holds
     loads: dict[str, dict[str, Any]] = field(default_factory=dict)  # replica -> its last report
+    # replica -> (tokens it has still to compute, how many reports it has made): the part of
+    # the load a router weighs, small enough to send on every poll.
+    work: dict[str, tuple[int, int]] = field(default_factory=dict)
 
 
 class ReplicaDirectory:
@@ -50,6 +53,7 @@ class ReplicaDirectory:
         self._next = 0
         self._index = BlockIndex()
         self._loads: dict[str, dict[str, Any]] = {}
+        self._work: dict[str, tuple[int, int]] = {}
         self._seen: dict[str, float] = {}
         self._stale_after_s = stale_after_s
         self._changed = asyncio.Event()
@@ -61,6 +65,8 @@ class ReplicaDirectory:
         if "kv_state" not in load and "kv_state" in self._loads.get(replica, {}):
             load = {**load, "kv_state": self._loads[replica]["kv_state"]}  # sent less often
         self._loads[replica] = load
+        reports = self._work.get(replica, (0, 0))[1] + 1
+        self._work[replica] = (int(load.get("stats", {}).get("num_tokens_to_compute", 0)), reports)
         for data in batches:
             self._index.apply(replica, decode(data))
             self._append(replica, data)
@@ -83,12 +89,13 @@ class ReplicaDirectory:
                 pass
         self._drop_stale(self._clock())
         loads = dict(self._loads) if with_loads else {}
+        work = dict(self._work)
         first = self._log[0][0] if self._log else self._next
         if cursor < 0 or cursor < first - 1:
             snapshot = {r: self._index.hashes(r) for r in self._index.replicas()}
-            return DirectoryUpdate(self._next - 1, snapshot=snapshot, loads=loads)
+            return DirectoryUpdate(self._next - 1, snapshot=snapshot, loads=loads, work=work)
         batches = [(replica, data) for seq, replica, data in self._log if seq > cursor]
-        return DirectoryUpdate(self._next - 1, batches=batches, loads=loads)
+        return DirectoryUpdate(self._next - 1, batches=batches, loads=loads, work=work)
 
     async def loads(self) -> dict[str, dict[str, Any]]:
         self._drop_stale(self._clock())
@@ -101,6 +108,7 @@ class ReplicaDirectory:
     def _forget(self, replica: str) -> None:
         self._seen.pop(replica, None)
         self._loads.pop(replica, None)
+        self._work.pop(replica, None)
         self._index.forget(replica)
         self._append(replica, encode(EventBatch(ts=time.time(), events=[AllBlocksCleared()])))
 

@@ -1,5 +1,6 @@
-"""Routing by cached blocks: a Ray Serve request router that sends each request to the
-replica holding the longest chain of its prompt's block hashes.
+"""Routing by cached blocks: a Ray Serve request router that sends each request where its
+first token comes soonest, counting what each replica has cached of its prompt and the work
+already queued there.
 
 The hashes are the engine's own (`prompt_block_hashes` over the salt segments the ingress
 computed with `Pins.segments`), so a tenant's request matches only blocks hashed with its
@@ -9,9 +10,14 @@ cannot compute their hashes either. Where replicas hold blocks comes from their 
 a burst of requests for a prefix nobody has cached yet follows the first one, whose
 prefill the replica's engine then shares, instead of each replica computing it again.
 
-When the best replica is busier than the least busy one by more than
-`imbalance_threshold` requests in flight, or nobody holds any block, it falls back to
-power-of-two choices on load (two random replicas, the less loaded first).
+A replica's cost for a request is the prompt tokens it would compute (those past its cached
+chain), times `cache_weight`, plus the tokens it has still to compute for the requests it
+holds: its last load report's `num_tokens_to_compute`, and what this router sent it since.
+The cheapest wins (ties: the deeper chain, then fewer requests in flight). Queued work is
+measured in tokens because that is what a step's time follows; a replica deep in a long
+prefill loses a short cached turn to an idle one that must compute a few hundred tokens.
+`cache_weight` above 1 charges a recomputation for more than the request's own wait: the
+copy it makes takes pool space, and the replica computing it delays what comes after.
 """
 
 from __future__ import annotations
@@ -35,8 +41,11 @@ from streamengine.ray.request import ReplicaRequest
 
 log = logging.getLogger(__name__)
 
-DEFAULT_IMBALANCE_THRESHOLD = 4
+DEFAULT_CACHE_WEIGHT = 2.0
 DEFAULT_AFFINITY_TTL_S = 10.0
+# A placement this recent may not show in the replica's report yet (reports every 0.2 s, then
+# a hop through the directory): its tokens are added to the reported ones.
+DEFAULT_REPORT_LAG_S = 0.3
 _POLL_TIMEOUT_S = 1.0
 _RETRY_S = 0.5
 
@@ -48,19 +57,24 @@ class CachedBlockRouter(RequestRouter):
 
     def initialize_state(
         self, app_name: str = "streamengine", block_size: int = 16,
-        imbalance_threshold: int = DEFAULT_IMBALANCE_THRESHOLD,
-        affinity_ttl_s: float = DEFAULT_AFFINITY_TTL_S, **_: Any,
+        cache_weight: float = DEFAULT_CACHE_WEIGHT, affinity_ttl_s: float = DEFAULT_AFFINITY_TTL_S,
+        report_lag_s: float = DEFAULT_REPORT_LAG_S, **_: Any,
     ) -> None:
         self._app_name, self._block_size = app_name, block_size
-        self._imbalance = imbalance_threshold
-        self._ttl = affinity_ttl_s
+        self._cache_weight = cache_weight
+        self._ttl, self._lag = affinity_ttl_s, report_lag_s
         self._index = BlockIndex()  # what the replicas' KV events say they hold
         self._recent = BlockIndex()  # where this router sent prefixes lately
-        self._placements: deque[tuple[float, str, list[bytes]]] = deque()
+        # (when, replica, block hashes, prompt tokens it was expected to compute)
+        self._placements: deque[tuple[float, str, list[bytes], int]] = deque()
+        self._work: dict[str, tuple[int, int]] = {}  # replica -> (tokens to compute, report number)
+        self._reported_at: dict[str, float] = {}  # replica -> when its last new report arrived
         self._in_flight: Counter[str] = Counter()
         self._by_request: dict[str, str] = {}
         self._sync_task: asyncio.Task | None = None
-        self.decisions: Counter[str] = Counter()  # "cached", "fresh", "balanced": why a replica won
+        # Why a replica won: "cached" (the deepest chain), "balanced" (a shallower chain on a
+        # less busy replica), "fresh" (nobody holds any of the prompt).
+        self.decisions: Counter[str] = Counter()
 
     async def choose_replicas(
         self, candidate_replicas: list[RunningReplica], pending_request: PendingRequest | None = None,
@@ -72,7 +86,7 @@ class CachedBlockRouter(RequestRouter):
         if request is None:  # a call that is not a generate: any replica will do
             return [self._two_choices(candidate_replicas)]
         hashes = self.request_hashes(request)
-        ranked = self.rank(candidate_replicas, hashes)
+        ranked = self.rank(candidate_replicas, hashes, len(request.prompt_token_ids))
         return [[ranked[0]], ranked[1:]] if len(ranked) > 1 else [ranked]
 
     def request_hashes(self, request: ReplicaRequest) -> list[bytes]:
@@ -83,24 +97,38 @@ class CachedBlockRouter(RequestRouter):
             request.block_hashes = prompt_block_hashes(usable, self._block_size, request.salt_segments)
         return request.block_hashes
 
-    def rank(self, candidates: list[RunningReplica], hashes: list[bytes]) -> list[RunningReplica]:
-        """Candidates best first: the deepest cached chain (ties: the least loaded), unless it
-        is overloaded; else power-of-two choices."""
+    def rank(
+        self, candidates: list[RunningReplica], hashes: list[bytes], num_tokens: int | None = None,
+    ) -> list[RunningReplica]:
+        """Candidates cheapest first (see the module docstring). `num_tokens` is the prompt's
+        length (default: its full blocks, all a cache could hold)."""
         self._expire(time.monotonic())
         by_id = {r.replica_id.unique_id: r for r in candidates}
-        cached = self._index.depths(hashes, by_id)
-        recent = self._recent.depths(hashes, by_id)
-        depth = {rid: max(cached[rid], recent[rid]) for rid in by_id}
-        load = {rid: self._in_flight[rid] for rid in by_id}
-        best = max(by_id, key=lambda rid: (depth[rid], -load[rid], random.random()))
-        if depth[best] == 0 or load[best] > min(load.values()) + self._imbalance:
-            self.decisions["fresh" if depth[best] == 0 else "balanced"] += 1
-            first = self._two_choices(candidates)
-        else:
-            self.decisions["cached"] += 1
-            first = [by_id[best]]
-        rest = sorted((r for r in candidates if r not in first), key=lambda r: load[r.replica_id.unique_id])
-        return first + rest
+        depth = self._depths(hashes, by_id)
+        size = len(hashes) * self._block_size if num_tokens is None else num_tokens
+        cost = {rid: self._cache_weight * (size - depth[rid] * self._block_size) + self.queued_tokens(rid)
+                for rid in by_id}
+        order = sorted(by_id, key=lambda rid: (cost[rid], -depth[rid], self._in_flight[rid], random.random()))
+        deepest = max(depth.values())
+        self.decisions["fresh" if deepest == 0 else "cached" if depth[order[0]] == deepest else "balanced"] += 1
+        return [by_id[rid] for rid in order]
+
+    def queued_tokens(self, rid: str) -> int:
+        """What `rid` has still to compute: its last report plus this router's placements
+        that the report may not show yet (all of the last `affinity_ttl_s` when it has not
+        reported)."""
+        since = self._reported_at.get(rid, -float("inf")) - self._lag
+        unreported = 0
+        for t, r, _, n in reversed(self._placements):  # newest first
+            if t <= since:
+                break
+            unreported += n if r == rid else 0
+        return self._work.get(rid, (0, 0))[0] + unreported
+
+    def _depths(self, hashes: list[bytes], replicas: dict[str, Any]) -> dict[str, int]:
+        cached = self._index.depths(hashes, replicas)
+        recent = self._recent.depths(hashes, replicas)
+        return {rid: max(cached[rid], recent[rid]) for rid in replicas}
 
     def _two_choices(self, candidates: list[RunningReplica]) -> list[RunningReplica]:
         pair = random.sample(candidates, min(2, len(candidates)))
@@ -115,8 +143,9 @@ class CachedBlockRouter(RequestRouter):
         request = _replica_request(pending_request)
         if request is not None:
             hashes = self.request_hashes(request)
+            computed = len(request.prompt_token_ids) - self._depths(hashes, {rid: None})[rid] * self._block_size
             self._recent.add(rid, hashes)
-            self._placements.append((time.monotonic(), rid, hashes))
+            self._placements.append((time.monotonic(), rid, hashes, computed))
 
     def on_request_completed(self, replica_id: ReplicaID, internal_request_id: str) -> None:
         rid = self._by_request.pop(internal_request_id, replica_id.unique_id)
@@ -139,13 +168,15 @@ class CachedBlockRouter(RequestRouter):
         self._index.forget(rid)
         self._recent.forget(rid)
         self._in_flight.pop(rid, None)
+        self._work.pop(rid, None)
+        self._reported_at.pop(rid, None)
         if ray.is_initialized():  # not in unit tests, which have no cluster
             with contextlib.suppress(Exception):
                 get_or_create_directory(self._app_name).leave.remote(rid)
 
     def _expire(self, now: float) -> None:
         while self._placements and now - self._placements[0][0] > self._ttl:
-            _, rid, hashes = self._placements.popleft()
+            _, rid, hashes, _ = self._placements.popleft()
             self._recent.remove(rid, hashes)
 
     # -- the directory feed ----------------------------------------------------------------
@@ -177,6 +208,11 @@ class CachedBlockRouter(RequestRouter):
                 self._index.add(rid, hashes)
         for rid, data in update.batches:
             self._index.apply(rid, decode(data))
+        now = time.monotonic()
+        for rid, work in update.work.items():
+            if self._work.get(rid, (0, 0))[1] != work[1]:
+                self._reported_at[rid] = now
+            self._work[rid] = work
         return update.cursor
 
 
