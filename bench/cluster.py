@@ -620,21 +620,13 @@ def build_report(args, workload: Workload, pool: Pool, systems: dict[str, dict],
 
 
 def run_config(args) -> dict:
+    from streamengine.ray.router import DEFAULT_CACHE_WEIGHT
+
     keys = ("quick", "bots", "zipf", "rate", "duration", "scale", "system_len", "user_len", "answer_len", "turns",
             "kv_fraction", "seed")
     return {"model": args.model or "default (SmolLM2-135M-Instruct)", "replicas": REPLICAS,
             "replica_threads": 1, **{k: getattr(args, k) for k in (*keys, "single_threads")},
-            "cache_weight": args.cache_weight or router_default("cache_weight"),
-            **software()}
-
-
-def router_default(name: str) -> float:
-    """One of CachedBlockRouter's settings as it stands when the benchmark does not set it."""
-    import inspect
-
-    from streamengine.ray.router import CachedBlockRouter
-
-    return inspect.signature(CachedBlockRouter.initialize_state).parameters[name].default
+            "cache_weight": args.cache_weight or DEFAULT_CACHE_WEIGHT, **software()}
 
 
 def fmt(x: float | None, spec: str) -> str:

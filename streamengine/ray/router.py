@@ -65,10 +65,11 @@ class CachedBlockRouter(RequestRouter):
         self._ttl, self._lag = affinity_ttl_s, report_lag_s
         self._index = BlockIndex()  # what the replicas' KV events say they hold
         self._recent = BlockIndex()  # where this router sent prefixes lately
-        # (when, replica, block hashes, prompt tokens it was expected to compute)
-        self._placements: deque[tuple[float, str, list[bytes], int]] = deque()
+        self._placements: deque[tuple[float, str, list[bytes]]] = deque()  # (when, replica, hashes)
         self._work: dict[str, tuple[int, int]] = {}  # replica -> (tokens to compute, report number)
-        self._reported_at: dict[str, float] = {}  # replica -> when its last new report arrived
+        # replica -> (when, prompt tokens it was expected to compute) of the placements its
+        # last report may not show yet, oldest first
+        self._unreported: dict[str, deque[tuple[float, int]]] = {}
         self._in_flight: Counter[str] = Counter()
         self._by_request: dict[str, str] = {}
         self._sync_task: asyncio.Task | None = None
@@ -117,13 +118,9 @@ class CachedBlockRouter(RequestRouter):
         """What `rid` has still to compute: its last report plus this router's placements
         that the report may not show yet (all of the last `affinity_ttl_s` when it has not
         reported)."""
-        since = self._reported_at.get(rid, -float("inf")) - self._lag
-        unreported = 0
-        for t, r, _, n in reversed(self._placements):  # newest first
-            if t <= since:
-                break
-            unreported += n if r == rid else 0
-        return self._work.get(rid, (0, 0))[0] + unreported
+        pending = self._unreported.get(rid)
+        _drop_older(pending, time.monotonic() - self._ttl)
+        return self._work.get(rid, (0, 0))[0] + sum(n for _, n in pending or ())
 
     def _depths(self, hashes: list[bytes], replicas: dict[str, Any]) -> dict[str, int]:
         cached = self._index.depths(hashes, replicas)
@@ -144,8 +141,10 @@ class CachedBlockRouter(RequestRouter):
         if request is not None:
             hashes = self.request_hashes(request)
             computed = len(request.prompt_token_ids) - self._depths(hashes, {rid: None})[rid] * self._block_size
+            now = time.monotonic()
             self._recent.add(rid, hashes)
-            self._placements.append((time.monotonic(), rid, hashes, computed))
+            self._placements.append((now, rid, hashes))
+            self._unreported.setdefault(rid, deque()).append((now, computed))
 
     def on_request_completed(self, replica_id: ReplicaID, internal_request_id: str) -> None:
         rid = self._by_request.pop(internal_request_id, replica_id.unique_id)
@@ -169,14 +168,14 @@ class CachedBlockRouter(RequestRouter):
         self._recent.forget(rid)
         self._in_flight.pop(rid, None)
         self._work.pop(rid, None)
-        self._reported_at.pop(rid, None)
+        self._unreported.pop(rid, None)
         if ray.is_initialized():  # not in unit tests, which have no cluster
             with contextlib.suppress(Exception):
                 get_or_create_directory(self._app_name).leave.remote(rid)
 
     def _expire(self, now: float) -> None:
         while self._placements and now - self._placements[0][0] > self._ttl:
-            _, rid, hashes, _ = self._placements.popleft()
+            _, rid, hashes = self._placements.popleft()
             self._recent.remove(rid, hashes)
 
     # -- the directory feed ----------------------------------------------------------------
@@ -210,8 +209,8 @@ class CachedBlockRouter(RequestRouter):
             self._index.apply(rid, decode(data))
         now = time.monotonic()
         for rid, work in update.work.items():
-            if self._work.get(rid, (0, 0))[1] != work[1]:
-                self._reported_at[rid] = now
+            if self._work.get(rid, (0, 0))[1] != work[1]:  # a new report: it counts what came before
+                _drop_older(self._unreported.get(rid), now - self._lag)
             self._work[rid] = work
         return update.cursor
 
@@ -223,3 +222,9 @@ def _replica_request(pending_request: PendingRequest | None) -> ReplicaRequest |
         if isinstance(arg, ReplicaRequest):
             return arg
     return None
+
+
+def _drop_older(pending: deque[tuple[float, int]] | None, cutoff: float) -> None:
+    """Drops the placements made at or before `cutoff` (the deque is oldest first)."""
+    while pending and pending[0][0] <= cutoff:
+        pending.popleft()
