@@ -247,8 +247,13 @@ class BlockManager:
         return max(0, self.blocks_needed(computed + num_new_tokens) - have)
 
     def _num_available(self, cached: list[KVBlock]) -> int:
-        # A hit on a free cached block takes it out of the free queue.
-        return self.num_free_blocks - sum(1 for b in cached if b.ref_cnt == 0)
+        return self.num_free_blocks - self.num_free_hits(cached)
+
+    @staticmethod
+    def num_free_hits(cached: list[KVBlock]) -> int:
+        """Of the hits `cached`, those in the free queue: taking them takes them out of it, so
+        they count among the free blocks but are no room for the sequence that hits them."""
+        return sum(1 for b in cached if b.ref_cnt == 0)
 
     def _needs_copy_on_write(self, seq: Sequence, num_new_tokens: int) -> bool:
         """True if the next write lands in a block another sequence also references."""

@@ -505,11 +505,15 @@ class Scheduler:
         return self._blocks_to_start(seq, self.block_manager.find_cached_blocks(seq))
 
     def _blocks_to_start(self, seq: Sequence, cached: list[KVBlock]) -> int:
-        """Free blocks `seq` needs for its first step (with the watermark)."""
+        """Free blocks `seq` takes for its first step (with the watermark): new ones and its
+        hits on free cached blocks. (Counting only the new ones, a tenant whose history sat
+        free in the cache was never made room for: its own hits looked like room, admission
+        then failed, and it waited for other tenants' requests to end while their growth
+        evicted that history.)"""
         bm = self.block_manager
         start = len(cached) * bm.block_size
         n = self._num_new_tokens(seq, start, self.max_num_batched_tokens)
-        return bm.blocks_needed(start + n) - len(cached) + self.watermark_blocks
+        return bm.num_new_blocks(seq, n, cached) + bm.num_free_hits(cached) + self.watermark_blocks
 
     def _has_room(self, need: int) -> bool:
         return self.block_manager.num_free_blocks >= need and len(self.running) < self.max_num_seqs

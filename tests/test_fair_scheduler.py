@@ -455,6 +455,28 @@ def test_several_tenants_with_nothing_running_start_in_one_step() -> None:
     assert all(s.num_output_tokens == 10 for s in a)
 
 
+def test_a_tenant_whose_history_sits_free_in_the_cache_is_made_room_for() -> None:
+    """B's first turn ended and its 3 blocks sit free in the cache; A's requests hold every
+    other block. B's next turn re-sends that history: its 3 hits count among the free blocks
+    but are no room for it (taking them empties the free queue), so it needs 5 free blocks,
+    not 2. A's newest yields and B starts in that very step on its 3 hits. (Counted as room,
+    the hits hid the shortage: B waited for A's requests to end while A's growth evicted its
+    history.)"""
+    sim = Sim(12, tenants=[TenantConfig("a"), TenantConfig("b")])
+    b0 = sim.add("b", tokens(10, 900), max_tokens=3)
+    sim.run()  # 12 of its 13 tokens computed: 3 full blocks cached, all free
+    a = [sim.add("a", tokens(8, 100 * i), max_tokens=10) for i in range(3)]
+    while sim.bm.num_free_blocks > 3:  # fresh blocks go first: B's 3 cached ones are left
+        sim.step()
+    b1 = sim.add("b", b0.token_ids + tokens(6, 950), max_tokens=2)  # 19 tokens: 5 blocks
+    assert len(sim.bm.find_cached_blocks(b1)) == 3 == sim.bm.num_free_blocks
+    out = sim.step()
+    assert b1 in [i.seq for i in out.scheduled] and b1.num_cached_tokens == 3 * BS
+    assert out.preempted and all(v.tenant == "a" for v in out.preempted)
+    sim.run()
+    assert all(s.num_output_tokens == 10 for s in a) and b1.num_output_tokens == 2
+
+
 def test_a_request_started_for_one_tenant_never_yields_for_the_next_in_that_step() -> None:
     """B (weight 0.01) and C arrive together while A fills the pool. B starts first, and its
     prompt's charge puts it more than FAIRNESS_SLACK ahead of C at once; C's room then comes
