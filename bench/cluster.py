@@ -350,7 +350,7 @@ def run_cluster(args, router: str, pool: Pool, workload: Workload, keys: dict[st
     options = ClusterOptions(
         replicas=REPLICAS, router=router, app_name=f"bench-{router}", port=port, replica_cpus=1.0,
         tenants_file=tenants, graceful_shutdown_timeout_s=5.0,
-        router_kwargs={"cache_weight": args.cache_weight} if router == "cached" and args.cache_weight else {},
+        router_kwargs={"cache_weight": args.cache_weight} if router == "cached" and args.cache_weight is not None else {},
     )
     app = deploy(engine_config(args, pool.blocks, 1, tenants), options)
     setup = time.perf_counter() - began
@@ -626,7 +626,7 @@ def run_config(args) -> dict:
             "kv_fraction", "seed")
     return {"model": args.model or "default (SmolLM2-135M-Instruct)", "replicas": REPLICAS,
             "replica_threads": 1, **{k: getattr(args, k) for k in (*keys, "single_threads")},
-            "cache_weight": args.cache_weight or DEFAULT_CACHE_WEIGHT, **software()}
+            "cache_weight": DEFAULT_CACHE_WEIGHT if args.cache_weight is None else args.cache_weight, **software()}
 
 
 def fmt(x: float | None, spec: str) -> str:
@@ -720,6 +720,8 @@ def check_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> argparse
         p.error("--bots must be >= 2 and --index-hashes >= 4")
     if min(args.rate, args.duration, args.scale, args.kv_fraction, args.zipf) <= 0:
         p.error("--rate, --duration, --scale, --kv-fraction and --zipf must be > 0")
+    if args.cache_weight is not None and args.cache_weight < 0:
+        p.error("--cache-weight must be >= 0")
     return args
 
 
