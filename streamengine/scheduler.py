@@ -201,6 +201,7 @@ class Scheduler:
             victim = self._take_victim(out)
             self._preempt(victim, front=False)
             out.preempted.append(victim)
+            self._prefill_slices.clear()  # split for a step that scheduled nothing
             budget = self._schedule_swapped(out, self.max_num_batched_tokens)
             if not self.swapped:
                 self._schedule_waiting(out, budget, yielded)
@@ -290,6 +291,7 @@ class Scheduler:
         admitted = {item.seq for item in out.scheduled}  # this step's, scheduled already
         if self.policy == "fair":
             self._free_for_next_tokens(out, admitted)
+            self._split_pool(budget, admitted)
             # With one tenant running, its being over its share would move all or none: the
             # order is the service order, without scanning every block table each step.
             several = len({s.tenant for s in self.running}) > 1
@@ -312,6 +314,43 @@ class Scheduler:
                 self._append(out, seq, n)
                 budget -= n
         return budget
+
+    def _split_pool(self, budget: int, admitted: set[Sequence]) -> None:
+        """"fair": when the free blocks cannot hold the chunks of the prompts running (those
+        not `admitted` this step), each tenant prefilling gets its weighted slice of the
+        prompt tokens they can hold, as when the token budget runs out (_count_prefills).
+        Handed out in service order instead, the least-served tenant, however slightly, took
+        every block for its chunks while its peers waited a step: a lurch that the counters
+        undid in the steps after, and that a window of a few steps saw as unfair."""
+        if self.max_prefill_chunk is None:
+            return
+        bm = self.block_manager
+        prompts: dict[str, list[int]] = {}  # tokens left of each tenant's running prompts
+        chunks = decode_blocks = own_room = 0
+        for seq in self.running:
+            n = seq.num_tokens - seq.num_computed_tokens
+            if seq in admitted or n < 1:
+                continue
+            if n == 1:
+                decode_blocks += len(seq.block_table) < bm.blocks_needed(seq.num_tokens)
+                continue
+            prompts.setdefault(seq.tenant, []).append(n)
+            chunks += min(n, self._prefill_chunk(seq), self._prefill_slices.get(seq.tenant, n))
+            own_room += len(seq.block_table) * bm.block_size - seq.num_computed_tokens
+        # The prompt tokens the pool holds: what is left in the prompts' own last blocks and
+        # the free blocks that the decodes' next tokens do not take.
+        room = own_room + max(0, bm.num_free_blocks - decode_blocks) * bm.block_size
+        if len(prompts) < 2 or chunks <= room or room <= 0:
+            return  # every chunk fits, or someone must yield first (_make_room picks whom)
+        capacity = min(budget, room)
+        # What each tenant's prompts could take this step, chunked as a slice of all of it
+        # would make them: no slice larger, or the room it leaves would go unused.
+        takes = {tenant: sum(min(n, self._tenant_chunk(tenant, capacity)) for n in ns)
+                 for tenant, ns in prompts.items()}
+        weights = {tenant: self.share.tenants.get(tenant).weight for tenant in takes}
+        for tenant, size in weighted_split(capacity, takes, weights).items():
+            self._slice_sizes[tenant] = max(self._slice_sizes.get(tenant, 0), size)
+            self._prefill_slices[tenant] = min(self._prefill_slices.get(tenant, size), size)
 
     def _free_for_next_tokens(self, out: SchedulerOutput, admitted: set[Sequence]) -> None:
         """"fair": before any running sequence is scheduled, preempts until the pool holds

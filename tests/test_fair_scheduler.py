@@ -774,3 +774,28 @@ def test_tenant_stats() -> None:
 def test_an_unknown_policy_is_refused() -> None:
     with pytest.raises(ValueError, match="scheduling policy"):
         Scheduler(BlockManager(4, BS), 4, 16, policy="lottery")
+
+
+def test_a_step_the_pool_cannot_hold_is_split_by_weight_between_tenants_prefilling() -> None:
+    """The free blocks run out before the token budget: each tenant's prompts take its
+    weighted slice of the prompt tokens the pool holds (weights 1:1, then 1:2). Handed out in
+    service order instead, the least-served tenant, level within a few tokens, took every block
+    for its chunks and the other got what was left: 15 and 7 tokens at weights 1:1."""
+    for weight_b in (1.0, 2.0):
+        sim = Sim(28, tenants=[TenantConfig("a"), TenantConfig("b", weight=weight_b)], chunk=4, budget=256,
+                  max_num_seqs=8, prefix_caching=False)
+        prompts = {t: [sim.add(t, tokens(48, 1000 * k + (500 if t == "b" else 0)), max_tokens=1) for k in range(3)]
+                   for t in "ab"}
+        room = 0
+        while True:  # up to the first step whose chunks (6 of 5 tokens) the pool cannot hold
+            if sim.sched.running:
+                room = sum(len(s.block_table) * BS - s.num_computed_tokens for s in sim.sched.running)
+                room += sim.bm.num_free_blocks * BS
+            before = {t: sum(s.num_computed_tokens for s in seqs) for t, seqs in prompts.items()}
+            out = sim.step()
+            took = {t: sum(s.num_computed_tokens for s in seqs) - before[t] for t, seqs in prompts.items()}
+            if 0 < room < 6 * 5:
+                break
+        assert not out.preempted
+        assert room - 2 <= took["a"] + took["b"] <= room  # the last blocks' tokens are not pooled
+        assert abs(took["b"] - weight_b * took["a"]) <= 2, (weight_b, took, room)
