@@ -552,15 +552,7 @@ def print_table(report: dict) -> None:
               f"windows with 2+ backlogged tenants, largest service gap {fmt_x(f['max_service_gap'], '.0f')}; "
               f"burst served {s['burst_period_s'][0]:.0f}-{s['burst_period_s'][1]:.0f} s; "
               f"{len(s['pinned_bots'])} bots pinned; makespan {s['makespan_s']:.0f} s")
-    for name, s in report["systems"].items():
-        if phase := s.get("backlogged"):
-            f, t = phase["fairness"], phase["tenants"]
-            shares = " / ".join(f"{k} {v['share']:.2f}" for k, v in t.items())
-            weights = ":".join(f"{v['weight']:g}" for v in t.values())
-            print(f"{name} backlogged {phase['duration_s']:g} s: Jain {fmt_x(f['jain'], '.3f')} over "
-                  f"{f['num_windows']} of {f['num_windows_total']} windows of {phase['window_s']:g} s "
-                  f"({phase['steps_per_window']:.1f} steps each); weighted-service shares {shares} "
-                  f"(weights {weights}, open requests {':'.join(str(v['open_requests']) for v in t.values())})")
+    print_backlogged(report["systems"])
     print(f"{'goal':<22} {'value':>8} {'target':>8}  met")
     for key, g in report["goals"].items():
         print(f"{key:<22} {fmt_x(g['value']):>8} {g['target']:>8}  {'yes' if g['met'] else 'NO'}")
@@ -570,6 +562,18 @@ def print_table(report: dict) -> None:
     print(f"hit-rate headroom over the baseline {fmt_x(report['hit_rate_headroom_points'], '.1f')} points "
           f"(the goal needs >= 15), of which streamengine closes {fmt_x(report['hit_rate_gap_closed'], '.0%')}")
 
+
+
+def print_backlogged(systems: dict[str, dict]) -> None:
+    for name, s in systems.items():
+        if phase := s.get("backlogged"):
+            f, t = phase["fairness"], phase["tenants"]
+            shares = " / ".join(f"{k} {v['share']:.2f}" for k, v in t.items())
+            weights = ":".join(f"{v['weight']:g}" for v in t.values())
+            print(f"{name} backlogged {phase['duration_s']:g} s: Jain {fmt_x(f['jain'], '.3f')} over "
+                  f"{f['num_windows']} of {f['num_windows_total']} windows of {phase['window_s']:g} s "
+                  f"({phase['steps_per_window']:.1f} steps each); weighted-service shares {shares} "
+                  f"(weights {weights}, open requests {':'.join(str(v['open_requests']) for v in t.values())})")
 
 COLORS = {"noisy": "#d62728", "popular": "#1f77b4", "rare": "#2ca02c"}
 
@@ -664,6 +668,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--backlogged-window", type=float,
                    help="fairness window of the backlogged phase, seconds (8 quick, 16 full): several "
                         "engine steps (steps_per_window in the JSON)")
+    p.add_argument("--backlogged-only", action="store_true",
+                   help="run each system's backlogged phase alone (no bots' trace; no PNG): a quick fairness check")
     p.add_argument("--sample-period", type=float, default=0.25, help="seconds between tenant-stats samples")
     p.add_argument("--max-num-seqs", type=int, default=128)
     p.add_argument("--max-num-batched-tokens", type=int, default=2048)
@@ -684,6 +690,8 @@ def check_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> argparse
         p.error("--bots must be >= 2 and --noisy-rank in 1..bots")
     if args.think_time < 0:
         p.error("--think-time must be >= 0")
+    if args.backlogged_only and args.backlogged_s == 0:
+        p.error("--backlogged-only needs --backlogged-s > 0")
     if args.backlogged_s < 0 or args.backlogged_window <= 0:
         p.error("--backlogged-s must be >= 0 and --backlogged-window > 0")
     if min(args.rate, args.duration, args.scale, args.window, args.kv_fraction, args.zipf, args.sample_period) <= 0:
@@ -708,6 +716,8 @@ def main(argv: list[str] | None = None) -> int:
     token_ids = normal_token_ids(loaded.tokenizer, loaded.model.config.vocab_size)
     workload = make_workload(args, token_ids)
     size_pool(args, workload, kv_bytes_per_block(loaded.model.config, BLOCK_SIZE, torch.float32))
+    if args.backlogged_only:
+        return backlogged_only(loaded, args, workload, token_ids)
     systems = {}
     for system in args.systems:
         began = time.perf_counter()
@@ -720,6 +730,19 @@ def main(argv: list[str] | None = None) -> int:
     report = build_report(args, workload, systems)
     print_table(report)
     write_report(report, args.json, None if args.no_png else args.png, write_png)
+    return 0
+
+
+
+def backlogged_only(loaded, args, workload: Workload, token_ids: list[int]) -> int:
+    """--backlogged-only: each system's backlogged phase on the pool the bots' trace would get."""
+    systems = {system: {"backlogged": asyncio.run(run_backlogged_system(loaded, args, workload, system, token_ids))}
+               for system in args.systems}
+    report = {"jain_fair": _backlogged(systems.get("streamengine"), "jain"),
+              "jain_baseline": _backlogged(systems.get("baseline"), "jain"),
+              "systems": systems, "config": run_config(args)}
+    print_backlogged(systems)
+    write_report(report, args.json, None, write_png)
     return 0
 
 

@@ -291,11 +291,12 @@ class Scheduler:
         admitted = {item.seq for item in out.scheduled}  # this step's, scheduled already
         if self.policy == "fair":
             self._free_for_next_tokens(out, admitted)
-            self._split_pool(budget, admitted)
             # With one tenant running, its being over its share would move all or none: the
             # order is the service order, without scanning every block table each step.
             several = len({s.tenant for s in self.running}) > 1
-            order = self.share.service_order(self.running, self._over_block_share() if several else ())
+            over = self._over_block_share() if several else set()
+            self._split_pool(budget, admitted, over)
+            order = self.share.service_order(self.running, over)
         else:
             order = list(self.running)
         for seq in order:
@@ -315,13 +316,16 @@ class Scheduler:
                 budget -= n
         return budget
 
-    def _split_pool(self, budget: int, admitted: set[Sequence]) -> None:
+    def _split_pool(self, budget: int, admitted: set[Sequence], over_share: set[str]) -> None:
         """"fair": when the free blocks cannot hold the chunks of the prompts running (those
         not `admitted` this step), each tenant prefilling gets its weighted slice of the
-        prompt tokens they can hold, as when the token budget runs out (_count_prefills).
-        Handed out in service order instead, the least-served tenant, however slightly, took
-        every block for its chunks while its peers waited a step: a lurch that the counters
-        undid in the steps after, and that a window of a few steps saw as unfair."""
+        prompt tokens they can hold, as when the token budget runs out (_count_prefills);
+        the tenants `over_share` of the pool split what the others leave, as they come last
+        in the step's order (a busy tenant's many prompts must not halve a quiet tenant's
+        lone one when the pool is short). Handed out in service order, the least-served
+        tenant, however slightly, took every block for its chunks while its peers waited a
+        step: a lurch that the counters undid in the steps after, and that a window of a few
+        steps saw as unfair."""
         if self.max_prefill_chunk is None:
             return
         bm = self.block_manager
@@ -347,10 +351,13 @@ class Scheduler:
         # would make them: no slice larger, or the room it leaves would go unused.
         takes = {tenant: sum(min(n, self._tenant_chunk(tenant, capacity)) for n in ns)
                  for tenant, ns in prompts.items()}
-        weights = {tenant: self.share.tenants.get(tenant).weight for tenant in takes}
-        for tenant, size in weighted_split(capacity, takes, weights).items():
-            self._slice_sizes[tenant] = max(self._slice_sizes.get(tenant, 0), size)
-            self._prefill_slices[tenant] = min(self._prefill_slices.get(tenant, size), size)
+        for last in (False, True):
+            tier = {tenant: n for tenant, n in takes.items() if (tenant in over_share) == last}
+            weights = {tenant: self.share.tenants.get(tenant).weight for tenant in tier}
+            for tenant, size in weighted_split(capacity, tier, weights).items():
+                self._slice_sizes[tenant] = max(self._slice_sizes.get(tenant, 0), size)
+                self._prefill_slices[tenant] = min(self._prefill_slices.get(tenant, size), size)
+                capacity -= size
 
     def _free_for_next_tokens(self, out: SchedulerOutput, admitted: set[Sequence]) -> None:
         """"fair": before any running sequence is scheduled, preempts until the pool holds
@@ -422,8 +429,9 @@ class Scheduler:
         queues = self._waiting_by_tenant()
         in_flight: set[bytes] | None = None  # hashed only when some tenant needs room
         yields_left, scheduled = MAX_YIELDS_PER_STEP, 0
+        committed = self.share.committed(self.running)
         while queues and scheduled < self.max_num_batched_tokens and len(self.running) < self.max_num_seqs:
-            tenant = self.share.first_to_serve(queues, running)
+            tenant = self.share.first_to_serve(queues, running, committed)
             queue, idle = queues.pop(tenant), tenant not in running
             if not self._owed_room_of(tenant, out.preempted):
                 continue  # it yielded for an earlier one this step, or is served more than one that did
@@ -443,6 +451,7 @@ class Scheduler:
             if n == 0:
                 break
             self.share.passed_over(ahead)
+            self._commit(committed, seq)
             in_flight.update(self._pending_hashes(seq))
             running.add(tenant)
             scheduled += n
@@ -664,8 +673,9 @@ class Scheduler:
         queues = self._waiting_by_tenant()
         for tenant in [t for t in queues if not self._owed_room_of(t, yielded)]:
             del queues[tenant]
+        committed = self.share.committed(self.running)
         while queues and budget > 0 and len(self.running) < self.max_num_seqs:
-            tenant = self.share.least_served(queues)
+            tenant = self.share.least_served(queues, committed)
             if self._prefill_slices.get(tenant, 1) <= 0:
                 del queues[tenant]  # its slice of this full step is spent
                 continue
@@ -678,11 +688,17 @@ class Scheduler:
             if n == 0:
                 return
             self.share.passed_over(ahead)
+            self._commit(committed, seq)
             queues[tenant].remove(seq)
             if not queues[tenant]:
                 del queues[tenant]
             in_flight.update(self._pending_hashes(seq))
             budget -= n
+
+    def _commit(self, committed: dict[str, float], seq: Sequence) -> None:
+        """Adds `seq`'s prompt tokens still to charge (it was just admitted) to `committed`."""
+        for tenant, cost in self.share.committed([seq]).items():
+            committed[tenant] = committed.get(tenant, 0.0) + cost
 
     def _waiting_by_tenant(self) -> dict[str, list[Sequence]]:
         """Each tenant's waiting sequences in order; tenants in order of their first one."""

@@ -61,3 +61,18 @@ def test_think_time_pauses_turns_and_leaves_the_rest_of_the_trace_alone():
     pauses = [t for c in paused.conversations for t in c.think_s]
     assert all(len(c.think_s) == len(c.users) - 1 for c in paused.conversations)
     assert 6.0 < sum(pauses) / len(pauses) < 10.0  # exponential, mean 8 s
+
+
+def test_backlogged_only_runs_the_fairness_phase_alone(tiny_llama_dir, tmp_path):
+    report = run_bench("multitenant.py", [
+        "--model", str(tiny_llama_dir), "--threads", "1", "--duration", "6", "--rate", "2", "--scale", "0.1",
+        "--sample-period", "0.1", "--backlogged-s", "2", "--backlogged-window", "1", "--backlogged-only",
+        "--systems", "streamengine",
+    ], tmp_path / "backlogged.json")
+
+    assert set(report["systems"]) == {"streamengine"} and report["jain_baseline"] is None
+    phase = report["systems"]["streamengine"]["backlogged"]
+    assert set(phase["tenants"]) == {"heavy", "light", "double"}
+    assert all(t["weighted_service"] > 0 for t in phase["tenants"].values())
+    assert phase["fairness"]["num_windows_total"] == 2
+    assert report["jain_fair"] == phase["fairness"]["jain"]
