@@ -805,3 +805,17 @@ def test_a_step_the_pool_cannot_hold_is_split_by_weight_between_tenants_prefilli
             assert over == set() and abs(took["b"] - took["a"]) <= 2, (took, room)
         else:
             assert over == {"a"} and took["b"] >= room * 2 // 3 - 2, (took, room)
+
+
+def test_admission_counts_an_admitted_prompt_as_service_before_it_computes() -> None:
+    """A's prompts are ten times B's. Each admitted prompt computes one chunk in its first
+    step, so by the counters alone both tenants look level after one admission each, and A,
+    listed first, would take the next slot. Counting the prompt tokens A was admitted for,
+    B's short prompts take the remaining slots of the step."""
+    sim = Sim(256, tenants=[TenantConfig("a"), TenantConfig("b")], chunk=4, budget=256, max_num_seqs=4,
+              prefix_caching=False)
+    a = [sim.add("a", tokens(80, 1000 * k), max_tokens=1) for k in range(1, 4)]
+    b = [sim.add("b", tokens(8, 100 * k), max_tokens=1) for k in range(1, 4)]
+    sim.step()
+    assert sim.admitted == [a[0], b[0], b[1], b[2]]
+    assert sim.stat("a", "virtual_time") < sim.stat("b", "virtual_time") + 1  # the counters alone are level
