@@ -173,7 +173,7 @@ class FairShare:
         charges a prompt when it is admitted). Counted only as chunks ran, a tenant kept the
         least counter while its first admissions' prompts were still prefilling, and was
         admitted again and again: a long-prompt tenant took the free room of several steps,
-        and the others' counters then had to catch up (Jain 0.72 in one 16 s window)."""
+        and the others' counters then had to catch up (docs/performance.md)."""
         cost: dict[str, float] = {}
         for seq in seqs:
             left = seq.num_prompt_tokens - self._charged.get(seq, seq.num_prompt_tokens)
