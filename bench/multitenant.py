@@ -563,7 +563,6 @@ def print_table(report: dict) -> None:
           f"(the goal needs >= 15), of which streamengine closes {fmt_x(report['hit_rate_gap_closed'], '.0%')}")
 
 
-
 def print_backlogged(systems: dict[str, dict]) -> None:
     for name, s in systems.items():
         if phase := s.get("backlogged"):
@@ -574,6 +573,7 @@ def print_backlogged(systems: dict[str, dict]) -> None:
                   f"{f['num_windows']} of {f['num_windows_total']} windows of {phase['window_s']:g} s "
                   f"({phase['steps_per_window']:.1f} steps each); weighted-service shares {shares} "
                   f"(weights {weights}, open requests {':'.join(str(v['open_requests']) for v in t.values())})")
+
 
 COLORS = {"noisy": "#d62728", "popular": "#1f77b4", "rare": "#2ca02c"}
 
@@ -731,7 +731,6 @@ def main(argv: list[str] | None = None) -> int:
     print_table(report)
     write_report(report, args.json, None if args.no_png else args.png, write_png)
     return 0
-
 
 
 def backlogged_only(loaded, args, workload: Workload, token_ids: list[int]) -> int:

@@ -134,6 +134,9 @@ class Scheduler:
         # "fair", when the step is full: each tenant's weighted slice of its prefill tokens
         # (weighted_split), and what is left of it as the step hands tokens out.
         self._slice_sizes: dict[str, int] = {}
+        # "fair": tenants with prompts running as the step began; fewer than two, and the
+        # step has no pool to split between them (_split_pool skips its scan).
+        self._num_prefilling_tenants = 0
         self._prefill_slices: dict[str, int] = {}
 
     def add(self, seq: Sequence) -> None:
@@ -237,6 +240,7 @@ class Scheduler:
         self._prefills.clear()
         self._prefill_slices.clear()
         self._slice_sizes.clear()
+        self._num_prefilling_tenants = 0
         if self.policy != "fair" or self.max_prefill_chunk is None:
             return
         left: dict[str, list[int]] = {}  # prompt tokens left of each tenant's running prompts
@@ -252,6 +256,7 @@ class Scheduler:
                     waiting.append((seq.tenant, n))
             elif seq.status is SequenceStatus.RUNNING:
                 num_decodes += 1
+        self._num_prefilling_tenants = len(left)
         if len(left) < 2:
             return
         # Waiting prompts count only as far as the free blocks could hold their chunks: when
@@ -326,8 +331,8 @@ class Scheduler:
         tenant, however slightly, took every block for its chunks while its peers waited a
         step: a lurch that the counters undid in the steps after, and that a window of a few
         steps saw as unfair."""
-        if self.max_prefill_chunk is None:
-            return
+        if self._num_prefilling_tenants < 2:
+            return  # a decode-only step, or one tenant prefilling: nothing to split (no scan)
         bm = self.block_manager
         prompts: dict[str, list[int]] = {}  # tokens left of each tenant's running prompts
         chunks = decode_blocks = own_room = 0
@@ -673,7 +678,7 @@ class Scheduler:
         queues = self._waiting_by_tenant()
         for tenant in [t for t in queues if not self._owed_room_of(t, yielded)]:
             del queues[tenant]
-        committed = self.share.committed(self.running)
+        committed = self.share.committed(self.running) if queues else {}
         while queues and budget > 0 and len(self.running) < self.max_num_seqs:
             tenant = self.share.least_served(queues, committed)
             if self._prefill_slices.get(tenant, 1) <= 0:

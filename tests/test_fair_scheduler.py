@@ -466,7 +466,9 @@ def test_a_tenant_whose_history_sits_free_in_the_cache_is_made_room_for() -> Non
     b0 = sim.add("b", tokens(10, 900), max_tokens=3)
     sim.run()  # 12 of its 13 tokens computed: 3 full blocks cached, all free
     a = [sim.add("a", tokens(8, 100 * i), max_tokens=10) for i in range(3)]
-    while sim.bm.num_free_blocks > 3:  # fresh blocks go first: B's 3 cached ones are left
+    for _ in range(100):  # until fresh blocks are gone (they go first): B's 3 cached ones are left
+        if sim.bm.num_free_blocks <= 3:
+            break
         sim.step()
     b1 = sim.add("b", b0.token_ids + tokens(6, 950), max_tokens=2)  # 19 tokens: 5 blocks
     assert len(sim.bm.find_cached_blocks(b1)) == 3 == sim.bm.num_free_blocks
@@ -789,7 +791,7 @@ def test_a_step_the_pool_cannot_hold_is_split_by_weight_between_tenants_prefilli
         prompts = {t: [sim.add(t, tokens(48, 1000 * k + (500 if t == "b" else 0)), max_tokens=1) for k in range(3)]
                    for t in "ab"}
         room = 0
-        while True:  # up to the first step whose chunks (6 of 5 tokens) the pool cannot hold
+        for _ in range(50):  # up to the first step whose chunks (6 of 5 tokens) the pool cannot hold
             if sim.sched.running:
                 room = sum(len(s.block_table) * BS - s.num_computed_tokens for s in sim.sched.running)
                 room += sim.bm.num_free_blocks * BS
@@ -799,6 +801,8 @@ def test_a_step_the_pool_cannot_hold_is_split_by_weight_between_tenants_prefilli
             took = {t: sum(s.num_computed_tokens for s in seqs) - before[t] for t, seqs in prompts.items()}
             if 0 < room < 6 * 5:
                 break
+        else:
+            pytest.fail("no step ran short of blocks")
         assert not out.preempted
         assert room - 4 <= took["a"] + took["b"] <= room  # a chunk's new blocks are whole blocks
         if weight_b == 1.0:
