@@ -33,6 +33,7 @@ __all__ = [
     "LimitExceededError",
     "Regex",
     "RequestFailedError",
+    "RequestMetrics",
     "RequestOutput",
     "SamplingParams",
     "StructuredOutput",
@@ -50,6 +51,7 @@ _WHERE = {
     "RequestFailedError": "streamengine.errors",
     "EngineConfig": "streamengine.config",
     "CompletionOutput": "streamengine.outputs",
+    "RequestMetrics": "streamengine.outputs",
     "RequestOutput": "streamengine.outputs",
     "SamplingParams": "streamengine.sampling_params",
     "Choice": "streamengine.structured_params",
@@ -85,7 +87,7 @@ if TYPE_CHECKING:
         EventBatch,
         KVEventSubscription,
     )
-    from streamengine.outputs import CompletionOutput, RequestOutput
+    from streamengine.outputs import CompletionOutput, RequestMetrics, RequestOutput
     from streamengine.sampling_params import SamplingParams
     from streamengine.structured_params import (
         Choice,

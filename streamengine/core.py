@@ -252,6 +252,7 @@ class EngineCore:
         for sample in req.samples:
             if not sample.finished:
                 sample.finish(reason)
+        req.metrics.finished_time = time.monotonic()
         self._release(req)
         return make_output(req)
 
@@ -335,7 +336,11 @@ class EngineCore:
 
     def schedule(self) -> StepPlan:
         step = StepPlan(self.scheduler.schedule())
+        now = time.monotonic()
         for item in step.plan.scheduled:
+            metrics = self._owner[item.seq.seq_id][0].metrics
+            if metrics.first_scheduled_time is None:
+                metrics.first_scheduled_time = now
             if item.samples:
                 self._plan_sampling(step, item.seq)
         return step
@@ -388,9 +393,10 @@ class EngineCore:
         for req in beam_reqs.values():
             if req.beam.ready and self._guarded(faults, req, self._beam_step, req):
                 touched[req.request_id] = req  # beam search streams only its final result
+        now = time.monotonic()
         outputs = [
             out for req in touched.values()
-            if req.request_id not in faults and (out := self._guarded(faults, req, self._finish_output, req))
+            if req.request_id not in faults and (out := self._guarded(faults, req, self._finish_output, req, now))
         ]
         self._fail_all(faults)
         return outputs
@@ -471,7 +477,13 @@ class EngineCore:
         self.scheduler.remove(seq)
         self._owner.pop(seq.seq_id, None)
 
-    def _finish_output(self, req: Request) -> RequestOutput:
+    def _finish_output(self, req: Request, now: float) -> RequestOutput:
+        """The output of a request this step gave tokens (a beam search: its result)."""
+        metrics = req.metrics
+        if metrics.first_token_time is None:
+            metrics.first_token_time = now
+        if req.finished:
+            metrics.finished_time = now
         output = make_output(req)
         if req.finished:
             self._release(req)

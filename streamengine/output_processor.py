@@ -8,6 +8,8 @@ sample in full, as the request stands.
 
 from __future__ import annotations
 
+import copy
+
 from streamengine.outputs import CompletionOutput, RequestOutput
 from streamengine.request import Request, Sample
 
@@ -23,6 +25,7 @@ def make_output(req: Request) -> RequestOutput:
         outputs=completions,
         finished=req.finished,
         num_cached_tokens=req.num_cached_tokens,
+        metrics=copy.copy(req.metrics),  # a snapshot: later steps stamp the request's own
     )
 
 

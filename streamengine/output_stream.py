@@ -62,6 +62,7 @@ def merge_deltas(outputs: list[RequestOutput]) -> RequestOutput:
         outputs=[_concat(chunks) for chunks in parts.values()],
         finished=last.finished,
         num_cached_tokens=last.num_cached_tokens,
+        metrics=last.metrics,
     )
 
 

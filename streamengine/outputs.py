@@ -1,6 +1,6 @@
 """What a request's stream yields, one output per step: each sample's text, token ids and
 logprobs so far (output_kind "cumulative"), or only what is new since the previous output
-("delta")."""
+("delta"), and when the request reached each stage (`RequestMetrics`)."""
 
 from __future__ import annotations
 
@@ -22,9 +22,46 @@ class CompletionOutput:
 
 
 @dataclass(slots=True)
+class RequestMetrics:
+    """When a request reached each stage, in seconds of the engine process's `time.monotonic()`
+    clock: subtract one of a request's times from another, never from another process's clock.
+    A stage not reached yet is None. Each output carries a copy as of its step.
+
+    A request's time to first token splits into `queue_time` (waiting for admission: the pool,
+    the running slots, or other tenants' turn) and `prefill_time` (its prompt's chunks computed
+    beside the other requests' steps), which tells which of the two a slow first token was."""
+
+    arrival_time: float
+    first_scheduled_time: float | None = None  # the first step that computed any of its tokens
+    first_token_time: float | None = None  # the step whose output carried its first token(s)
+    finished_time: float | None = None  # the step it finished in, or when it was aborted
+
+    @property
+    def queue_time(self) -> float | None:
+        return _between(self.arrival_time, self.first_scheduled_time)
+
+    @property
+    def prefill_time(self) -> float | None:
+        return _between(self.first_scheduled_time, self.first_token_time)
+
+    @property
+    def time_to_first_token(self) -> float | None:
+        return _between(self.arrival_time, self.first_token_time)
+
+    @property
+    def decode_time(self) -> float | None:
+        return _between(self.first_token_time, self.finished_time)
+
+
+def _between(start: float | None, end: float | None) -> float | None:
+    return end - start if start is not None and end is not None else None
+
+
+@dataclass(slots=True)
 class RequestOutput:
     request_id: str
     prompt_token_ids: list[int]
     outputs: list[CompletionOutput]
     finished: bool
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
+    metrics: RequestMetrics | None = None  # when the request reached each stage, as of this output

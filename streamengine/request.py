@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from streamengine.beam_search import BeamSearch
 from streamengine.detokenizer import IncrementalDetokenizer
 from streamengine.grammar import GrammarMatcher
+from streamengine.outputs import RequestMetrics
 from streamengine.pinning import Pin
 from streamengine.sampler import SamplingRow
 from streamengine.sampling_params import SamplingParams
@@ -78,6 +79,10 @@ class Request:
     tenant: str = "default"
     salt_segments: tuple[tuple[int, str | None], ...] = ()  # see pinning.Pins.segments
     pin: Pin | None = None  # a pin_prefix request: its prompt's full blocks are pinned at the end
+    metrics: RequestMetrics = field(init=False)  # stage times, stamped by the core
+
+    def __post_init__(self) -> None:
+        self.metrics = RequestMetrics(self.arrival_time)
 
     @property
     def finished(self) -> bool:

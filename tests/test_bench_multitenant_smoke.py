@@ -34,6 +34,8 @@ def test_multitenant_quick_on_tiny_model(tiny_llama_dir, tmp_path):
         assert sum(c["num_turns"] for c in system["classes"].values()) == work["num_turns"]
         assert 0.0 < system["hit_rate"] < 1.0  # later turns re-send cached history
         assert system["fairness"]["num_windows_total"] > 0  # the engine's tenant stats were sampled
+        if system["quiet_turns_burst"]:  # each turn's admission wait is part of its time to first token
+            assert 0.0 <= system["quiet_queue_p99_burst_s"] <= system["quiet_ttft_p99_burst_s"], name
         phase = system["backlogged"]
         assert [t["weight"] for t in phase["tenants"].values()] == [1.0, 1.0, 2.0]
         assert all(t["weighted_service"] > 0 for t in phase["tenants"].values()), name

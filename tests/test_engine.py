@@ -314,3 +314,42 @@ def test_tokens_to_compute_counts_queued_work_net_of_the_cache(tiny_llama_dir):
     while core.has_work():
         core.step()
     assert core.stats()["num_tokens_to_compute"] == 0
+
+
+# ---- stage times (RequestOutput.metrics) -------------------------------------------------
+
+
+async def test_each_output_carries_the_stage_times_reached_by_its_step(engine):
+    outs = await collect(engine, "Time me", SamplingParams(temperature=0, max_tokens=5, ignore_eos=True))
+    first, last = outs[0].metrics, outs[-1].metrics
+    assert first.first_token_time is not None and first.finished_time is None  # a snapshot, not the live record
+    assert last.arrival_time <= last.first_scheduled_time <= last.first_token_time <= last.finished_time
+    # Stamped once: every output agrees on the stages already reached when it was made.
+    assert {(m.arrival_time, m.first_scheduled_time, m.first_token_time) for m in (o.metrics for o in outs)} == {
+        (last.arrival_time, last.first_scheduled_time, last.first_token_time)}
+    assert last.time_to_first_token == pytest.approx(last.queue_time + last.prefill_time)
+    assert last.decode_time > 0
+
+
+async def test_queue_time_is_the_wait_for_admission(tiny_llama_dir):
+    """With one running slot, the request admitted second starts only after the other has
+    finished: its queue time spans the other's whole run."""
+    config = EngineConfig(model=str(tiny_llama_dir), num_gpu_blocks=64, max_num_seqs=1)
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    async with AsyncEngine(config) as eng:
+        a, b = await asyncio.gather(collect(eng, "First in line", params), collect(eng, "Second in line", params))
+    first, second = sorted((a[-1].metrics, b[-1].metrics), key=lambda m: m.first_scheduled_time)
+    assert second.first_scheduled_time >= first.finished_time
+    assert second.queue_time >= first.finished_time - first.first_scheduled_time
+
+
+async def test_an_aborted_request_is_stamped_finished(engine):
+    params = SamplingParams(temperature=0, max_tokens=500, ignore_eos=True)
+    outs = []
+    async for out in engine.generate("Stop me soon", params, request_id="stamped"):
+        outs.append(out)
+        if len(outs) == 2:
+            await engine.abort("stamped")
+    metrics = outs[-1].metrics
+    assert outs[-1].outputs[0].finish_reason == "abort"
+    assert metrics.finished_time is not None and metrics.finished_time >= metrics.first_token_time

@@ -10,7 +10,7 @@ from conftest import slow_down_steps
 
 from streamengine import AsyncEngine, EngineConfig, SamplingParams
 from streamengine.output_stream import RequestStream, merge_deltas
-from streamengine.outputs import CompletionOutput, RequestOutput
+from streamengine.outputs import CompletionOutput, RequestMetrics, RequestOutput
 
 
 @pytest.fixture
@@ -117,6 +117,13 @@ async def test_stream_concatenates_unread_deltas():
     assert got.finished
     assert [(c.index, c.text, c.token_ids, c.finish_reason) for c in got.outputs] == [(0, "ac", [1, 3], "stop"), (1, "b", [2], None)]
     assert got.outputs[0].logprobs == [{1: -1.0}, {3: -1.0}]
+
+
+def test_coalesced_deltas_carry_the_newest_stage_times():
+    early, late = out("a", [1]), out("b", [2], finished=True, reason="stop")
+    early.metrics = RequestMetrics(1.0, 2.0, 3.0)
+    late.metrics = RequestMetrics(1.0, 2.0, 3.0, finished_time=4.0)
+    assert merge_deltas([early, late]).metrics == late.metrics
 
 
 async def test_cumulative_stream_keeps_only_the_newest():

@@ -431,7 +431,8 @@ async def test_metrics_parse_and_count_tokens(engine):
         for name in ("num_requests_running", "num_requests_waiting", "kv_cache_usage_perc",
                      "prefix_cache_queries", "prefix_cache_hits", "num_preemptions",
                      "prompt_tokens", "generation_tokens", "time_to_first_token_seconds",
-                     "inter_token_latency_seconds", "e2e_request_latency_seconds"):
+                     "inter_token_latency_seconds", "e2e_request_latency_seconds",
+                     "request_queue_time_seconds", "request_prefill_time_seconds", "request_decode_time_seconds"):
             assert f"streamengine:{name}" in families, name
 
         def value(family: str, sample: str) -> float:
@@ -442,6 +443,14 @@ async def test_metrics_parse_and_count_tokens(engine):
         assert value("time_to_first_token_seconds", "time_to_first_token_seconds_count") == 1
         assert value("inter_token_latency_seconds", "inter_token_latency_seconds_count") == 3
         assert value("e2e_request_latency_seconds", "e2e_request_latency_seconds_count") == 1
+        for stage in ("queue", "prefill", "decode"):
+            assert value(f"request_{stage}_time_seconds", f"request_{stage}_time_seconds_count") == 1, stage
+        # The engine's stages sit inside the server's view of the same request.
+        engine_ttft = value("request_queue_time_seconds", "request_queue_time_seconds_sum") + value(
+            "request_prefill_time_seconds", "request_prefill_time_seconds_sum")
+        assert 0 < engine_ttft <= value("time_to_first_token_seconds", "time_to_first_token_seconds_sum")
+        per_tenant = families["streamengine:tenant_request_queue_time_seconds"].samples
+        assert [(s.labels["tenant"], s.value) for s in per_tenant if s.name.endswith("_count")] == [("default", 1)]
         assert value("num_requests_running", "num_requests_running") == 0
         assert value("prefix_cache_queries", "prefix_cache_queries_total") == engine.stats()["prefix_cache_queries"]
         assert 0.0 <= value("kv_cache_usage_perc", "kv_cache_usage_perc") <= 1.0

@@ -296,7 +296,8 @@ def _aborted(request: ReplicaRequest, last: RequestOutput | None) -> RequestOutp
         for i in range(n)
     ]
     cached = last.num_cached_tokens if last is not None else 0
-    return RequestOutput(request.request_id, request.prompt_token_ids, outputs, True, cached)
+    metrics = last.metrics if last is not None else None  # the replica's clock: stamped there only
+    return RequestOutput(request.request_id, request.prompt_token_ids, outputs, True, cached, metrics)
 
 
 def _unwrapped(exc: ray.exceptions.RayTaskError) -> BaseException:

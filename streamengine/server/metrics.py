@@ -8,7 +8,7 @@ token counts are recorded by the server as it streams.
 Per tenant, `streamengine:tenant_*` series carry a `tenant` label: the engine's per-tenant
 figures (`stats()["tenants"]`: tokens, prefix-cache queries and hits, running and waiting
 requests, blocks held and pinned, rate-limit refusals) and the time to first token recorded
-here. Tenant names come from the operator (the tenants file), never from clients, so the
+here, with the time each request waited for admission. Tenant names come from the operator (the tenants file), never from clients, so the
 number of series stays bounded.
 """
 
@@ -22,12 +22,14 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, generate_la
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from streamengine.outputs import RequestMetrics
 from streamengine.tenants import DEFAULT_TENANT
 
 PREFIX = "streamengine:"
 
 _TTFT_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0)
 _ITL_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 2.5, 5.0)
+_PHASE_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0, 160.0)
 _E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0)
 
 
@@ -106,6 +108,23 @@ class ServerMetrics:
             PREFIX + "e2e_request_latency_seconds", "Time from request arrival to its end.",
             buckets=_E2E_BUCKETS, registry=reg,
         )
+        # A finished request's time, split at its stages (the engine's clock: RequestMetrics).
+        self.queue_time = Histogram(
+            PREFIX + "request_queue_time_seconds", "Time a request waited before its first step.",
+            buckets=_PHASE_BUCKETS, registry=reg,
+        )
+        self.prefill_time = Histogram(
+            PREFIX + "request_prefill_time_seconds", "Time from a request's first step to its first token.",
+            buckets=_PHASE_BUCKETS, registry=reg,
+        )
+        self.decode_time = Histogram(
+            PREFIX + "request_decode_time_seconds", "Time from a request's first token to its end.",
+            buckets=_PHASE_BUCKETS, registry=reg,
+        )
+        self.tenant_queue_time = Histogram(
+            PREFIX + "tenant_request_queue_time_seconds", "Time a request waited before its first step, per tenant.",
+            labelnames=["tenant"], buckets=_PHASE_BUCKETS, registry=reg,
+        )
         self.tenant_ttft = Histogram(
             PREFIX + "tenant_time_to_first_token_seconds", "Time from request arrival to its first token, per tenant.",
             labelnames=["tenant"], buckets=_TTFT_BUCKETS, registry=reg,
@@ -121,18 +140,21 @@ class ServerMetrics:
 class RequestRecorder:
     """Latency bookkeeping for one request of `tenant`; created when the request arrives."""
 
-    __slots__ = ("_arrival", "_last_token_time", "_metrics", "_prompt_counted", "_tenant_ttft")
+    __slots__ = ("_arrival", "_last_token_time", "_metrics", "_prompt_counted", "_tenant_queue", "_tenant_ttft")
 
     def __init__(self, metrics: ServerMetrics, tenant: str = DEFAULT_TENANT) -> None:
         self._metrics = metrics
         self._tenant_ttft = metrics.tenant_ttft.labels(tenant)
+        self._tenant_queue = metrics.tenant_queue_time.labels(tenant)
         self._arrival = time.monotonic()
         self._last_token_time: float | None = None
         self._prompt_counted = False
 
-    def on_step(self, prompt_tokens: int, new_tokens: int, longest_delta: int, finished: bool) -> None:
+    def on_step(self, prompt_tokens: int, new_tokens: int, longest_delta: int, finished: bool,
+                stages: RequestMetrics | None = None) -> None:
         """`new_tokens` counts all samples of the step; `longest_delta` is the most any one
-        sample gained (more than 1 when the engine coalesced steps for a slow consumer)."""
+        sample gained (more than 1 when the engine coalesced steps for a slow consumer);
+        `stages`, the engine's stage times, are recorded when the request finishes."""
         now = time.monotonic()
         m = self._metrics
         if not self._prompt_counted:
@@ -152,3 +174,12 @@ class RequestRecorder:
             self._last_token_time = now
         if finished:
             m.e2e.observe(now - self._arrival)
+            if stages is not None:
+                self._observe_stages(stages)
+
+    def _observe_stages(self, stages: RequestMetrics) -> None:
+        m = self._metrics
+        for histogram, seconds in ((m.queue_time, stages.queue_time), (m.prefill_time, stages.prefill_time),
+                                   (m.decode_time, stages.decode_time), (self._tenant_queue, stages.queue_time)):
+            if seconds is not None:
+                histogram.observe(seconds)

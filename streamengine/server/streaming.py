@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any
 
 import msgspec
 
-from streamengine.outputs import RequestOutput
+from streamengine.outputs import RequestMetrics, RequestOutput
 from streamengine.sampling_params import SamplingParams
 from streamengine.server.metrics import RequestRecorder
 
@@ -50,6 +50,7 @@ class StepUpdate:
     cached_tokens: int
     completion_tokens: int  # all samples, so far
     finish_reasons: list[str | None]  # per sample index, so far
+    metrics: RequestMetrics | None = None  # the engine's stage times, as of this step
 
 
 @dataclass(slots=True)
@@ -73,6 +74,7 @@ class _Progress:
             cached_tokens=out.num_cached_tokens,
             completion_tokens=self.completion_tokens,
             finish_reasons=list(self.finish_reasons),
+            metrics=out.metrics,
         )
 
 
@@ -111,7 +113,7 @@ async def stream_request(
             update = progress.update(out)
             longest = max((len(d.token_ids) for d in update.deltas), default=0)
             new_tokens = sum(len(d.token_ids) for d in update.deltas)
-            recorder.on_step(update.prompt_tokens, new_tokens, longest, update.finished)
+            recorder.on_step(update.prompt_tokens, new_tokens, longest, update.finished, update.metrics)
             finished = update.finished
             yield update
     finally:
