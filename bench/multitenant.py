@@ -378,17 +378,38 @@ def hit_rate(turns: list[Turn]) -> float:
 def unbounded_hit_rate(turns: list[Turn], workload: Workload) -> float:
     """The hit rate of this run's turns with a cache that never evicts, every system prompt
     computed before the clock (as both systems do): the most any cache policy can reach on the
-    trace. A turn hits its prompt's leading full blocks that an earlier turn (submitted before
-    it) computed; the engine's cap (the last prompt token is always computed) applies."""
+    trace."""
+    prompt = sum(t.prompt_tokens for t in turns)
+    return sum(unbounded_hits(turns, workload)) / prompt if prompt else 0.0
+
+
+def unbounded_hits(turns: list[Turn], workload: Workload) -> list[int]:
+    """Per turn (in the order given), the prompt tokens a cache that never evicts would hit:
+    its prompt's leading full blocks that an earlier turn (submitted before it) computed; the
+    engine's cap (the last prompt token is always computed) applies."""
     seen = {prefix for bot in workload.bots for prefix in _block_prefixes(bot.system)}
-    hits = prompt = 0
-    for turn in sorted(turns, key=lambda t: t.submit):
+    hits = [0] * len(turns)
+    for i in sorted(range(len(turns)), key=lambda i: turns[i].submit):
+        turn = turns[i]
         prefixes = _block_prefixes(turn.token_ids[: turn.prompt_tokens])
         cap = (turn.prompt_tokens - 1) // BLOCK_SIZE
-        hits += BLOCK_SIZE * next((i for i, p in enumerate(prefixes[:cap]) if p not in seen), min(cap, len(prefixes)))
-        prompt += turn.prompt_tokens
+        hits[i] = BLOCK_SIZE * next((k for k, p in enumerate(prefixes[:cap]) if p not in seen), min(cap, len(prefixes)))
         seen.update(_block_prefixes(turn.token_ids[:-1]))  # the last answer token is never fed back
-    return hits / prompt if prompt else 0.0
+    return hits
+
+
+def lost_hits(turns: list[Turn], workload: Workload) -> dict[str, int]:
+    """The prompt tokens the run computed that a cache that never evicts would have hit, split
+    into those of the bots' system prompts (evicted prefixes) and of the conversations'
+    histories."""
+    system = history = 0
+    for turn, bound in zip(turns, unbounded_hits(turns, workload), strict=True):
+        lost = max(0, bound - turn.cached_tokens)
+        in_system = len(workload.bots[turn.bot].system) // BLOCK_SIZE * BLOCK_SIZE
+        lost_system = min(lost, max(0, min(bound, in_system) - turn.cached_tokens))
+        system += lost_system
+        history += lost - lost_system
+    return {"system_prompt": system, "history": history}
 
 
 def _block_prefixes(ids: tuple[int, ...]) -> list[int]:
@@ -409,7 +430,7 @@ def burst_period(turns: list[Turn], workload: Workload) -> tuple[float, float]:
     return workload.burst[0], max(ends, default=workload.burst[1])
 
 
-def class_metrics(turns: list[Turn], period: tuple[float, float], span: float) -> dict:
+def class_metrics(turns: list[Turn], workload: Workload, period: tuple[float, float], span: float) -> dict:
     ttft = [t.ttft for t in turns]
     in_burst = [t for t in turns if period[0] <= t.submit < period[1]]
     burst = [t.ttft for t in in_burst]
@@ -422,6 +443,8 @@ def class_metrics(turns: list[Turn], period: tuple[float, float], span: float) -
         "queue_p99_burst_s": pct([t.queue_s for t in in_burst], 99),
         "output_tok_s": sum(t.output_tokens for t in turns) / span,
         "hit_rate": hit_rate(turns),
+        "hit_rate_unbounded": unbounded_hit_rate(turns, workload),
+        "lost_hit_tokens": lost_hits(turns, workload),
     }
 
 
@@ -430,7 +453,7 @@ def summarize(run: SystemRun, workload: Workload, window: float) -> dict:
     period = burst_period(run.turns, workload)
     quiet = [t for t in run.turns if workload.bots[t.bot].klass != "noisy" and period[0] <= t.submit < period[1]]
     quiet_burst = [t.ttft for t in quiet]
-    classes = {k: class_metrics([t for t in run.turns if workload.bots[t.bot].klass == k], period, span)
+    classes = {k: class_metrics([t for t in run.turns if workload.bots[t.bot].klass == k], workload, period, span)
                for k in CLASSES}
     return {
         "num_turns": len(run.turns),
@@ -567,6 +590,10 @@ def print_table(report: dict) -> None:
           f"{fmt_x(report['hit_rate_unbounded'], '.1%')} with a cache that never evicts")
     print(f"hit-rate headroom over the baseline {fmt_x(report['hit_rate_headroom_points'], '.1f')} points "
           f"(the goal needs >= 15), of which streamengine closes {fmt_x(report['hit_rate_gap_closed'], '.0%')}")
+    for name, s in report["systems"].items():
+        lost = "; ".join(f"{k} {m['lost_hit_tokens']['system_prompt']:,} system-prompt + "
+                         f"{m['lost_hit_tokens']['history']:,} history" for k, m in s["classes"].items())
+        print(f"{name}: prompt tokens computed that a never-evicting cache would have hit: {lost}")
 
 
 def print_backlogged(systems: dict[str, dict]) -> None:

@@ -32,6 +32,10 @@ def test_multitenant_quick_on_tiny_model(tiny_llama_dir, tmp_path):
         assert system["num_turns"] == work["num_turns"] > 0, name
         assert system["num_conversations"] == work["num_conversations"], name
         assert sum(c["num_turns"] for c in system["classes"].values()) == work["num_turns"]
+        for klass, c in system["classes"].items():  # no cache hits what a never-evicting one misses
+            assert c["hit_rate"] <= c["hit_rate_unbounded"] + 1e-9, (name, klass)
+            assert min(c["lost_hit_tokens"].values()) >= 0 and (sum(c["lost_hit_tokens"].values()) > 0) == (
+                c["hit_rate"] < c["hit_rate_unbounded"] - 1e-9), (name, klass)
         assert 0.0 < system["hit_rate"] < 1.0  # later turns re-send cached history
         assert system["fairness"]["num_windows_total"] > 0  # the engine's tenant stats were sampled
         if system["quiet_turns_burst"]:  # each turn's admission wait is part of its time to first token
