@@ -338,9 +338,9 @@ class EngineCore:
         step = StepPlan(self.scheduler.schedule())
         now = time.monotonic()
         for item in step.plan.scheduled:
-            metrics = self._owner[item.seq.seq_id][0].metrics
-            if metrics.first_scheduled_time is None:
-                metrics.first_scheduled_time = now
+            owner = self._owner.get(item.seq.seq_id)
+            if owner is not None and owner[0].metrics.first_scheduled_time is None:
+                owner[0].metrics.first_scheduled_time = now
             if item.samples:
                 self._plan_sampling(step, item.seq)
         return step

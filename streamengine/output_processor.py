@@ -8,8 +8,6 @@ sample in full, as the request stands.
 
 from __future__ import annotations
 
-import copy
-
 from streamengine.outputs import CompletionOutput, RequestOutput
 from streamengine.request import Request, Sample
 
@@ -25,7 +23,7 @@ def make_output(req: Request) -> RequestOutput:
         outputs=completions,
         finished=req.finished,
         num_cached_tokens=req.num_cached_tokens,
-        metrics=copy.copy(req.metrics),  # a snapshot: later steps stamp the request's own
+        metrics=req.metrics.snapshot(),  # later steps stamp the request's own
     )
 
 

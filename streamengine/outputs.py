@@ -36,6 +36,9 @@ class RequestMetrics:
     first_token_time: float | None = None  # the step whose output carried its first token(s)
     finished_time: float | None = None  # the step it finished in, or when it was aborted
 
+    def snapshot(self) -> RequestMetrics:
+        return RequestMetrics(self.arrival_time, self.first_scheduled_time, self.first_token_time, self.finished_time)
+
     @property
     def queue_time(self) -> float | None:
         return _between(self.arrival_time, self.first_scheduled_time)
