@@ -87,6 +87,10 @@ def _counter(name: str, doc: str, value: float) -> CounterMetricFamily:
     return CounterMetricFamily(PREFIX + name, doc, value=float(value))
 
 
+def _histogram(registry: CollectorRegistry, name: str, doc: str, buckets: tuple[float, ...], *labels: str) -> Histogram:
+    return Histogram(PREFIX + name, doc, labelnames=labels, buckets=buckets, registry=registry)
+
+
 class ServerMetrics:
     """The metrics of one app. `render()` gives the Prometheus text exposition."""
 
@@ -96,39 +100,22 @@ class ServerMetrics:
         reg = self.registry
         self.prompt_tokens = Counter(PREFIX + "prompt_tokens", "Prompt tokens processed.", registry=reg)
         self.generation_tokens = Counter(PREFIX + "generation_tokens", "Tokens generated.", registry=reg)
-        self.ttft = Histogram(
-            PREFIX + "time_to_first_token_seconds", "Time from request arrival to its first token.",
-            buckets=_TTFT_BUCKETS, registry=reg,
-        )
-        self.itl = Histogram(
-            PREFIX + "inter_token_latency_seconds", "Time between consecutive output tokens.",
-            buckets=_ITL_BUCKETS, registry=reg,
-        )
-        self.e2e = Histogram(
-            PREFIX + "e2e_request_latency_seconds", "Time from request arrival to its end.",
-            buckets=_E2E_BUCKETS, registry=reg,
-        )
+        self.ttft = _histogram(reg, "time_to_first_token_seconds", "Time from request arrival to its first token.", _TTFT_BUCKETS)
+        self.itl = _histogram(reg, "inter_token_latency_seconds", "Time between consecutive output tokens.", _ITL_BUCKETS)
+        self.e2e = _histogram(reg, "e2e_request_latency_seconds", "Time from request arrival to its end.", _E2E_BUCKETS)
         # A finished request's time, split at its stages (the engine's clock: RequestMetrics).
-        self.queue_time = Histogram(
-            PREFIX + "request_queue_time_seconds", "Time a request waited before its first step.",
-            buckets=_PHASE_BUCKETS, registry=reg,
-        )
-        self.prefill_time = Histogram(
-            PREFIX + "request_prefill_time_seconds", "Time from a request's first step to its first token.",
-            buckets=_PHASE_BUCKETS, registry=reg,
-        )
-        self.decode_time = Histogram(
-            PREFIX + "request_decode_time_seconds", "Time from a request's first token to its end.",
-            buckets=_PHASE_BUCKETS, registry=reg,
-        )
-        self.tenant_queue_time = Histogram(
-            PREFIX + "tenant_request_queue_time_seconds", "Time a request waited before its first step, per tenant.",
-            labelnames=["tenant"], buckets=_PHASE_BUCKETS, registry=reg,
-        )
-        self.tenant_ttft = Histogram(
-            PREFIX + "tenant_time_to_first_token_seconds", "Time from request arrival to its first token, per tenant.",
-            labelnames=["tenant"], buckets=_TTFT_BUCKETS, registry=reg,
-        )
+        self.queue_time = _histogram(
+            reg, "request_queue_time_seconds", "Time a request waited before its first step.", _PHASE_BUCKETS)
+        self.prefill_time = _histogram(
+            reg, "request_prefill_time_seconds", "Time from a request's first step to its first token.", _PHASE_BUCKETS)
+        self.decode_time = _histogram(
+            reg, "request_decode_time_seconds", "Time from a request's first token to its end.", _PHASE_BUCKETS)
+        self.tenant_ttft = _histogram(
+            reg, "tenant_time_to_first_token_seconds", "Time from request arrival to its first token, per tenant.",
+            _TTFT_BUCKETS, "tenant")
+        self.tenant_queue_time = _histogram(
+            reg, "tenant_request_queue_time_seconds", "Time a request waited before its first step, per tenant.",
+            _PHASE_BUCKETS, "tenant")
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
