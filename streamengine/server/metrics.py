@@ -8,8 +8,8 @@ token counts are recorded by the server as it streams.
 Per tenant, `streamengine:tenant_*` series carry a `tenant` label: the engine's per-tenant
 figures (`stats()["tenants"]`: tokens, prefix-cache queries and hits, running and waiting
 requests, blocks held and pinned, rate-limit refusals) and the time to first token recorded
-here, with the time each request waited for admission. Tenant names come from the operator (the tenants file), never from clients, so the
-number of series stays bounded.
+here, with the time each request waited for admission. Tenant names come from the operator
+(the tenants file), never from clients, so the number of series stays bounded.
 """
 
 from __future__ import annotations
