@@ -68,7 +68,7 @@ class EngineConfig:
         "At most this many tokens of one sequence per step (vLLM: long_prefill_token_threshold). "
         "Why: a step's time grows with its prefill tokens times their context, and every decode "
         "stream batched with a long prompt waits for the whole step. None: up to the full budget. "
-        "Under scheduling_policy='fair' a tenant's prompts share 4 chunks a step (each at least one), "
+        "Under scheduling_policy='fair' a tenant's prompts share 4 chunks a step (one each when it is alone), "
         "or its weighted slice of the budget when the step is full anyway: "
         "a lone prompt of a quiet tenant takes 4x this or more.",
         minimum=1)

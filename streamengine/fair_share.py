@@ -42,17 +42,17 @@ tenant's sequences on a shared system prompt free a block or two each, so 4 (the
 value) admitted about one quiet request a step, and on a one-thread CPU engine, with steps
 of a second or two, a burst of quiet bots waited several seconds each for admission."""
 TENANT_PREFILL_CHUNKS = 4
-"""Under "fair" a tenant's prompts in flight share this many prefill chunks per step (each
-prompt still gets at least one). A quiet tenant's lone cold prompt, such as a bot's system
-prompt that fell out of the cache, prefills in a quarter of the steps while a busy tenant's
-many prompts keep one chunk each: a step grows by at most three chunks per quiet tenant,
-and the time to first token of the tenants with little in flight stops depending on how
-many prompts a noisy one sends. When the chunks of all prompts would overflow the step's
-budget anyway, the step's prefill tokens are split between the tenants by weight instead
-(weighted_split): each takes its slice, spread over its prompts, and no more. The step is
-full whatever the split, so the quiet tenant's larger slice costs no step time, and each
-step serves the tenants prefilling in proportion to their weights rather than in the order
-their prompts arrived."""
+"""Under "fair" a tenant's prompts in flight share this many prefill chunks per step. A quiet
+tenant's lone cold prompt, such as a bot's system prompt that fell out of the cache, prefills
+in a quarter of the steps. While other tenants have sequences in the step, a busy tenant's
+prompts take these chunks in all (scaled by its weight over the least weight there), not one
+each: a burst of its turns cannot lengthen every stream's step, and the time to first token
+of the tenants with little in flight stops depending on how many prompts a noisy one sends.
+A tenant alone takes a chunk per prompt, up to the budget. When the chunks would overflow
+the step's budget anyway, the step's prefill tokens are split between the tenants by weight
+(weighted_split): each takes its slice, spread over its prompts, and no more, so each step
+serves the tenants prefilling in proportion to their weights rather than in the order their
+prompts arrived."""
 LOOKAHEAD = 32
 """Cache-aware order looks at this many of a tenant's waiting sequences (in arrival order), so
 one admission costs a bounded number of prefix-cache lookups however long the queue is."""

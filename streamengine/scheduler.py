@@ -235,8 +235,9 @@ class Scheduler:
         return max(chunk, share // max(1, self._prefills.get(tenant, 0)))
 
     def _count_prefills(self) -> None:
-        """"fair": each tenant's prompts still to prefill and, when the step's budget cannot
-        hold every prompt's chunk, each tenant's weighted slice of the prefill tokens."""
+        """"fair": each tenant's prompts still to prefill and the most prompt tokens each may
+        compute this step: its weighted slice when the step's budget cannot hold every
+        prompt's chunk, and its chunk share when other tenants are in the step."""
         self._prefills.clear()
         self._prefill_slices.clear()
         self._slice_sizes.clear()
@@ -246,7 +247,9 @@ class Scheduler:
         left: dict[str, list[int]] = {}  # prompt tokens left of each tenant's running prompts
         waiting: list[tuple[str, int]] = []
         num_decodes = 0
+        present: set[str] = set()  # tenants with sequences here, prefilling or not
         for seq in itertools.chain(self.running, self.waiting):
+            present.add(seq.tenant)
             n = seq.num_tokens - seq.num_computed_tokens
             if n > 1:
                 self._prefills[seq.tenant] = self._prefills.get(seq.tenant, 0) + 1
@@ -257,8 +260,15 @@ class Scheduler:
             elif seq.status is SequenceStatus.RUNNING:
                 num_decodes += 1
         self._num_prefilling_tenants = len(left)
-        if len(left) < 2:
-            return
+        if len(left) >= 2:
+            self._split_full_step(left, waiting, num_decodes)
+        if len(present) >= 2:
+            self._cap_tenant_prefills(present)
+
+    def _split_full_step(self, left: dict[str, list[int]], waiting: list[tuple[str, int]], num_decodes: int) -> None:
+        """When the chunks of the running prompts (`left`: tokens left of each, per tenant), the
+        decodes and the waiting prompts the pool could start overflow the budget: each tenant
+        prefilling gets its weighted slice of the step's prefill tokens."""
         # Waiting prompts count only as far as the free blocks could hold their chunks: when
         # the pool holds them back, the step is not full, and a slice would only slow a quiet
         # tenant's lone prompt for nothing.
@@ -275,6 +285,20 @@ class Scheduler:
         split = weighted_split(max(0, self.max_num_batched_tokens - num_decodes), running, weights)
         self._slice_sizes.update(split)
         self._prefill_slices.update(split)  # counts down as the step hands tokens out
+
+    def _cap_tenant_prefills(self, present: set[str]) -> None:
+        """With other tenants' sequences in the step, a tenant's prompts compute at most
+        TENANT_PREFILL_CHUNKS chunks in all (times its weight over the least weight `present`),
+        however many it has in flight;
+        a full step's slice (_split_full_step) can only lower that. Without the cap each of a
+        busy tenant's prompts took a chunk, so a burst of its queued turns admitted together
+        made one long step, and every other tenant's stream and first token waited for it
+        (docs/performance.md). A tenant alone keeps the whole budget."""
+        weight = self.share.tenants.get
+        least = min(weight(tenant).weight for tenant in present)
+        for tenant in self._prefills:
+            cap = round(TENANT_PREFILL_CHUNKS * self.max_prefill_chunk * weight(tenant).weight / least)
+            self._prefill_slices[tenant] = min(self._prefill_slices.get(tenant, cap), cap)
 
     def _append(self, out: SchedulerOutput, seq: Sequence, n: int) -> None:
         if n > 1 and seq.tenant in self._prefill_slices:

@@ -684,6 +684,26 @@ def test_a_tenants_prompts_in_flight_share_its_prefill_chunks() -> None:
         assert quiet.num_computed_tokens == lone
 
 
+def test_a_busy_tenants_prompts_share_its_chunks_while_another_tenant_runs() -> None:
+    """However many prompts a tenant has in flight, they compute TENANT_PREFILL_CHUNKS chunks a
+    step in all while another tenant has a sequence in the step (here a decode), and only that
+    many start: a burst of one tenant's turns cannot make every tenant's step long. Alone, each
+    of its prompts takes a chunk."""
+    chunk = 4
+    for with_other in (False, True):
+        sim = Sim(512, tenants=[TenantConfig("busy"), TenantConfig("quiet")], chunk=chunk, budget=256,
+                  max_num_seqs=32, prefix_caching=False)
+        if with_other:
+            sim.add("quiet", tokens(2, 9000), max_tokens=50)
+            sim.step()  # its prompt is done: it decodes from now on
+        busy = [sim.add("busy", tokens(40, 100 * k), max_tokens=1) for k in range(1, 11)]
+        for _ in range(3):
+            before = sum(s.num_computed_tokens for s in busy)
+            sim.step()
+            computed = sum(s.num_computed_tokens for s in busy) - before
+            assert computed == (TENANT_PREFILL_CHUNKS * chunk if with_other else 10 * chunk), with_other
+
+
 def test_weighted_split_fills_by_weight_and_passes_on_what_a_tenant_leaves() -> None:
     assert weighted_split(100, {"a": 10, "b": 1000, "c": 1000}, {"a": 1.0, "b": 1.0, "c": 2.0}) == \
         {"a": 10, "b": 30, "c": 60}
@@ -709,8 +729,11 @@ def test_a_full_step_is_split_by_weight_between_tenants_prefilling() -> None:
     """When every prompt's chunk would not fit the step's budget, the tenants with prompts
     running split the step's prefill tokens by weight: the quiet tenant's lone prompt takes its
     slice instead of TENANT_PREFILL_CHUNKS chunks, the busy tenant's prompts one chunk each up
-    to its slice. fcfs: one chunk each, in arrival order, so the quiet prompt still waits."""
-    budget, chunk = 64, 4
+    to its slice. fcfs: one chunk each, in arrival order, so the quiet prompt still waits.
+    (The budget is no more than the two tenants' chunk shares together, 16 + 16 tokens at equal
+    weights, which cap each tenant's prompts while the other is in the step: the step is full
+    whatever the split.)"""
+    budget, chunk = 32, 4
     for policy, weight, lone in (("fair", 1.0, budget // 2), ("fair", 3.0, budget * 3 // 4), ("fcfs", 1.0, 0)):
         sim = Sim(512, tenants=[TenantConfig("busy"), TenantConfig("quiet", weight=weight)], chunk=chunk,
                   policy=policy, budget=budget, max_num_seqs=32, prefix_caching=False)
