@@ -341,16 +341,17 @@ class EngineCore:
             owner = self._owner.get(item.seq.seq_id)
             if owner is not None and owner[0].metrics.first_scheduled_time is None:
                 owner[0].metrics.first_scheduled_time = now
-            if item.samples:
-                self._plan_sampling(step, item.seq)
+            if item.samples:  # one lookup for both: a sampling sequence always has its owner
+                self._plan_sampling(step, item.seq, owner if owner is not None else self._owner[item.seq.seq_id])
         return step
 
-    def _plan_sampling(self, step: StepPlan, seq: Sequence) -> None:
-        """Gives `seq`'s last logits row to its beam search, or to its sample's sampling row;
-        right after sample 0's prompt the children draw their first tokens from it too."""
+    def _plan_sampling(self, step: StepPlan, seq: Sequence, owner: tuple[Request, Sample | None]) -> None:
+        """Gives `seq`'s last logits row to its beam search (`owner`: its request and sample),
+        or to its sample's sampling row; right after sample 0's prompt the children draw their
+        first tokens from it too."""
         source = step.num_logits
         step.num_logits += 1
-        req, sample = self._owner[seq.seq_id]
+        req, sample = owner
         if sample is None:
             step.beam_sources.append(source)
             step.beam_matchers.append(req.beam.matcher(seq))

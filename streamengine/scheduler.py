@@ -262,7 +262,7 @@ class Scheduler:
         self._num_prefilling_tenants = len(left)
         if len(left) >= 2:
             self._split_full_step(left, waiting, num_decodes)
-        if len(present) >= 2:
+        if len(present) >= 2 and self._prefills:  # a decode-only step has nothing to cap
             self._cap_tenant_prefills(present)
 
     def _split_full_step(self, left: dict[str, list[int]], waiting: list[tuple[str, int]], num_decodes: int) -> None:
@@ -289,8 +289,8 @@ class Scheduler:
     def _cap_tenant_prefills(self, present: set[str]) -> None:
         """With other tenants' sequences in the step, a tenant's prompts compute at most
         TENANT_PREFILL_CHUNKS chunks in all (times its weight over the least weight `present`),
-        however many it has in flight;
-        a full step's slice (_split_full_step) can only lower that. Without the cap each of a
+        however many it has in flight; a full step's slice (_split_full_step) can only lower
+        that. Without the cap each of a
         busy tenant's prompts took a chunk, so a burst of its queued turns admitted together
         made one long step, and every other tenant's stream and first token waited for it
         (docs/performance.md). A tenant alone keeps the whole budget."""
