@@ -5,8 +5,9 @@ Each tenant has a counter of the service it received, weighted by its share:
 (prompt tokens computed * prompt weight + generated tokens * output weight) / tenant weight.
 The scheduler admits from the backlogged tenant with the least counter, so two tenants that
 both keep requests waiting receive service in proportion to their weights. A tenant that had
-nothing in the scheduler starts level with the least-served backlogged tenant instead of where
-it left off: idle time banks no credit, so a returning tenant cannot monopolise the engine.
+nothing waiting (idle, or with requests running but none queued) starts its new request level
+with the least-served backlogged tenant instead of where it left off: time with little or no
+demand banks no credit, so a returning tenant cannot monopolise the engine.
 
 The block manager and the queues stay the scheduler's; this class only keeps counts and
 answers "whose turn", "which of this tenant's requests" and "who yields".
@@ -102,6 +103,7 @@ class FairShare:
         # after preemption, or a fork sharing its parent's prompt, is not charged again).
         self._charged: dict[Sequence, int] = {}
         self._passed: dict[Sequence, int] = {}  # times passed over by a later one of its tenant
+        self._admitted: set[str] = set()  # tenants the current (or last) step admitted from the line
 
     def usage_of(self, tenant: str) -> TenantUsage:
         usage = self.usage.get(tenant)
@@ -111,14 +113,26 @@ class FairShare:
 
     # -- counters -------------------------------------------------------------------------
 
-    def on_arrival(self, seq: Sequence, charged_upto: int = 0, waiting: Iterable[str] = ()) -> None:
+    def on_arrival(self, seq: Sequence, charged_upto: int = 0, waiting: Iterable[str] | None = None) -> None:
         """`seq` enters the scheduler; its first `charged_upto` positions were paid for.
-        `waiting` are the tenants with sequences waiting for admission."""
+        `waiting`, for a new request joining the waiting line: the tenants with sequences
+        waiting for admission. A tenant not among them becomes backlogged with this request
+        and is lifted to the frontier, whether or not it has sequences running, as in the
+        paper, whose queue holds only requests not yet admitted; unless the last step
+        admitted from its line (start_step): a line emptied by admission was served, not
+        short of demand, and lifting it there would take from a backlogged tenant the
+        service it is owed. (Lifted only when it had no sequence at all, a bot that always
+        had a conversation running, one at a time, fell 2,000 weighted tokens behind the
+        backlogged tenants while its demand was light, then took every admission for as long
+        when its demand rose: under think time a returning bot waited 20 s behind it,
+        docs/performance.md.)"""
         if seq in self._charged:
             return
         usage = self.usage_of(seq.tenant)
-        if usage.num_seqs == 0:
-            usage.virtual_time = max(usage.virtual_time, self._frontier(waiting))
+        if waiting is not None:
+            waiting = set(waiting)
+            if seq.tenant not in waiting and seq.tenant not in self._admitted:
+                usage.virtual_time = max(usage.virtual_time, self._frontier(waiting))
         usage.num_seqs += 1
         self._charged[seq] = charged_upto
         self._passed[seq] = 0
@@ -136,6 +150,14 @@ class FairShare:
         if active:
             return min(active)
         return max((u.virtual_time for u in self.usage.values()), default=0.0)
+
+    def start_step(self) -> None:
+        """A step's scheduling begins: who the previous step admitted no longer matters."""
+        self._admitted.clear()
+
+    def on_admit(self, seq: Sequence) -> None:
+        """`seq` left the waiting line for the running set this step."""
+        self._admitted.add(seq.tenant)
 
     def on_leave(self, seq: Sequence) -> None:
         """`seq` finished or was aborted (idempotent)."""

@@ -185,6 +185,7 @@ class Scheduler:
 
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
+        self.share.start_step()
         self._count_prefills()
         budget = self.max_num_batched_tokens - self._serve_underserved(out)
         # Tenants that gave way this step admit nothing in it (that would undo the yield), nor
@@ -765,6 +766,7 @@ class Scheduler:
             self.share.count_admission(seq, num_hit_tokens)
             seq.num_cached_tokens = num_hit_tokens
         seq.status = SequenceStatus.RUNNING
+        self.share.on_admit(seq)
         bm.unwant(seq)
         # Running stays in arrival order: preemption takes the newest (least work lost),
         # so a re-admitted old request is not the next victim again (no thrash).

@@ -121,6 +121,34 @@ def test_an_idle_tenant_banks_no_credit() -> None:
     assert all(s in sim.admitted for s in b_seqs[:6])
 
 
+def test_a_tenant_with_requests_running_but_none_waiting_banks_no_credit() -> None:
+    """Q runs one long request and queues nothing (light demand) while A keeps a queue, so A
+    gets far ahead. Then Q sends 8 requests: Q joins the line at A's counter and the two
+    alternate, instead of Q keeping the credit of its light phase and taking every admission
+    until A's lead is spent (what happened while only a tenant with no sequence at all was
+    lifted: a bot with one conversation always running fell thousands of tokens behind)."""
+    sim = Sim(256, tenants=[TenantConfig("a"), TenantConfig("q")], max_num_seqs=3)
+    sim.add("q", tokens(2, 5000), max_tokens=200)
+    for _ in range(30):
+        while sum(1 for s in sim.sched.waiting if s.tenant == "a") < 3:
+            sim.add("a", tokens(8, 100 * sim.next_id), max_tokens=2)
+        sim.step()
+    q_time, a_time = sim.stat("q", "virtual_time"), sim.stat("a", "virtual_time")
+    assert q_time + 100 < a_time and sim.stat("q", "num_running") == 1 and sim.stat("q", "num_waiting") == 0
+    for _ in range(8):
+        sim.add("q", tokens(8, 100 * sim.next_id), max_tokens=2)
+    assert sim.stat("q", "virtual_time") == a_time  # lifted to the least counter waiting
+    start = len(sim.admitted)
+    for _ in range(16):
+        while sum(1 for s in sim.sched.waiting if s.tenant == "a") < 3:
+            sim.add("a", tokens(8, 100 * sim.next_id), max_tokens=2)
+        sim.step()
+    order = [s.tenant for s in sim.admitted[start:]][:12]
+    # Q's running request is charged each step too, so the turns are not strictly alternate.
+    line = "".join(order)
+    assert len(order) == 12 and order.count("a") >= 5 and "qqqq" not in line and "aaaa" not in line, line
+
+
 def test_a_returning_tenant_starts_level_with_the_waiting_not_the_running() -> None:
     """Q runs one long request and has the least counter, but nothing waiting; A, far ahead,
     keeps a queue. C arrives: it starts at A's counter (the least among the tenants waiting)
