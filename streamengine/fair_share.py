@@ -122,9 +122,9 @@ class FairShare:
         admitted from its line (start_step): a line emptied by admission was served, not
         short of demand, and lifting it there would take from a backlogged tenant the
         service it is owed. (Lifted only when it had no sequence at all, a bot that always
-        had a conversation running, one at a time, fell 2,000 weighted tokens behind the
-        backlogged tenants while its demand was light, then took every admission for as long
-        when its demand rose: under think time a returning bot waited 20 s behind it,
+        had a conversation running, one at a time, fell far behind the backlogged tenants
+        while its demand was light, then took every admission until that lead was spent when
+        its demand rose, and the tenants lifted meanwhile waited behind it:
         docs/performance.md.)"""
         if seq in self._charged:
             return
