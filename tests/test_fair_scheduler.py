@@ -71,6 +71,15 @@ def ids(seqs: list[Sequence]) -> list[int]:
     return [s.seq_id for s in seqs]
 
 
+def keep_queued(sim: Sim, tenant: str, depth: int, steps: int) -> None:
+    """Runs `steps` steps with `tenant` refilled to `depth` waiting requests (8-token prompts,
+    2 tokens each) before every one: a tenant that stays backlogged throughout."""
+    for _ in range(steps):
+        while sum(1 for s in sim.sched.waiting if s.tenant == tenant) < depth:
+            sim.add(tenant, tokens(8, 100 * sim.next_id), max_tokens=2)
+        sim.step()
+
+
 def service(sim: Sim, tenant: str) -> float:
     """Unweighted service: prompt tokens computed * 1 + generated tokens * 2 (the defaults)."""
     return sim.stat(tenant, "prompt_tokens") + 2 * sim.stat(tenant, "output_tokens")
@@ -102,19 +111,13 @@ def test_an_idle_tenant_banks_no_credit() -> None:
     """A is served alone for a while; B arrives with a backlog: B's counter starts at A's, so
     the two then alternate instead of B taking every admission until it catches up."""
     sim = Sim(64, tenants=[TenantConfig("a"), TenantConfig("b")], max_num_seqs=2)
-    for _ in range(40):
-        while sum(1 for s in sim.sched.waiting if s.tenant == "a") < 4:
-            sim.add("a", tokens(8, 100 * sim.next_id), max_tokens=2)
-        sim.step()
+    keep_queued(sim, "a", depth=4, steps=40)
     a_time = sim.stat("a", "virtual_time")
     assert a_time > 200 and sim.stat("b", "virtual_time") == 0
     b_seqs = [sim.add("b", tokens(8, 100 * sim.next_id), max_tokens=2) for _ in range(8)]
     assert sim.stat("b", "virtual_time") == a_time  # lifted to the least backlogged counter
     start = len(sim.admitted)
-    for _ in range(12):
-        while sum(1 for s in sim.sched.waiting if s.tenant == "a") < 4:
-            sim.add("a", tokens(8, 100 * sim.next_id), max_tokens=2)
-        sim.step()
+    keep_queued(sim, "a", depth=4, steps=12)
     order = [s.tenant for s in sim.admitted[start:]][:12]
     assert order.count("a") == order.count("b") == 6
     assert all(abs(order[:i].count("a") - order[:i].count("b")) <= 2 for i in range(len(order)))
@@ -129,20 +132,14 @@ def test_a_tenant_with_requests_running_but_none_waiting_banks_no_credit() -> No
     lifted: a bot with one conversation always running fell thousands of tokens behind)."""
     sim = Sim(256, tenants=[TenantConfig("a"), TenantConfig("q")], max_num_seqs=3)
     sim.add("q", tokens(2, 5000), max_tokens=200)
-    for _ in range(30):
-        while sum(1 for s in sim.sched.waiting if s.tenant == "a") < 3:
-            sim.add("a", tokens(8, 100 * sim.next_id), max_tokens=2)
-        sim.step()
+    keep_queued(sim, "a", depth=3, steps=30)
     q_time, a_time = sim.stat("q", "virtual_time"), sim.stat("a", "virtual_time")
     assert q_time + 100 < a_time and sim.stat("q", "num_running") == 1 and sim.stat("q", "num_waiting") == 0
     for _ in range(8):
         sim.add("q", tokens(8, 100 * sim.next_id), max_tokens=2)
     assert sim.stat("q", "virtual_time") == a_time  # lifted to the least counter waiting
     start = len(sim.admitted)
-    for _ in range(16):
-        while sum(1 for s in sim.sched.waiting if s.tenant == "a") < 3:
-            sim.add("a", tokens(8, 100 * sim.next_id), max_tokens=2)
-        sim.step()
+    keep_queued(sim, "a", depth=3, steps=16)
     order = [s.tenant for s in sim.admitted[start:]][:12]
     # Q's running request is charged each step too, so the turns are not strictly alternate.
     line = "".join(order)
@@ -155,10 +152,7 @@ def test_a_returning_tenant_starts_level_with_the_waiting_not_the_running() -> N
     and competes level with A, instead of at Q's and taking every admission from A."""
     sim = Sim(256, tenants=[TenantConfig(t) for t in "aqc"], max_num_seqs=2)
     sim.add("q", tokens(2, 5000), max_tokens=200)
-    for _ in range(30):
-        while sum(1 for s in sim.sched.waiting if s.tenant == "a") < 3:
-            sim.add("a", tokens(8, 100 * sim.next_id), max_tokens=2)
-        sim.step()
+    keep_queued(sim, "a", depth=3, steps=30)
     q_time, a_time = sim.stat("q", "virtual_time"), sim.stat("a", "virtual_time")
     assert q_time < a_time and sim.stat("q", "num_running") == 1
     sim.add("c", tokens(8, 9000), max_tokens=1)
