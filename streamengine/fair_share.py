@@ -129,21 +129,21 @@ class FairShare:
         if seq in self._charged:
             return
         usage = self.usage_of(seq.tenant)
-        if waiting is not None:
-            waiting = set(waiting)
-            if seq.tenant not in waiting and seq.tenant not in self._admitted:
-                usage.virtual_time = max(usage.virtual_time, self._frontier(waiting))
+        if waiting is not None and seq.tenant not in self._admitted:
+            backlogged = set(waiting)
+            if seq.tenant not in backlogged:
+                usage.virtual_time = max(usage.virtual_time, self._frontier(backlogged))
         usage.num_seqs += 1
         self._charged[seq] = charged_upto
         self._passed[seq] = 0
 
-    def _frontier(self, waiting: Iterable[str]) -> float:
+    def _frontier(self, waiting: set[str]) -> float:
         """Where a returning tenant starts: the least counter among the tenants waiting for
         admission (as in the paper: it then competes level with them, not ahead of them);
         with none waiting, the least among tenants with sequences running; with none at all,
         the furthest any counter got (those who come later start there too, so nobody gains
         from the time the engine served others or stood idle)."""
-        backlogged = [self.usage_of(name).virtual_time for name in set(waiting)]
+        backlogged = [self.usage_of(name).virtual_time for name in waiting]
         if backlogged:
             return min(backlogged)
         active = [u.virtual_time for u in self.usage.values() if u.num_seqs]

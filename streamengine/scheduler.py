@@ -248,9 +248,7 @@ class Scheduler:
         left: dict[str, list[int]] = {}  # prompt tokens left of each tenant's running prompts
         waiting: list[tuple[str, int]] = []
         num_decodes = 0
-        present: set[str] = set()  # tenants with sequences here, prefilling or not
         for seq in itertools.chain(self.running, self.waiting):
-            present.add(seq.tenant)
             n = seq.num_tokens - seq.num_computed_tokens
             if n > 1:
                 self._prefills[seq.tenant] = self._prefills.get(seq.tenant, 0) + 1
@@ -263,8 +261,10 @@ class Scheduler:
         self._num_prefilling_tenants = len(left)
         if len(left) >= 2:
             self._split_full_step(left, waiting, num_decodes)
-        if len(present) >= 2 and self._prefills:  # a decode-only step has nothing to cap
-            self._cap_tenant_prefills(present)
+        if self._prefills:  # a decode-only step has nothing to cap (and no tenant set to build)
+            present = {seq.tenant for seq in itertools.chain(self.running, self.waiting)}
+            if len(present) >= 2:
+                self._cap_tenant_prefills(present)
 
     def _split_full_step(self, left: dict[str, list[int]], waiting: list[tuple[str, int]], num_decodes: int) -> None:
         """When the chunks of the running prompts (`left`: tokens left of each, per tenant), the
@@ -291,10 +291,10 @@ class Scheduler:
         """With other tenants' sequences in the step, a tenant's prompts compute at most
         TENANT_PREFILL_CHUNKS chunks in all (times its weight over the least weight `present`),
         however many it has in flight; a full step's slice (_split_full_step) can only lower
-        that. Without the cap each of a
-        busy tenant's prompts took a chunk, so a burst of its queued turns admitted together
-        made one long step, and every other tenant's stream and first token waited for it
-        (docs/performance.md). A tenant alone keeps the whole budget."""
+        that. Without the cap each of a busy tenant's prompts took a chunk, so a burst of its
+        queued turns admitted together made one long step, and every other tenant's stream and
+        first token waited for it (docs/performance.md). A tenant alone keeps the whole
+        budget."""
         weight = self.share.tenants.get
         least = min(weight(tenant).weight for tenant in present)
         for tenant in self._prefills:

@@ -726,6 +726,21 @@ def test_a_busy_tenants_prompts_share_its_chunks_while_another_tenant_runs() -> 
             assert computed == (TENANT_PREFILL_CHUNKS * chunk if with_other else 10 * chunk), with_other
 
 
+def test_a_heavier_tenants_chunk_share_scales_with_its_weight_over_the_least_present() -> None:
+    """The cap is TENANT_PREFILL_CHUNKS chunks times the tenant's weight over the least weight
+    among the tenants in the step: weight 2 beside a tenant of weight 1 computes twice as many."""
+    chunk = 4
+    sim = Sim(512, tenants=[TenantConfig("busy", weight=2.0), TenantConfig("quiet")], chunk=chunk, budget=256,
+              max_num_seqs=32, prefix_caching=False)
+    sim.add("quiet", tokens(2, 9000), max_tokens=50)
+    sim.step()
+    busy = [sim.add("busy", tokens(40, 100 * k), max_tokens=1) for k in range(1, 11)]
+    for _ in range(3):
+        before = sum(s.num_computed_tokens for s in busy)
+        sim.step()
+        assert sum(s.num_computed_tokens for s in busy) - before == 2 * TENANT_PREFILL_CHUNKS * chunk
+
+
 def test_weighted_split_fills_by_weight_and_passes_on_what_a_tenant_leaves() -> None:
     assert weighted_split(100, {"a": 10, "b": 1000, "c": 1000}, {"a": 1.0, "b": 1.0, "c": 2.0}) == \
         {"a": 10, "b": 30, "c": 60}
