@@ -37,6 +37,8 @@ def test_multitenant_quick_on_tiny_model(tiny_llama_dir, tmp_path):
             assert min(c["lost_hit_tokens"].values()) >= 0 and (sum(c["lost_hit_tokens"].values()) > 0) == (
                 c["hit_rate"] < c["hit_rate_unbounded"] - 1e-9), (name, klass)
         assert 0.0 < system["hit_rate"] < 1.0  # later turns re-send cached history
+        # The best eviction a bounded pool allows hits no more than a cache that never evicts.
+        assert 0.0 < system["hit_rate_optimal"] <= system["hit_rate_unbounded"] + 1e-9, name
         assert system["fairness"]["num_windows_total"] > 0  # the engine's tenant stats were sampled
         if system["quiet_turns_burst"]:  # each turn's admission wait is part of its time to first token
             assert 0.0 <= system["quiet_queue_p99_burst_s"] <= system["quiet_ttft_p99_burst_s"], name
@@ -49,6 +51,8 @@ def test_multitenant_quick_on_tiny_model(tiny_llama_dir, tmp_path):
     assert report["systems"]["baseline"]["pinned_bots"] == []
     assert report["systems"]["streamengine"]["pinned_bots"][0] == "bot00"  # most popular first
     assert report["hit_rate_fair"] == report["systems"]["streamengine"]["hit_rate"]
+    assert report["hit_rate_optimal"] == report["systems"]["streamengine"]["hit_rate_optimal"]
+    assert report["hit_rate_headroom_points_optimal"] <= report["hit_rate_headroom_points"] + 1e-9
     assert work["conversations_by_class"]["noisy"] > 0
 
 
