@@ -5,11 +5,14 @@ blocks all resident while it runs, and between requests the cache keeps whatever
 the block whose next use is furthest away (Belady's MIN, 1966) maximizes the number of block
 hits for a fixed order, and here it also maximizes prefix hits: a block is only ever used
 together with every block before it in its chain, so a parent's next use never comes after its
-child's, and breaking ties deepest-first means MIN never keeps a child without its parent.
+child's, and breaking ties deepest-first means MIN never keeps a child without its parent. A
+block that a later request computes anyway before any prompt could hit it (the same content
+stored again) is worth nothing until then, so it counts as never used.
 
-It is an optimistic bound for a serving engine, which also keeps running requests' blocks in
-the same pool: no policy can beat it on the same order, and the engine's concurrency can only
-take room from the cache.
+No eviction beats it when the requests run one at a time in this order. A serving engine runs
+them side by side, which takes room from the cache (running requests' blocks) but also gives
+some back (an answer's blocks do not exist yet while a later request starts), so it is an
+estimate of what the pool allows, not a bound an engine cannot cross.
 """
 
 from __future__ import annotations
@@ -25,7 +28,8 @@ NEVER = float("inf")
 
 @dataclass(frozen=True, slots=True)
 class Request:
-    """One request's blocks, each named by a key of its whole prefix (a chain hash)."""
+    """One request's blocks, each named by a key of its whole prefix (a chain hash), so that
+    `prompt` is a leading part of `stored` and both start at the chain's first block."""
 
     prompt: Sequence[Hashable]  # the leading blocks a cache hit can cover (the engine's cap applied)
     stored: Sequence[Hashable]  # every full block it leaves behind: prompt and answer
@@ -45,8 +49,11 @@ def optimal_hits(requests: Sequence[Request], capacity: int, warm: Sequence[Hash
 
     def touch(key: Hashable, now: int) -> None:
         times = uses.get(key, ())
-        at = bisect_right(times, now)
-        resident[key] = nxt = times[at] if at < len(times) else NEVER
+        at = bisect_right(times, (now, True))
+        nxt = NEVER
+        if at < len(times) and times[at][1]:  # its next request hits it (else it recomputes it)
+            nxt = times[at][0]
+        resident[key] = nxt
         heapq.heappush(heap, (-nxt, -depth.get(key, 0), next(order), key))
 
     def evict_down_to(room: int, keep: set[Hashable]) -> None:
@@ -78,11 +85,12 @@ def optimal_hits(requests: Sequence[Request], capacity: int, warm: Sequence[Hash
     return hits
 
 
-def _use_times(requests: Sequence[Request]) -> dict[Hashable, list[int]]:
-    """For each key, the requests (by index, ascending) whose prompt could hit it."""
-    uses: dict[Hashable, list[int]] = {}
+def _use_times(requests: Sequence[Request]) -> dict[Hashable, list[tuple[int, bool]]]:
+    """For each key, the requests (by index, ascending) that hold it, each with whether its
+    prompt could hit it."""
+    uses: dict[Hashable, list[tuple[int, bool]]] = {}
     for i, request in enumerate(requests):
-        for key in request.prompt:
-            uses.setdefault(key, []).append(i)
+        in_prompt = set(request.prompt)
+        for key in dict.fromkeys((*request.prompt, *request.stored)):
+            uses.setdefault(key, []).append((i, key in in_prompt))
     return uses
-

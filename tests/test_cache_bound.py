@@ -3,6 +3,7 @@ checked against an exhaustive search of every eviction choice on small random tr
 
 from __future__ import annotations
 
+import itertools
 import random
 from functools import cache
 
@@ -34,10 +35,9 @@ def exhaustive_best(requests: list, capacity: int, warm: list) -> int:
     """Every choice of what to keep, after each request: the most prefix hits in all."""
 
     def subsets(items: tuple, room: int):
-        for mask in range(1 << len(items)):
-            chosen = frozenset(x for i, x in enumerate(items) if mask >> i & 1)
-            if len(chosen) <= room:
-                yield chosen
+        for size in range(min(room, len(items)) + 1):
+            for chosen in itertools.combinations(items, size):
+                yield frozenset(chosen)
 
     @cache
     def best(i: int, resident: frozenset) -> int:
@@ -62,6 +62,33 @@ def test_min_matches_an_exhaustive_search_of_every_eviction(seed):
     capacity = max(len(r.stored) for r in requests) + rng.randint(0, 3)
     hits = cache_bound.optimal_hits(requests, capacity, warm)
     assert sum(hits) == exhaustive_best(requests, capacity, warm)
+
+
+def repeating_trace(rng: random.Random, num_requests: int) -> list:
+    """Chains over a two-letter alphabet, so that the same content comes back: a request may
+    store a block that a later one stores again (computing it anew) before any prompt hits it."""
+    requests = []
+    for _ in range(num_requests):
+        stored = tuple(rng.choice("ab") for _ in range(rng.randint(1, 3)))
+        keys = [stored[: k + 1] for k in range(len(stored))]
+        requests.append(Request(keys[: rng.randint(0, len(keys))], keys))
+    return requests
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_min_matches_an_exhaustive_search_when_content_repeats(seed):
+    rng = random.Random(seed)
+    requests = repeating_trace(rng, 6)
+    warm = [("a",), ("b",), ("a", "b")]
+    capacity = rng.randint(3, 4)
+    assert sum(cache_bound.optimal_hits(requests, capacity, warm)) == exhaustive_best(requests, capacity, warm)
+
+
+def test_a_block_computed_again_before_any_hit_is_worth_no_room():
+    # X is recomputed by the second request before the third hits it, so keeping Y (hit by
+    # the fourth) is the better use of the room the first request leaves.
+    requests = [Request([], ["Z"]), Request([], ["X"]), Request(["X"], ["X"]), Request(["Y"], ["Y"])]
+    assert cache_bound.optimal_hits(requests, 2, ["X", "Y"]) == [0, 0, 1, 1]
 
 
 def test_a_pool_that_holds_everything_hits_every_block_seen_before():
