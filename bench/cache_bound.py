@@ -42,7 +42,7 @@ def optimal_hits(requests: Sequence[Request], capacity: int, warm: Sequence[Hash
     if any(len(set(r.stored)) > capacity for r in requests):
         raise ValueError(f"a request stores more than the {capacity} blocks the pool holds")
     uses = _use_times(requests)
-    depth = {key: k for r in requests for seq in (r.prompt, r.stored) for k, key in enumerate(seq)}
+    depth = {key: k for r in requests for k, key in enumerate(r.stored)}  # `prompt` leads `stored`
     resident: dict[Hashable, float] = {}  # key -> its next use, as pushed on the heap
     heap: list[tuple[float, int, int, Hashable]] = []  # (-next use, -depth, tiebreak, key): furthest first
     order = itertools.count()

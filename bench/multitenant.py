@@ -375,13 +375,6 @@ def hit_rate(turns: list[Turn]) -> float:
     return _rate(sum(t.cached_tokens for t in turns), turns)
 
 
-def unbounded_hit_rate(turns: list[Turn], workload: Workload) -> float:
-    """The hit rate of this run's turns with a cache that never evicts, every system prompt
-    computed before the clock (as both systems do): the most any cache policy can reach on the
-    trace."""
-    return _rate(sum(unbounded_hits(turns, workload)), turns)
-
-
 def unbounded_hits(turns: list[Turn], workload: Workload) -> list[int]:
     """Per turn (in the order given), the prompt tokens a cache that never evicts would hit:
     its prompt's leading full blocks that an earlier turn (submitted before it) computed; the
@@ -429,12 +422,12 @@ def warm_blocks(workload: Workload) -> list[int]:
     return [prefix for bot in workload.bots for prefix in _block_prefixes(bot.system)]
 
 
-def lost_hits(turns: list[Turn], workload: Workload) -> dict[str, int]:
-    """The prompt tokens the run computed that a cache that never evicts would have hit, split
-    into those of the bots' system prompts (evicted prefixes) and of the conversations'
-    histories."""
+def lost_hits(turns: list[Turn], bounds: list[int], workload: Workload) -> dict[str, int]:
+    """The prompt tokens the run computed that a cache that never evicts would have hit
+    (`bounds`, per turn: unbounded_hits), split into those of the bots' system prompts (evicted
+    prefixes) and of the conversations' histories."""
     system = history = 0
-    for turn, bound in zip(turns, unbounded_hits(turns, workload), strict=True):
+    for turn, bound in zip(turns, bounds, strict=True):
         lost = max(0, bound - turn.cached_tokens)
         in_system = len(workload.bots[turn.bot].system) // BLOCK_SIZE * BLOCK_SIZE
         lost_system = min(lost, max(0, min(bound, in_system) - turn.cached_tokens))
@@ -461,7 +454,9 @@ def burst_period(turns: list[Turn], workload: Workload) -> tuple[float, float]:
     return workload.burst[0], max(ends, default=workload.burst[1])
 
 
-def class_metrics(turns: list[Turn], workload: Workload, period: tuple[float, float], span: float) -> dict:
+def class_metrics(turns: list[Turn], bounds: list[int], workload: Workload, period: tuple[float, float],
+                  span: float) -> dict:
+    """One tenant class's figures; `bounds`: each turn's hits with a cache that never evicts."""
     ttft = [t.ttft for t in turns]
     in_burst = [t for t in turns if period[0] <= t.submit < period[1]]
     burst = [t.ttft for t in in_burst]
@@ -474,8 +469,8 @@ def class_metrics(turns: list[Turn], workload: Workload, period: tuple[float, fl
         "queue_p99_burst_s": pct([t.queue_s for t in in_burst], 99),
         "output_tok_s": sum(t.output_tokens for t in turns) / span,
         "hit_rate": hit_rate(turns),
-        "hit_rate_unbounded": unbounded_hit_rate(turns, workload),
-        "lost_hit_tokens": lost_hits(turns, workload),
+        "hit_rate_unbounded": _rate(sum(bounds), turns),
+        "lost_hit_tokens": lost_hits(turns, bounds, workload),
     }
 
 
@@ -484,15 +479,20 @@ def summarize(run: SystemRun, workload: Workload, window: float) -> dict:
     period = burst_period(run.turns, workload)
     quiet = [t for t in run.turns if workload.bots[t.bot].klass != "noisy" and period[0] <= t.submit < period[1]]
     quiet_burst = [t.ttft for t in quiet]
-    classes = {k: class_metrics([t for t in run.turns if workload.bots[t.bot].klass == k], workload, period, span)
-               for k in CLASSES}
+    # The never-evicting cache's hits, once for all turns: the bots share no blocks, so a
+    # class's turns replayed alone would hit the same.
+    bounds = unbounded_hits(run.turns, workload)
+    classes = {}
+    for k in CLASSES:
+        mine = [i for i, t in enumerate(run.turns) if workload.bots[t.bot].klass == k]
+        classes[k] = class_metrics([run.turns[i] for i in mine], [bounds[i] for i in mine], workload, period, span)
     return {
         "num_turns": len(run.turns),
         "num_conversations": len({t.conversation for t in run.turns}),
         "makespan_s": span,
         "output_tok_s": sum(t.output_tokens for t in run.turns) / span,
         "hit_rate": hit_rate(run.turns),
-        "hit_rate_unbounded": unbounded_hit_rate(run.turns, workload),
+        "hit_rate_unbounded": _rate(sum(bounds), run.turns),
         "hit_rate_optimal": optimal_hit_rate(run.turns, workload, run.kv_capacity_tokens),
         "ttft_p50_s": pct([t.ttft for t in run.turns], 50),
         "ttft_p99_s": pct([t.ttft for t in run.turns], 99),
