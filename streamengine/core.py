@@ -209,7 +209,7 @@ class EngineCore:
             )
             # The row reads the sample's own token list, so penalties never need a copy.
             sample.row = SamplingRow(
-                params, sample_generator(params, i), prompt_ids, sample.token_ids,
+                params, sample_generator(params, i, self.device), prompt_ids, sample.token_ids,
                 matcher=grammar.matcher() if grammar is not None else None,
             )
             req.samples.append(sample)

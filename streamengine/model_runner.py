@@ -213,7 +213,7 @@ class ModelRunner:
         self.weight_format = ("int8" if config.weight_format == "int8" else "packed") if packed else "dequantized"
         self.masker = TokenMasker()  # grammar masks, of sampled rows and of beams alike
         self.sampler = Sampler(self.masker)
-        self.generator = torch.Generator().manual_seed(config.seed)
+        self.generator = torch.Generator(device).manual_seed(config.seed)  # on the logits' device
 
     @torch.inference_mode()
     def execute(

@@ -21,13 +21,16 @@ from .sampling_params import SamplingParams
 _UINT64_MASK = 0xFFFF_FFFF_FFFF_FFFF
 
 
-def sample_generator(params: SamplingParams, index: int) -> torch.Generator | None:
+def sample_generator(
+    params: SamplingParams, index: int, device: torch.device | str = "cpu"
+) -> torch.Generator | None:
     """The generator of sample `index` of a request: seeded with seed + index (wrapped to 64
     bits), so each sample of a seeded request draws from its own stream, reproducible whatever
-    else is in the batch. None when unseeded: the engine's default generator is used."""
+    else is in the batch. It lives on the logits' `device` (torch draws into a CUDA tensor only
+    from a CUDA generator). None when unseeded: the engine's default generator is used."""
     if params.seed is None:
         return None
-    return torch.Generator(device="cpu").manual_seed((params.seed + index) & _UINT64_MASK)
+    return torch.Generator(device=device).manual_seed((params.seed + index) & _UINT64_MASK)
 
 
 @dataclass(slots=True)
