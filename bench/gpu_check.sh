@@ -4,7 +4,8 @@
 # 1. the kernel tests, natively compiled (no interpreter);
 # 2. bench/gpu_engine_check.py when present (engine greedy parity vs transformers, swap round trip);
 # 3. the quick kernel benchmark -> bench/results/kernels_gpu.json.
-# Installs nothing, except `pip install -e . --no-deps` when streamengine is not importable.
+# Installs nothing, except `pip install -e . --no-deps --no-build-isolation` when streamengine is
+# not importable (GPU machines are often offline: the build uses the interpreter's setuptools).
 # Uses $PYTHON if set, else .venv/bin/python when it exists, else python3.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -25,7 +26,7 @@ fi
 
 if ! "$PY" -c "import streamengine.kernels" 2>/dev/null; then
   echo "gpu_check: streamengine not importable, installing it in editable mode (no dependencies)"
-  "$PY" -m pip install -q -e . --no-deps || { echo "gpu_check: editable install failed" >&2; exit 1; }
+  "$PY" -m pip install -q -e . --no-deps --no-build-isolation || { echo "gpu_check: editable install failed" >&2; exit 1; }
 fi
 
 # Native kernels: TRITON_INTERPRET must not leak in from the caller's environment.

