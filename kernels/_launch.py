@@ -23,6 +23,18 @@ def runs_interpreted(kernel: Any) -> bool:
     return isinstance(kernel, InterpretedFunction) and isinstance(tl.zeros, InterpretedFunction)
 
 
+def cdiv(a: int, b: int) -> int:
+    """ceil(a / b) for the host side of a launch. Triton's own `triton.cdiv` and
+    `triton.next_power_of_2` are constexpr functions: every host call goes through Triton's
+    argument unwrapping, about as long as the whole rest of a wrapper's Python."""
+    return -(-a // b)
+
+
+def next_power_of_2(n: int) -> int:
+    """The smallest power of two >= n (1 for n <= 1), for the host side of a launch."""
+    return 1 << (n - 1).bit_length() if n > 1 else 1
+
+
 def check_launchable(name: str, kernel: Any, device: torch.device) -> None:
     """Raise a clear error instead of Triton's when `kernel` cannot run on `device`."""
     if device.type == "cuda" or (device.type == "cpu" and runs_interpreted(kernel)):

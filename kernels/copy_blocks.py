@@ -17,7 +17,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._launch import check_launchable
+from ._launch import cdiv, check_launchable
 
 _NAME = "copy_blocks"
 _CHUNK = 4096
@@ -104,7 +104,7 @@ def copy_blocks(
         check_launchable(_NAME, _copy_blocks_kernel, k_cache.device)
         mapping = block_mapping.to(k_cache.device, non_blocking=True)
         block_numel = k_cache[0].numel()
-        grid = (num_pairs, triton.cdiv(block_numel, _CHUNK))
+        grid = (num_pairs, cdiv(block_numel, _CHUNK))
         _copy_blocks_kernel[grid](
             key_cache_ptr=k_cache,
             value_cache_ptr=v_cache,

@@ -10,7 +10,7 @@ positions seq_len - query_len .. seq_len - 1 and the earlier ones are the cached
 
 Long decodes with few (request, KV head) pairs leave most of a GPU idle, so the key range can
 be split over several programs (split-KV); each writes its own softmax-normalised fp32 result
-plus its log-sum-exp, and a short torch reduction weighs and sums them.
+plus its log-sum-exp, and a second kernel weighs and sums them.
 """
 
 from __future__ import annotations
@@ -21,12 +21,18 @@ import torch
 import triton
 import triton.language as tl
 
-from ._launch import check_int_tensor, check_launchable, check_same_device, runs_interpreted
+from ._launch import (
+    cdiv,
+    check_int_tensor,
+    check_launchable,
+    check_same_device,
+    next_power_of_2,
+    runs_interpreted,
+)
 
 _NAME = "paged_attention"
 _FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 _LOG2E = 1.4426950408889634
-_LN2 = 0.6931471805599453
 
 
 @triton.jit
@@ -172,6 +178,45 @@ def _paged_attention_kernel(
         )
 
 
+@triton.jit
+def _merge_splits_kernel(
+    out_ptr,  # [num_tokens, num_heads, head_dim]
+    partials_ptr,  # [num_splits, num_tokens, num_heads, head_dim] fp32, each split normalised
+    lse_ptr,  # [num_splits, num_tokens, num_heads] fp32, base 2, -inf for an empty split
+    num_splits,
+    stride_ot,
+    stride_oh,
+    stride_ps,  # partials strides: split, token, head
+    stride_pt,
+    stride_ph,
+    stride_ls,  # lse strides: split, token
+    stride_lt,
+    HEAD_DIM: tl.constexpr,
+    HEAD_DIM_P: tl.constexpr,
+    SPLITS_P: tl.constexpr,  # num_splits rounded up to a power of two, masked
+):
+    """out = sum_s w_s * o_s, w_s = 2^lse_s / sum_s 2^lse_s (each split's share of the softmax
+    mass), for one (token, head) per program: one launch where torch needed five."""
+    tok = tl.program_id(0).to(tl.int64)
+    head = tl.program_id(1).to(tl.int64)
+    splits = tl.arange(0, SPLITS_P)
+    split_ok = splits < num_splits
+    lse_offs = splits * stride_ls + tok * stride_lt + head
+    lse = tl.load(lse_ptr + lse_offs, mask=split_ok, other=float("-inf"))
+    m = tl.max(lse, 0)
+    weights = tl.exp2(lse - tl.where(m == float("-inf"), 0.0, m))  # [SPLITS_P]
+    total = tl.sum(weights, 0)
+    weights = weights / tl.where(total > 0.0, total, 1.0)  # no keys at all: 0, not NaN
+    dims = tl.arange(0, HEAD_DIM_P)
+    dim_ok = dims < HEAD_DIM
+    row = tok * stride_pt + head * stride_ph
+    part_offs = splits[:, None].to(tl.int64) * stride_ps + row + dims[None, :]
+    parts = tl.load(partials_ptr + part_offs, mask=split_ok[:, None] & dim_ok[None, :], other=0.0)
+    merged = tl.sum(parts * weights[:, None], 0)  # [HEAD_DIM_P]
+    out_offs = tok * stride_ot + head * stride_oh + dims
+    tl.store(out_ptr + out_offs, merged.to(out_ptr.dtype.element_ty), mask=dim_ok)
+
+
 # Fixed when the module is imported (Triton decides at decoration time).
 _INTERPRETED = runs_interpreted(_paged_attention_kernel)
 
@@ -255,11 +300,11 @@ def _check_out(out: torch.Tensor, query: torch.Tensor) -> None:
 
 def _tile_config(max_query_len: int, group: int, head_dim_p: int) -> tuple[int, int, int, int, int]:
     """(GROUP_P, BLOCK_Q, BLOCK_R, TILE_N, num_warps) for one launch."""
-    group_p = triton.next_power_of_2(group)
+    group_p = next_power_of_2(group)
     block_q = (
         1
         if max_query_len <= 1
-        else min(triton.next_power_of_2(max_query_len), max(1, 64 // group_p))
+        else min(next_power_of_2(max_query_len), max(1, 64 // group_p))
     )
     block_r = max(16, block_q * group_p)
     tile_n = 64 if head_dim_p <= 64 else 32
@@ -272,6 +317,19 @@ def _num_sms(device_index: int) -> int:
     return torch.cuda.get_device_properties(device_index).multi_processor_count
 
 
+# Split-KV for decode. An SM runs several (request, KV head) programs at once, so a batch with
+# fewer than about 3 programs per SM leaves the GPU part idle; splitting each key range until
+# there are about 16 programs per SM fills it, as long as every split keeps 2 key tiles. Below
+# 2,048 keys a split saves less device time than the merge's extra launch costs the host (the
+# engine launches eagerly). The constants come from a sweep of every split count over decode
+# shapes on an H200 (`bench/attention_kernels.py --split-sweep`; docs/performance.md).
+_MIN_SPLIT_CONTEXT = 2048
+_SPLIT_BELOW_PROGRAMS_PER_SM = 3
+_SPLIT_TARGET_PROGRAMS_PER_SM = 16
+_MIN_TILES_PER_SPLIT = 2
+_MAX_SPLITS = 64
+
+
 def _choose_num_splits(
     query: torch.Tensor,
     max_query_len: int,
@@ -280,18 +338,23 @@ def _choose_num_splits(
     num_kv_heads: int,
     tile_n: int,
 ) -> int:
-    """Split the key range only for decode batches on CUDA that would leave most SMs idle."""
+    """Split the key range only for decode batches on CUDA too small to fill the GPU."""
     if max_query_len != 1 or query.device.type != "cuda" or _INTERPRETED:
         return 1
     programs = num_seqs * num_kv_heads
     num_sms = _num_sms(
         query.device.index if query.device.index is not None else torch.cuda.current_device()
     )
-    if programs >= num_sms or max_seq_len < 8 * tile_n:
+    return split_count(programs, num_sms, max_seq_len, tile_n)
+
+
+def split_count(programs: int, num_sms: int, max_seq_len: int, tile_n: int) -> int:
+    """Key-range splits for a decode launch of `programs` (request, KV head) programs."""
+    if programs >= _SPLIT_BELOW_PROGRAMS_PER_SM * num_sms or max_seq_len < _MIN_SPLIT_CONTEXT:
         return 1
-    by_occupancy = triton.cdiv(2 * num_sms, programs)
-    by_length = max_seq_len // (4 * tile_n)  # every split keeps at least 4 key tiles
-    return max(1, min(by_occupancy, by_length, 64))
+    by_occupancy = cdiv(_SPLIT_TARGET_PROGRAMS_PER_SM * num_sms, programs)
+    by_length = max_seq_len // (_MIN_TILES_PER_SPLIT * tile_n)
+    return max(1, min(by_occupancy, by_length, _MAX_SPLITS))
 
 
 def paged_attention(
@@ -337,7 +400,7 @@ def paged_attention(
         return out
     block_size, num_kv_heads = key_cache.shape[1], key_cache.shape[2]
     group = num_heads // num_kv_heads
-    head_dim_p = max(16, triton.next_power_of_2(head_dim))
+    head_dim_p = max(16, next_power_of_2(head_dim))
     group_p, block_q, block_r, tile_n, num_warps = _tile_config(max_query_len, group, head_dim_p)
     if max_seq_len is None:
         max_seq_len = block_tables.shape[1] * block_size
@@ -347,7 +410,7 @@ def paged_attention(
         )
     if num_kv_splits < 1:
         raise ValueError(f"{_NAME}: num_kv_splits must be >= 1, got {num_kv_splits}")
-    kv_split_len = triton.cdiv(triton.cdiv(max(max_seq_len, 1), num_kv_splits), tile_n) * tile_n
+    kv_split_len = cdiv(cdiv(max(max_seq_len, 1), num_kv_splits), tile_n) * tile_n
     partial = num_kv_splits > 1
     if partial:
         # [num_splits, num_tokens, num_heads, head_dim] fp32 partials and their lse (base 2).
@@ -360,7 +423,7 @@ def paged_attention(
         lse = out  # never touched without PARTIAL; saves an allocation per call
 
     check_launchable(_NAME, _paged_attention_kernel, query.device)
-    grid = (triton.cdiv(max_query_len, block_q), num_kv_heads, num_seqs * num_kv_splits)
+    grid = (cdiv(max_query_len, block_q), num_kv_heads, num_seqs * num_kv_splits)
     _paged_attention_kernel[grid](
         out_ptr=target,
         lse_ptr=lse,
@@ -407,9 +470,22 @@ def paged_attention(
 
 
 def _merge_splits(partials: torch.Tensor, lse: torch.Tensor, out: torch.Tensor) -> None:
-    """out = sum_s w_s * o_s with w_s = 2^lse_s / sum_s 2^lse_s (each split's softmax mass)."""
-    # partials: [num_splits, num_tokens, num_heads, head_dim] fp32, each split normalised
-    # lse:      [num_splits, num_tokens, num_heads] fp32, base 2, -inf for an empty split
-    weights = torch.softmax(lse * _LN2, dim=0)  # [num_splits, num_tokens, num_heads]
-    merged = (partials * weights.unsqueeze(-1)).sum(dim=0)  # [num_tokens, num_heads, head_dim]
-    out.copy_(merged)
+    """Weighs each split's result by its softmax mass and sums them into out."""
+    num_splits, num_tokens, num_heads, head_dim = partials.shape
+    _merge_splits_kernel[(num_tokens, num_heads)](
+        out_ptr=out,
+        partials_ptr=partials,
+        lse_ptr=lse,
+        num_splits=num_splits,
+        stride_ot=out.stride(0),
+        stride_oh=out.stride(1),
+        stride_ps=partials.stride(0),
+        stride_pt=partials.stride(1),
+        stride_ph=partials.stride(2),
+        stride_ls=lse.stride(0),
+        stride_lt=lse.stride(1),
+        HEAD_DIM=head_dim,
+        HEAD_DIM_P=max(16, next_power_of_2(head_dim)),
+        SPLITS_P=next_power_of_2(num_splits),
+        num_warps=1 if head_dim <= 64 else 2,
+    )

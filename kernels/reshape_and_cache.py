@@ -11,7 +11,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._launch import check_int_tensor, check_launchable, check_same_device
+from ._launch import cdiv, check_int_tensor, check_launchable, check_same_device, next_power_of_2
 
 _NAME = "reshape_and_cache"
 _ELEMENTS_PER_PROGRAM = 4096
@@ -140,9 +140,9 @@ def reshape_and_cache(
     check_launchable(_NAME, _reshape_and_cache_kernel, key.device)
     block_size, num_kv_heads, head_dim = key_cache.shape[1:]
     row = num_kv_heads * head_dim
-    block_e = triton.next_power_of_2(row)
-    block_t = min(max(1, _ELEMENTS_PER_PROGRAM // block_e), triton.next_power_of_2(num_tokens))
-    grid = (triton.cdiv(num_tokens, block_t),)
+    block_e = next_power_of_2(row)
+    block_t = min(max(1, _ELEMENTS_PER_PROGRAM // block_e), next_power_of_2(num_tokens))
+    grid = (cdiv(num_tokens, block_t),)
     _reshape_and_cache_kernel[grid](
         key_ptr=key,
         value_ptr=value,

@@ -258,6 +258,22 @@ def test_paged_attention_split_kv(num_kv_splits: int) -> None:
     assert_close(out, naive_attention(batch), torch.float32)
 
 
+def test_split_count_fills_an_idle_gpu_only() -> None:
+    from streamengine.kernels.paged_attention import split_count
+
+    sms = 132
+    # A batch with 3+ programs per SM already fills the GPU; a short context is not worth the
+    # merge's launch.
+    assert split_count(3 * sms, sms, 16384, 64) == 1
+    assert split_count(8, sms, 2047, 64) == 1
+    # Below that, splits bring the programs to about 16 per SM...
+    assert split_count(256, sms, 16384, 32) == 9  # ceil(16 * 132 / 256)
+    assert 16 * sms <= 96 * split_count(96, sms, 16384, 64) < 16 * sms + 96
+    # ...while each split keeps at least 2 key tiles, and there are never more than 64.
+    assert split_count(8, sms, 2048, 64) == 2048 // (2 * 64)
+    assert split_count(1, sms, 1 << 20, 32) == 64
+
+
 def test_paged_attention_mqa_and_empty_request() -> None:
     # One KV head for 8 query heads, and a request with no new tokens in the middle.
     batch = make_batch([3, 0, 2], [20, 11, 2], 8, 1, 80, 8, torch.float16, seed=11)
