@@ -25,6 +25,7 @@ summed; one more case prefills several prompts in one step.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import platform
@@ -63,8 +64,12 @@ class Row:
     num_kv_heads: int
     head_dim: int
     kv_bytes: int
-    paged_ms: float
+    paged_ms: float  # one call as a caller sees it: launch overhead included
     sdpa_ms: float
+    paged_gpu_ms: float | None  # device time alone: calls replayed from a CUDA graph
+    sdpa_gpu_ms: float | None
+    paged_host_us: float | None  # host time to issue one call (the launch overhead)
+    sdpa_host_us: float | None
     paged_gbps: float
     sdpa_gbps: float
     paged_tflops: float | None
@@ -87,6 +92,8 @@ def cases(quick: bool) -> list[Case]:
         for c in decode_contexts
     ]
     out += [Case("prefill", b, c, h, kv, d) for h, kv, d in heads for b, c in prefill]
+    if quick:  # one case each large enough for the device time to dwarf the launch
+        out += [Case("decode", 128, 4096, *HEADS[1]), Case("prefill", 1, 8192, *HEADS[1])]
     return out
 
 
@@ -108,6 +115,38 @@ def time_ms(fn: Callable[[], object], device: torch.device, warmup: int, iters: 
             fn()
             samples.append((time.perf_counter() - t0) * 1e3)
     return statistics.median(samples)
+
+
+def graph_ms(fn: Callable[[], object], calls: int = 20, replays: int = 5) -> float | None:
+    """Device time of one call alone: `calls` calls captured in a CUDA graph, whose replay
+    issues them without the host, timed with events (median of `replays`) and divided."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        fn()  # warm up on the capture stream (allocator, autotuning)
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    try:
+        with torch.cuda.graph(graph):
+            for _ in range(calls):
+                fn()
+    except RuntimeError as err:  # an op that cannot be captured: report no device time
+        print(f"  (not capturable: {err})")
+        return None
+    graph.replay()
+    return time_ms(graph.replay, torch.device("cuda"), 1, replays) / calls
+
+
+def host_us(fn: Callable[[], object], calls: int = 200) -> float:
+    """Host time to issue one call, back to back (the queue hides the device time, as long as
+    each call's device time is the shorter)."""
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    elapsed = time.perf_counter() - t0
+    torch.cuda.synchronize()
+    return elapsed / calls * 1e6
 
 
 def build_inputs(case: Case, dtype: torch.dtype, device: torch.device, block_size: int) -> dict:
@@ -170,6 +209,8 @@ def run_case(case: Case, dtype: torch.dtype, device: torch.device, args: argpars
 
     paged_ms = time_ms(paged, device, args.warmup, args.iters)
     sdpa_ms = time_ms(dense, device, args.warmup, args.iters)
+    paged_gpu, sdpa_gpu = graph_ms(paged), graph_ms(dense)
+    paged_host, sdpa_host = host_us(paged), host_us(dense)
     want = dense().permute(0, 2, 1, 3).reshape_as(out).float()
     diff = (paged().float() - want).abs().max().item()
     elem = torch.empty((), dtype=dtype).element_size()
@@ -187,6 +228,10 @@ def run_case(case: Case, dtype: torch.dtype, device: torch.device, args: argpars
         kv_bytes=kv_bytes,
         paged_ms=paged_ms,
         sdpa_ms=sdpa_ms,
+        paged_gpu_ms=paged_gpu,
+        sdpa_gpu_ms=sdpa_gpu,
+        paged_host_us=paged_host,
+        sdpa_host_us=sdpa_host,
         paged_gbps=kv_bytes / paged_ms / 1e6,
         sdpa_gbps=kv_bytes / sdpa_ms / 1e6,
         paged_tflops=None if flops is None else flops / paged_ms / 1e9,
@@ -209,6 +254,17 @@ def format_table(rows: list[Row]) -> str:
             f"{r.kind:8}{r.batch:>5}{r.context:>7}{shape:>12}{r.paged_ms:>10.3f}{r.sdpa_ms:>10.3f}"
             f"{r.paged_gbps:>12.0f}{r.sdpa_gbps:>11.0f}{tflops:>14}{r.paged_over_sdpa:>7.2f}"
             f"{r.max_abs_diff:>9.1e}"
+        )
+    lines += ["", "device time alone (CUDA graph replay) and host time to issue one call:"]
+    head = f"{'kind':8}{'B':>5}{'ctx':>7}{'H/KV/D':>12}{'paged gpu ms':>14}{'sdpa gpu ms':>13}{'ratio':>7}{'paged host us':>15}{'sdpa host us':>14}"
+    lines += [head, "-" * len(head)]
+    for r in rows:
+        shape = f"{r.num_heads}/{r.num_kv_heads}/{r.head_dim}"
+        gpu = [f"{v:.4f}" if v is not None else "-" for v in (r.paged_gpu_ms, r.sdpa_gpu_ms)]
+        ratio = f"{r.paged_gpu_ms / r.sdpa_gpu_ms:.2f}" if r.paged_gpu_ms and r.sdpa_gpu_ms else "-"
+        lines.append(
+            f"{r.kind:8}{r.batch:>5}{r.context:>7}{shape:>12}{gpu[0]:>14}{gpu[1]:>13}{ratio:>7}"
+            f"{r.paged_host_us:>15.1f}{r.sdpa_host_us:>14.1f}"
         )
     return "\n".join(lines)
 
@@ -323,6 +379,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--quick", action="store_true", help="a small grid (about a minute)")
     p.add_argument("--cpu-prefill", action="store_true", help="the C++ prefill kernel vs SDPA on CPU")
+    p.add_argument("--split-sweep", action="store_true", help="decode device time at every split-KV count")
     p.add_argument("--threads", type=int, default=2, help="--cpu-prefill: torch / OpenMP threads")
     p.add_argument("--json", type=Path, default=None, help="write the results here")
     p.add_argument("--dtype", choices=sorted(DTYPES), default="fp16")
@@ -337,6 +394,53 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return args
 
 
+SWEEP_SPLITS = [1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64]
+SWEEP_CASES = [  # decode: (batch, context, heads)
+    (b, c, h) for h in HEADS[:2] for b in (1, 8, 32, 64, 128) for c in (1024, 4096, 16384)
+]
+
+
+def sweep_case(batch: int, context: int, heads: tuple[int, int, int], dtype: torch.dtype,
+               args: argparse.Namespace, device: str = "cuda") -> dict:
+    """One decode shape: device time at each split count, and the heuristic's pick."""
+    from streamengine.kernels import paged_attention
+    from streamengine.kernels.paged_attention import _choose_num_splits, _tile_config
+
+    h, kv, d = heads
+    x = build_inputs(Case("decode", batch, context, h, kv, d), dtype, torch.device(device), args.block_size)
+    out = torch.empty_like(x["query"])
+    inputs = [x[k] for k in ("query", "key_cache", "value_cache", "block_tables", "seq_lens", "query_start_loc")]
+    times = {
+        n: graph_ms(functools.partial(paged_attention, *inputs, d**-0.5, max_query_len=1, out=out,
+                                      max_seq_len=context, num_kv_splits=n))
+        for n in SWEEP_SPLITS if n * 32 <= context
+    }  # fmt: skip
+    tile_n = _tile_config(1, h // kv, max(16, d))[3]
+    picked = _choose_num_splits(x["query"], 1, context, batch, kv, tile_n)
+    best = min(times, key=lambda n: times[n])
+    return {"batch": batch, "context": context, "heads": list(heads), "gpu_ms": times,
+            "picked": picked, "best": best}  # fmt: skip
+
+
+def split_sweep_main(args: argparse.Namespace) -> int:
+    """Device time of decode at every split-KV count, next to what the heuristic picks: the
+    data behind `_choose_num_splits`."""
+    results = []
+    for batch, context, heads in SWEEP_CASES:
+        r = sweep_case(batch, context, heads, DTYPES[args.dtype], args)
+        results.append(r)
+        t, picked, best = r["gpu_ms"], r["picked"], r["best"]
+        print(f"  B={batch:<4} ctx={context:<6} {'/'.join(map(str, heads))}: picked {picked} "
+              f"({t.get(picked, float('nan')) * 1e3:.1f} us), best {best} ({t[best] * 1e3:.1f} us), "
+              f"1 split {t[1] * 1e3:.1f} us", flush=True)  # fmt: skip
+        torch.cuda.empty_cache()
+        if args.json is not None:  # after every case, so a run cut short keeps what it measured
+            meta = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "dtype": args.dtype}
+            args.json.parent.mkdir(parents=True, exist_ok=True)
+            args.json.write_text(json.dumps({"meta": meta, "rows": results}, indent=2))
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     if args.cpu_prefill:
@@ -344,6 +448,8 @@ def main(argv: list[str] | None = None) -> int:
     if not torch.cuda.is_available():
         print("bench/attention_kernels.py needs CUDA (no CUDA device here); nothing measured")
         return EXIT_NO_CUDA
+    if args.split_sweep:
+        return split_sweep_main(args)
     import triton
 
     device = torch.device("cuda")
