@@ -404,6 +404,7 @@ def sweep_case(batch: int, context: int, heads: tuple[int, int, int], dtype: tor
                args: argparse.Namespace, device: str = "cuda") -> dict:
     """One decode shape: device time at each split count, and the heuristic's pick."""
     from streamengine.kernels import paged_attention
+    from streamengine.kernels._launch import next_power_of_2
     from streamengine.kernels.paged_attention import _choose_num_splits, _tile_config
 
     h, kv, d = heads
@@ -413,11 +414,12 @@ def sweep_case(batch: int, context: int, heads: tuple[int, int, int], dtype: tor
     times = {
         n: graph_ms(functools.partial(paged_attention, *inputs, d**-0.5, max_query_len=1, out=out,
                                       max_seq_len=context, num_kv_splits=n))
-        for n in SWEEP_SPLITS if n * 32 <= context
+        for n in SWEEP_SPLITS if n * 32 <= context  # every split keeps at least one key tile (32 or 64)
     }  # fmt: skip
-    tile_n = _tile_config(1, h // kv, max(16, d))[3]
+    tile_n = _tile_config(1, h // kv, max(16, next_power_of_2(d)))[3]  # head_dim_p as the kernel pads it
     picked = _choose_num_splits(x["query"], 1, context, batch, kv, tile_n)
-    best = min(times, key=lambda n: times[n])
+    timed = [n for n, t in times.items() if t is not None]  # None: the call could not be captured
+    best = min(timed, key=lambda n: times[n]) if timed else None
     return {"batch": batch, "context": context, "heads": list(heads), "gpu_ms": times,
             "picked": picked, "best": best}  # fmt: skip
 
@@ -429,10 +431,10 @@ def split_sweep_main(args: argparse.Namespace) -> int:
     for batch, context, heads in SWEEP_CASES:
         r = sweep_case(batch, context, heads, DTYPES[args.dtype], args)
         results.append(r)
-        t, picked, best = r["gpu_ms"], r["picked"], r["best"]
-        print(f"  B={batch:<4} ctx={context:<6} {'/'.join(map(str, heads))}: picked {picked} "
-              f"({t.get(picked, float('nan')) * 1e3:.1f} us), best {best} ({t[best] * 1e3:.1f} us), "
-              f"1 split {t[1] * 1e3:.1f} us", flush=True)  # fmt: skip
+        us = {n: "-" if t is None else f"{t * 1e3:.1f}" for n, t in r["gpu_ms"].items()}
+        print(f"  B={batch:<4} ctx={context:<6} {'/'.join(map(str, heads))}: picked {r['picked']} "
+              f"({us.get(r['picked'], 'not timed')} us), best {r['best']} ({us.get(r['best'], '-')} us), "
+              f"1 split {us[1]} us", flush=True)  # fmt: skip
         torch.cuda.empty_cache()
         if args.json is not None:  # after every case, so a run cut short keeps what it measured
             meta = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "dtype": args.dtype}

@@ -8,7 +8,9 @@
 3. the other decoding paths on the device, each of which has device-specific code: seeded
    sampling with penalties and logprobs (the same tokens twice), unseeded sampling (the
    engine's generator), beam search against transformers' beam search, a regex and a JSON
-   schema (the grammar mask applied on the device), and a prefix-cache hit with the same output.
+   schema (the grammar mask applied on the device), a prefix-cache hit with the same output,
+   and a 2,100-token prompt whose decode splits its keys (split-KV and its merge kernel)
+   against transformers' greedy output.
 
 `--device cpu --backend torch` runs the same logic on CPU (used to keep this script working);
 `--tiny` uses the tiny model even where SmolLM2 is installed (what a bare GPU machine runs).
@@ -65,7 +67,7 @@ def tiny_model(tmp: Path) -> Path:
     tok.train_from_iterator(corpus, trainer)
     fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>", unk_token="<unk>")
     cfg = LlamaConfig(vocab_size=len(fast), hidden_size=128, intermediate_size=256, num_hidden_layers=4,
-                      num_attention_heads=8, num_key_value_heads=2, max_position_embeddings=1024,
+                      num_attention_heads=8, num_key_value_heads=2, max_position_embeddings=4096,
                       bos_token_id=1, eos_token_id=2, pad_token_id=2)
     torch.manual_seed(0)
     folder = tmp / "tiny"
@@ -139,12 +141,24 @@ def is_person(text: str) -> bool:
         value = json.loads(text)
     except ValueError:
         return False
-    return (isinstance(value, dict) and set(value) == {"name", "age"} and isinstance(value["name"], str)
-            and isinstance(value["age"], int) and value["age"] >= 0)
+    # type() rather than isinstance: JSON true is a Python bool, which isinstance counts as int.
+    return (isinstance(value, dict) and set(value) == {"name", "age"} and type(value["name"]) is str
+            and len(value["name"]) <= 8 and type(value["age"]) is int and value["age"] >= 0)
 
 
-async def paths_run(folder: Path, ids_list, n: int, beam: list[int], **cfg) -> dict[str, bool]:
-    """Every decoding path with device-specific code, on one engine; True where it held."""
+def long_prompt(folder: Path, length: int = 2100) -> list[int]:
+    """Ordinary token ids, long enough (2,048+ keys) for the decode kernel to split its keys."""
+    from transformers import AutoTokenizer
+
+    vocab = len(AutoTokenizer.from_pretrained(folder))
+    return [3 + (7 * i) % (vocab - 3) for i in range(length)]
+
+
+async def paths_run(
+    folder: Path, ids_list, n: int, beam: list[int], long_ids: list[int], long_greedy: list[int], **cfg
+) -> tuple[dict[str, bool], dict[str, int]]:
+    """The decoding paths with device-specific code, on one engine: (True where each held, the
+    output lengths behind the comparisons, so a trivially short match shows)."""
     from streamengine.structured_params import JsonSchema, Regex
 
     seeded = SamplingParams(temperature=0.9, top_k=50, top_p=0.9, min_p=0.01, seed=11, n=3, logprobs=2,
@@ -160,26 +174,35 @@ async def paths_run(folder: Path, ids_list, n: int, beam: list[int], **cfg) -> d
         runs = await asyncio.gather(
             final(ids_list[0], seeded), final(ids_list[0], seeded),
             final(ids_list[1], SamplingParams(temperature=1.0, max_tokens=n, ignore_eos=True)),
+            final(ids_list[1], SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)),
             final(ids_list[2], SamplingParams(beam_width=3, temperature=0, max_tokens=n)),
             final("Say:", SamplingParams(structured=Regex(WORD_NUM), temperature=1.0, n=2, seed=3, max_tokens=32)),
             final("A person:", SamplingParams(structured=JsonSchema(PERSON), temperature=1.0, seed=4, max_tokens=64)),
-            final(ids_list[3], SamplingParams(temperature=0, max_tokens=n)),
+            final(ids_list[3], SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)),
+            final(long_ids, SamplingParams(temperature=0, max_tokens=n)),
         )
-        again = await final(ids_list[3], SamplingParams(temperature=0, max_tokens=n))
-    a, b, unseeded, beams, regex, person, first = runs
+        again = await final(ids_list[3], SamplingParams(temperature=0, max_tokens=n, ignore_eos=True))
+    a, b, unseeded, greedy, beams, regex, person, first, long = runs
     outputs = [c for out in [*runs, again] for c in out.outputs]
-    return {
+    top = [lp for c in a.outputs for lp in c.logprobs or []]
+    checks = {
         "no_errors": all(c.finish_reason in ("stop", "length") for c in outputs),
         "seeded_reproducible": [c.token_ids for c in a.outputs] == [c.token_ids for c in b.outputs],
         "seeded_samples_differ": len({tuple(c.token_ids) for c in a.outputs}) > 1,
-        "logprobs_per_token": all(len(c.logprobs or []) == len(c.token_ids) for c in a.outputs),
-        "unseeded_length": len(unseeded.outputs[0].token_ids) == n,
-        "beam_matches_transformers": beams.outputs[0].token_ids == beam,
+        "logprobs_per_token": all(len(c.logprobs or []) == len(c.token_ids) for c in a.outputs)
+        and all(len(lp) >= 2 and all(v <= 0 for v in lp.values()) for lp in top),
+        "unseeded_sampled": len(unseeded.outputs[0].token_ids) == n
+        and unseeded.outputs[0].token_ids != greedy.outputs[0].token_ids,
+        "beam_matches_transformers": len(beam) > 1 and beams.outputs[0].token_ids == beam,
         "regex_matches": all(re.fullmatch(WORD_NUM, c.text) for c in regex.outputs),
         "json_schema_valid": is_person(person.outputs[0].text),
         "prefix_hit_same_output": again.num_cached_tokens > 0
         and again.outputs[0].token_ids == first.outputs[0].token_ids,
+        "split_kv_prompt_matches_transformers": long.outputs[0].token_ids == long_greedy,
     }
+    lengths = {"beam": len(beam), "prefix_hit": len(first.outputs[0].token_ids),
+               "split_kv_prompt": len(long_greedy), "split_kv_prompt_keys": len(long_ids)}
+    return checks, lengths
 
 
 def main() -> int:
@@ -215,11 +238,13 @@ def main() -> int:
         report["blocks_returned"] = (s["num_free_blocks"] == s["num_total_blocks"]
                                      and s["num_swap_blocks_free"] == s["num_swap_blocks"])
         ok &= report["swap_outputs_equal"] and report["blocks_returned"] and s["num_swap_outs"] > 0
-        paths = asyncio.run(paths_run(
+        long_ids = long_prompt(folder)
+        paths, lengths = asyncio.run(paths_run(
             folder, ids_list, a.max_tokens, hf_beam(folder, a.device, ids_list[2], 3, a.max_tokens),
-            num_gpu_blocks=512, **base,
+            long_ids, hf_greedy(folder, a.device, [long_ids], a.max_tokens)[0], num_gpu_blocks=512, **base,
         ))
         report["paths"] = paths
+        report["path_lengths"] = lengths
         ok &= all(paths.values())
         report["seconds"] = round(time.perf_counter() - t0, 1)
     report["ok"] = bool(ok)

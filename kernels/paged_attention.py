@@ -201,7 +201,7 @@ def _merge_splits_kernel(
     head = tl.program_id(1).to(tl.int64)
     splits = tl.arange(0, SPLITS_P)
     split_ok = splits < num_splits
-    lse_offs = splits * stride_ls + tok * stride_lt + head
+    lse_offs = splits.to(tl.int64) * stride_ls + tok * stride_lt + head
     lse = tl.load(lse_ptr + lse_offs, mask=split_ok, other=float("-inf"))
     m = tl.max(lse, 0)
     weights = tl.exp2(lse - tl.where(m == float("-inf"), 0.0, m))  # [SPLITS_P]
@@ -328,6 +328,7 @@ _SPLIT_BELOW_PROGRAMS_PER_SM = 3
 _SPLIT_TARGET_PROGRAMS_PER_SM = 16
 _MIN_TILES_PER_SPLIT = 2
 _MAX_SPLITS = 64
+_MAX_MERGE_SPLITS = 256  # the merge kernel holds every split's row of one head at once
 
 
 def _choose_num_splits(
@@ -408,8 +409,13 @@ def paged_attention(
         num_kv_splits = _choose_num_splits(
             query, max_query_len, max_seq_len, num_seqs, num_kv_heads, tile_n
         )
-    if num_kv_splits < 1:
-        raise ValueError(f"{_NAME}: num_kv_splits must be >= 1, got {num_kv_splits}")
+        # Whole tiles per split can leave the last splits empty: launch only those with keys.
+        kv_split_len = cdiv(cdiv(max(max_seq_len, 1), num_kv_splits), tile_n) * tile_n
+        num_kv_splits = cdiv(max(max_seq_len, 1), kv_split_len)
+    elif not 1 <= num_kv_splits <= _MAX_MERGE_SPLITS:
+        raise ValueError(
+            f"{_NAME}: num_kv_splits must be in 1..{_MAX_MERGE_SPLITS}, got {num_kv_splits}"
+        )
     kv_split_len = cdiv(cdiv(max(max_seq_len, 1), num_kv_splits), tile_n) * tile_n
     partial = num_kv_splits > 1
     if partial:

@@ -318,6 +318,25 @@ def test_tokens_to_compute_counts_queued_work_net_of_the_cache(tiny_llama_dir):
     assert core.stats()["num_tokens_to_compute"] == 0
 
 
+def test_seeded_samples_draw_from_generators_on_the_models_device(tiny_llama_dir, monkeypatch):
+    """torch draws into a CUDA tensor only from a CUDA generator: the core must hand its own
+    device to every sample's generator (a CPU-only default failed every sampled step on CUDA)."""
+    import streamengine.core as core_module
+    from streamengine.sampler import sample_generator
+
+    asked = []
+
+    def recording(params, index, device="unset"):
+        asked.append(device)
+        return sample_generator(params, index, device if device != "unset" else "cpu")
+
+    monkeypatch.setattr(core_module, "sample_generator", recording)
+    core = core_module.EngineCore(EngineConfig(model=str(tiny_llama_dir), num_gpu_blocks=64))
+    core.add_request("r", "Seeded", SamplingParams(seed=7, n=2, max_tokens=2))
+    assert asked == [core.device, core.device]
+    assert core.runner.generator.device.type == core.device.type
+
+
 # ---- stage times (RequestOutput.metrics) -------------------------------------------------
 
 

@@ -247,15 +247,22 @@ def test_paged_attention_bf16() -> None:
     assert_close(out, naive_attention(batch), torch.bfloat16)
 
 
-@pytest.mark.parametrize("num_kv_splits", [2, 5])
-def test_paged_attention_split_kv(num_kv_splits: int) -> None:
+@pytest.mark.parametrize("num_kv_splits,head_dim", [(2, 64), (5, 64), (3, 80)])
+def test_paged_attention_split_kv(num_kv_splits: int, head_dim: int) -> None:
     # Split-KV is chosen automatically only for CUDA decode; forcing it here also covers
-    # empty splits (short requests) and multi-token queries through the merge.
-    batch = make_batch([1, 4, 1], [70, 40, 3], 4, 2, 64, 16, torch.float32, seed=7)
+    # empty splits (short requests), multi-token queries and a padded head_dim in the merge.
+    batch = make_batch([1, 4, 1], [70, 40, 3], 4, 2, head_dim, 16, torch.float32, seed=7)
     out = K.paged_attention(
         *batch.args(), max_query_len=4, num_kv_splits=num_kv_splits, max_seq_len=70
     )
     assert_close(out, naive_attention(batch), torch.float32)
+
+
+def test_paged_attention_rejects_bad_split_counts() -> None:
+    batch = make_batch([1], [70], 4, 2, 64, 16, torch.float32, seed=7)
+    for bad in (0, 257):
+        with pytest.raises(ValueError, match="num_kv_splits must be in 1..256"):
+            K.paged_attention(*batch.args(), max_query_len=1, num_kv_splits=bad)
 
 
 def test_split_count_fills_an_idle_gpu_only() -> None:
@@ -265,6 +272,7 @@ def test_split_count_fills_an_idle_gpu_only() -> None:
     # A batch with 3+ programs per SM already fills the GPU; a short context is not worth the
     # merge's launch.
     assert split_count(3 * sms, sms, 16384, 64) == 1
+    assert split_count(3 * sms - 1, sms, 16384, 64) == 6  # ceil(16 * 132 / 395)
     assert split_count(8, sms, 2047, 64) == 1
     # Below that, splits bring the programs to about 16 per SM...
     assert split_count(256, sms, 16384, 32) == 9  # ceil(16 * 132 / 256)
