@@ -78,22 +78,23 @@ def tiny_model(tmp: Path) -> Path:
     return folder
 
 
-def prompts(folder: Path) -> list[list[int]]:
-    from transformers import AutoTokenizer
-
-    tok = AutoTokenizer.from_pretrained(folder)
+def prompts(tok) -> list[list[int]]:
     texts = ["The capital of France is", "name age value " * 9, "def fibonacci(n):", "of the " * 30]
     return [tok.encode(t)[:120] for t in texts]
 
 
-def hf_greedy(folder: Path, device: str, ids_list: list[list[int]], n: int) -> list[list[int]]:
+def reference_model(folder: Path, device: str):
+    """transformers' model of the same weights, float32, for every reference output."""
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).to(device).eval()
+    return AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).to(device).eval()
+
+
+def hf_greedy(model, ids_list: list[list[int]], n: int) -> list[list[int]]:
     outs = []
     with torch.inference_mode():
         for ids in ids_list:
-            x = torch.tensor([ids], device=device)
+            x = torch.tensor([ids], device=model.device)
             gen = model.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=n, do_sample=False)
             outs.append(gen[0, len(ids):].tolist())
     return outs
@@ -114,13 +115,10 @@ async def engine_run(folder: Path, ids_list, n: int, **cfg) -> tuple[list, dict]
         return list(results), engine.stats()
 
 
-def hf_beam(folder: Path, device: str, ids: list[int], width: int, n: int) -> list[int]:
+def hf_beam(model, ids: list[int], width: int, n: int) -> list[int]:
     """transformers' beam search, cut after the first EOS (the returned beam is padded)."""
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).to(device).eval()
     with torch.inference_mode():
-        x = torch.tensor([ids], device=device)
+        x = torch.tensor([ids], device=model.device)
         out = model.generate(x, attention_mask=torch.ones_like(x), num_beams=width, do_sample=False,
                              max_new_tokens=n)[0, len(ids):].tolist()
     eos = model.generation_config.eos_token_id
@@ -146,11 +144,8 @@ def is_person(text: str) -> bool:
             and len(value["name"]) <= 8 and type(value["age"]) is int and value["age"] >= 0)
 
 
-def long_prompt(folder: Path, length: int = 2100) -> list[int]:
+def long_prompt(vocab: int, length: int = 2100) -> list[int]:
     """Ordinary token ids, long enough (2,048+ keys) for the decode kernel to split its keys."""
-    from transformers import AutoTokenizer
-
-    vocab = len(AutoTokenizer.from_pretrained(folder))
     return [3 + (7 * i) % (vocab - 3) for i in range(length)]
 
 
@@ -215,10 +210,17 @@ def main() -> int:
     report: dict = {"device": a.device, "backend": a.backend}
     ok = True
     with tempfile.TemporaryDirectory() as tmp:
+        from transformers import AutoTokenizer
+
         folder = model_folder(Path(tmp), a.tiny)
-        ids_list = prompts(folder)
+        tok = AutoTokenizer.from_pretrained(folder)
+        ids_list, long_ids = prompts(tok), long_prompt(len(tok))
         t0 = time.perf_counter()
-        expected = hf_greedy(folder, a.device, ids_list, a.max_tokens)
+        model = reference_model(folder, a.device)
+        expected, [long_greedy] = hf_greedy(model, ids_list, a.max_tokens), hf_greedy(model, [long_ids], a.max_tokens)
+        beam = hf_beam(model, ids_list[2], 3, a.max_tokens)
+        block_bytes = kv_bytes_per_block(model.config, 16, torch.float32)
+        del model  # the engines below load their own copy
         base = dict(device=a.device, attention_backend=a.backend)
         free, stats = asyncio.run(engine_run(folder, ids_list, a.max_tokens, num_gpu_blocks=512, **base))
         greedy = free[0::2]
@@ -226,9 +228,6 @@ def main() -> int:
         report["greedy_mismatches"] = sum(g != e for g, e in zip(greedy, expected, strict=True))
         ok &= report["greedy_parity"]
 
-        from transformers import AutoConfig
-
-        block_bytes = kv_bytes_per_block(AutoConfig.from_pretrained(folder), 16, torch.float32)
         swapped, s = asyncio.run(engine_run(
             folder, ids_list, a.max_tokens, num_gpu_blocks=14, preemption_mode="swap",
             swap_space_bytes=64 * block_bytes, **base,
@@ -238,10 +237,8 @@ def main() -> int:
         report["blocks_returned"] = (s["num_free_blocks"] == s["num_total_blocks"]
                                      and s["num_swap_blocks_free"] == s["num_swap_blocks"])
         ok &= report["swap_outputs_equal"] and report["blocks_returned"] and s["num_swap_outs"] > 0
-        long_ids = long_prompt(folder)
         paths, lengths = asyncio.run(paths_run(
-            folder, ids_list, a.max_tokens, hf_beam(folder, a.device, ids_list[2], 3, a.max_tokens),
-            long_ids, hf_greedy(folder, a.device, [long_ids], a.max_tokens)[0], num_gpu_blocks=512, **base,
+            folder, ids_list, a.max_tokens, beam, long_ids, long_greedy, num_gpu_blocks=512, **base,
         ))
         report["paths"] = paths
         report["path_lengths"] = lengths

@@ -355,7 +355,14 @@ def split_count(programs: int, num_sms: int, max_seq_len: int, tile_n: int) -> i
         return 1
     by_occupancy = cdiv(_SPLIT_TARGET_PROGRAMS_PER_SM * num_sms, programs)
     by_length = max_seq_len // (_MIN_TILES_PER_SPLIT * tile_n)
-    return max(1, min(by_occupancy, by_length, _MAX_SPLITS))
+    splits = max(1, min(by_occupancy, by_length, _MAX_SPLITS))
+    # Whole tiles per split can leave the last splits empty: count only those with keys.
+    return cdiv(max_seq_len, _split_len(max_seq_len, splits, tile_n))
+
+
+def _split_len(max_seq_len: int, num_splits: int, tile_n: int) -> int:
+    """Keys per split: an equal share of the longest request's, rounded up to whole tiles."""
+    return cdiv(cdiv(max(max_seq_len, 1), num_splits), tile_n) * tile_n
 
 
 def paged_attention(
@@ -409,14 +416,11 @@ def paged_attention(
         num_kv_splits = _choose_num_splits(
             query, max_query_len, max_seq_len, num_seqs, num_kv_heads, tile_n
         )
-        # Whole tiles per split can leave the last splits empty: launch only those with keys.
-        kv_split_len = cdiv(cdiv(max(max_seq_len, 1), num_kv_splits), tile_n) * tile_n
-        num_kv_splits = cdiv(max(max_seq_len, 1), kv_split_len)
     elif not 1 <= num_kv_splits <= _MAX_MERGE_SPLITS:
         raise ValueError(
             f"{_NAME}: num_kv_splits must be in 1..{_MAX_MERGE_SPLITS}, got {num_kv_splits}"
         )
-    kv_split_len = cdiv(cdiv(max(max_seq_len, 1), num_kv_splits), tile_n) * tile_n
+    kv_split_len = _split_len(max_seq_len, num_kv_splits, tile_n)
     partial = num_kv_splits > 1
     if partial:
         # [num_splits, num_tokens, num_heads, head_dim] fp32 partials and their lse (base 2).
@@ -471,11 +475,13 @@ def paged_attention(
         num_stages=2,
     )
     if partial:
-        _merge_splits(target, lse, out)
+        _merge_splits(target, lse, out, head_dim_p)
     return out
 
 
-def _merge_splits(partials: torch.Tensor, lse: torch.Tensor, out: torch.Tensor) -> None:
+def _merge_splits(
+    partials: torch.Tensor, lse: torch.Tensor, out: torch.Tensor, head_dim_p: int
+) -> None:
     """Weighs each split's result by its softmax mass and sums them into out."""
     num_splits, num_tokens, num_heads, head_dim = partials.shape
     _merge_splits_kernel[(num_tokens, num_heads)](
@@ -491,7 +497,7 @@ def _merge_splits(partials: torch.Tensor, lse: torch.Tensor, out: torch.Tensor) 
         stride_ls=lse.stride(0),
         stride_lt=lse.stride(1),
         HEAD_DIM=head_dim,
-        HEAD_DIM_P=max(16, next_power_of_2(head_dim)),
+        HEAD_DIM_P=head_dim_p,
         SPLITS_P=next_power_of_2(num_splits),
         num_warps=1 if head_dim <= 64 else 2,
     )

@@ -22,7 +22,7 @@ _UINT64_MASK = 0xFFFF_FFFF_FFFF_FFFF
 
 
 def sample_generator(
-    params: SamplingParams, index: int, device: torch.device | str = "cpu"
+    params: SamplingParams, index: int, device: torch.device | str
 ) -> torch.Generator | None:
     """The generator of sample `index` of a request: seeded with seed + index (wrapped to 64
     bits), so each sample of a seeded request draws from its own stream, reproducible whatever

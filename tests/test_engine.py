@@ -326,9 +326,9 @@ def test_seeded_samples_draw_from_generators_on_the_models_device(tiny_llama_dir
 
     asked = []
 
-    def recording(params, index, device="unset"):
+    def recording(params, index, device):
         asked.append(device)
-        return sample_generator(params, index, device if device != "unset" else "cpu")
+        return sample_generator(params, index, device)
 
     monkeypatch.setattr(core_module, "sample_generator", recording)
     core = core_module.EngineCore(EngineConfig(model=str(tiny_llama_dir), num_gpu_blocks=64))

@@ -285,18 +285,18 @@ def test_importing_sampling_params_loads_no_torch() -> None:
 
 
 def test_sample_generator_reproducible() -> None:
-    assert sample_generator(SamplingParams(), 0) is None
+    assert sample_generator(SamplingParams(), 0, "cpu") is None
     for seed in (0, 7, -1, 2**64 - 1):
         a, b = (
-            sample_generator(SamplingParams(seed=seed), 0),
-            sample_generator(SamplingParams(seed=seed), 0),
+            sample_generator(SamplingParams(seed=seed), 0, "cpu"),
+            sample_generator(SamplingParams(seed=seed), 0, "cpu"),
         )
         assert torch.equal(torch.rand(5, generator=a), torch.rand(5, generator=b))
 
 
 def test_sample_generator_streams_are_seed_plus_index_wrapped() -> None:
     def draw(seed: int, index: int) -> torch.Tensor:
-        return torch.rand(5, generator=sample_generator(SamplingParams(seed=seed), index))
+        return torch.rand(5, generator=sample_generator(SamplingParams(seed=seed), index, "cpu"))
 
     assert torch.equal(draw(7, 3), draw(10, 0))
     assert torch.equal(draw(2**64 - 1, 1), draw(0, 0))  # wrapped to 64 bits
@@ -328,7 +328,7 @@ VOCAB = 64
 def row(
     params: SamplingParams, prompt: list[int] | None = None, output: list[int] | None = None
 ) -> SamplingRow:
-    return SamplingRow(params, sample_generator(params, 0), prompt or [], output or [])
+    return SamplingRow(params, sample_generator(params, 0, "cpu"), prompt or [], output or [])
 
 
 def random_logits(batch: int, vocab: int = VOCAB, seed: int = 0) -> torch.Tensor:
@@ -627,7 +627,7 @@ def test_sampled_token_within_reference_support(
     )
     logits = random_logits(1, vocab=12, seed=seed % 1000)
     allowed = allowed_tokens(logits[0], params)
-    generator = sample_generator(params, 0)
+    generator = sample_generator(params, 0, "cpu")
     for _ in range(20):
         token = Sampler()(logits, [SamplingRow(params, generator, [], [])]).token_ids[0]
         assert token in allowed
