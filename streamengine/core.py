@@ -163,10 +163,12 @@ class EngineCore:
         bad request, TenantRateLimitError past the tenant's tokens per minute."""
         if request_id in self.requests:
             raise ValueError(f"request_id {request_id!r} is already in use")
+        params = params.clone()  # the caller may edit or reuse its object while this runs
         tenant = tenant if tenant is not None else DEFAULT_TENANT
         self.tenants.check_rate(tenant)
         prompt_ids = self.intake.prompt_ids(prompt)
         self.intake.check_length(len(prompt_ids), params)
+        self.intake.check_logit_bias(params)
         if params.structured is not None and grammar is None:
             grammar = self.grammars.compile(params.structured)
         req = Request(
@@ -175,6 +177,7 @@ class EngineCore:
             stop_ids=self.intake.stop_ids(params), tenant=tenant, pin=pin,
             salt_segments=self._salt_segments(prompt_ids, tenant, cache_salt, pin),
         )
+        self._check_room_beside_pins(req)
         if params.use_beam_search:
             self._start_beam_search(req, grammar)
         else:
@@ -183,6 +186,38 @@ class EngineCore:
         self.scheduler.add(req.seqs[0])
         self.tenants.record(tenant, len(prompt_ids))
         return req
+
+    def _check_room_beside_pins(self, req: Request) -> None:
+        """Refuses a request whose prompt and max_tokens need more blocks than the pool holds
+        beside the pinned prefixes (less those it hits): intake checks lengths against the
+        whole pool, and such a request would wait, or preempt itself, forever."""
+        bm = self.block_manager
+        if not bm.num_pinned_blocks:
+            return
+        num_tokens = len(req.prompt_token_ids) + req.max_tokens
+        max_hits = (len(req.prompt_token_ids) - 1) // bm.block_size  # the last token is computed
+        hashes = prompt_block_hashes(
+            req.prompt_token_ids, bm.block_size, req.salt_segments, _seq_salt(req.salt_segments))[:max_hits]
+        hits = sum(1 for block_id in bm.cached_block_ids(hashes) if bm.pin_count(block_id))
+        room = bm.num_blocks - bm.num_pinned_blocks
+        if bm.blocks_needed(num_tokens) - hits > room:
+            raise ValueError(
+                f"prompt ({len(req.prompt_token_ids)} tokens) plus max_tokens ({req.max_tokens}) "
+                f"needs {bm.blocks_needed(num_tokens) - hits} KV blocks of {bm.block_size} tokens, "
+                f"but only {room} of the pool's {bm.num_blocks} blocks are free of pinned prefixes"
+            )
+
+    def fail_unfittable(self) -> bool:
+        """Fails, each alone, the queued requests that cannot start even in a pool holding
+        nothing else: prefixes pinned after they arrived took the room they need. What the
+        engine does with a step that schedules nothing while work is pending; False if no
+        request is in that case (the step was empty for some other reason)."""
+        stuck = {seq.request_id for seq in self.scheduler.unfittable()}
+        bm = self.block_manager
+        for request_id in stuck:
+            self.fail_request(request_id, f"the request no longer fits in the KV pool: "
+                                          f"{bm.num_pinned_blocks} of its {bm.num_blocks} blocks are pinned")
+        return bool(stuck)
 
     def _salt_segments(self, prompt_ids: list[int], tenant: str, user_salt: str | None, pin: Pin | None):
         if pin is not None and pin.info.shared:
@@ -201,6 +236,9 @@ class EngineCore:
 
     def _start_samples(self, req: Request, grammar: CompiledGrammar | None) -> None:
         params, prompt_ids = req.params, req.prompt_token_ids
+        early_stops: frozenset[int] = frozenset()  # what min_tokens keeps the sampler from drawing
+        if params.min_tokens > 0:
+            early_stops = req.stop_ids if params.ignore_eos else req.stop_ids | self.eos_token_ids
         for i in range(params.n):
             seq = self._new_seq(req, group_size=params.n)
             sample = Sample(
@@ -210,7 +248,7 @@ class EngineCore:
             # The row reads the sample's own token list, so penalties never need a copy.
             sample.row = SamplingRow(
                 params, sample_generator(params, i, self.device), prompt_ids, sample.token_ids,
-                matcher=grammar.matcher() if grammar is not None else None,
+                matcher=grammar.matcher() if grammar is not None else None, min_tokens_stop_ids=early_stops,
             )
             req.samples.append(sample)
             self._owner[seq.seq_id] = (req, sample)
@@ -468,7 +506,9 @@ class EngineCore:
             raise RuntimeError(f"pinned prefix {pin.info.pin_id}: only {len(block_ids)} of its {n} blocks are cached")
         bm.pin_blocks(block_ids, owner="*" if pin.info.shared else pin.info.tenant)
         pin.block_ids = block_ids
-        self.pins.add(pin)
+        # The segments its blocks were hashed with: a shared pin made while this one computed
+        # (pins made concurrently) must not change which hashes its tenant's requests look up.
+        self.pins.add(pin, seq.salt_segments)
 
     def unpin(self, pin_id: str) -> None:
         """Makes a pinned prefix's blocks evictable again; KeyError for an unknown id."""
@@ -564,9 +604,12 @@ class EngineCore:
         return total
 
     def _live_seqs(self) -> Iterator[Sequence]:
+        """Sequences holding or about to compute blocks. Samples still waiting to fork sample
+        0's prompt are left out: they will share its blocks, not compute the prompt again."""
         for req in self.requests.values():
+            forking = {child.seq.seq_id for child in req.pending_children}
             for seq in req.seqs:
-                if not seq.is_finished:
+                if not seq.is_finished and seq.seq_id not in forking:
                     yield seq
 
     # -- KV events -----------------------------------------------------------------------

@@ -15,7 +15,6 @@ a tight loop stop the engine (EngineDeadError) rather than spin.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import ctypes
 import logging
 import os
@@ -84,6 +83,7 @@ class AsyncEngine:
         self._pending_aborts: list[str] = []
         self._pending_pin_blocks = 0  # blocks of pin_prefix calls still computing
         self._repin_task: asyncio.Task | None = None  # pins computed again after a restart
+        self._repin_pending: dict[str, Pin] = {}  # pins the repin task has not made yet, by id
         self._state, self._reason = "stopped", "not started"
         self._restart_reason: str | None = None  # set by a fault outside the loop: restart next
         self._restart_times: deque[float] = deque()
@@ -114,6 +114,8 @@ class AsyncEngine:
     async def start(self) -> None:
         if self.is_running:
             raise RuntimeError("engine already started")
+        if self._executor is not None:  # a cancelled stop() left a forward pass running: no overlap
+            await asyncio.to_thread(self._executor.shutdown, True)
         self._wakeup = asyncio.Event()
         self._executor = ThreadPoolExecutor(1, thread_name_prefix="streamengine-step")
         release_openmp_pool()
@@ -124,24 +126,32 @@ class AsyncEngine:
         """Stops the step loop, waits for a forward pass in flight, aborts every request."""
         task, self._task = self._task, None
         repin, self._repin_task = self._repin_task, None
-        if repin is not None:
-            repin.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await repin
-        if task is not None:
-            task.cancel()
-            try:
-                await task
-            except asyncio.CancelledError:
-                pass
-        if self._executor is not None:
-            await asyncio.to_thread(self._executor.shutdown, True)
-            self._executor = None
-        self.core.grammars.shutdown()
-        self._in_flight = False
-        if self._state != "stopped":
-            self._state, self._reason = "stopped", "stopped"
-        self._drop_all(EngineDeadError("engine stopped"))
+        try:
+            for own in (repin, task):
+                if own is None:
+                    continue
+                own.cancel()
+                try:
+                    await own
+                except asyncio.CancelledError:
+                    if _cancelling():
+                        raise  # our caller was cancelled too, not only the task we cancelled
+            if self._executor is not None:
+                await asyncio.to_thread(self._executor.shutdown, True)
+                self._executor = None
+        finally:
+            # Also when our caller stops waiting for the forward pass (cancelled, timed out):
+            # nothing will step these requests again, so their streams must end now. The
+            # forward still running only reads its plan and the KV tensors, never the
+            # bookkeeping that aborting releases.
+            self.core.grammars.shutdown()
+            self._in_flight = False
+            # Aborts that waited for the cancelled step: _drop_all ends their requests. Kept,
+            # they would abort a request reusing the id after a later start().
+            self._pending_aborts.clear()
+            if self._state != "stopped":
+                self._state, self._reason = "stopped", "stopped"
+            self._drop_all(EngineDeadError("engine stopped"))
 
     def _drop_all(self, error: BaseException) -> None:
         """Aborts every request (a fresh core if even that fails) and ends every stream."""
@@ -208,9 +218,12 @@ class AsyncEngine:
                 finished = output.finished
                 yield output
         finally:
-            self._streams.pop(request_id, None)
-            if not finished:
-                self._abort(request_id)
+            # Once the core released a finished request its id is free again: a new request may
+            # already have registered its own stream under it. Only clean up what is ours.
+            if self._streams.get(request_id) is stream:
+                del self._streams[request_id]
+                if not finished:
+                    self._abort(request_id)
 
     async def _compile(self, params: SamplingParams | None, tenant: str | None) -> CompiledGrammar | None:
         if not isinstance(params, SamplingParams) or params.structured is None:
@@ -218,7 +231,17 @@ class AsyncEngine:
         # No compile for a request the engine or the tenant's rate would refuse anyway.
         self._check_admission()
         self.core.tenants.check_rate(tenant if tenant is not None else DEFAULT_TENANT)
-        return await self.core.grammars.compile_async(params.structured)
+        try:
+            grammar = await self.core.grammars.compile_async(params.structured)
+        except asyncio.CancelledError:
+            if _cancelling():
+                raise  # our caller was cancelled
+            # stop() shut the compile threads down and dropped this compile: that is the engine
+            # stopping under an admitted request, not a cancellation of the caller's task.
+            raise EngineDeadError("engine stopped while compiling the structured-output spec") from None
+        if not self.is_running:  # stopped while compiling: as for a stream open at shutdown
+            raise EngineDeadError("engine stopped while compiling the structured-output spec")
+        return grammar
 
     def _submit(
         self, prompt: str | list[int], params: SamplingParams | None, request_id: str | None,
@@ -232,8 +255,8 @@ class AsyncEngine:
         request_id = request_id if request_id is not None else uuid.uuid4().hex
         if not self.core.has_work():  # progress is measured from when work arrives
             self._last_progress = time.monotonic()
-        self.core.add_request(request_id, prompt, params, cache_salt, tenant, pin, grammar)  # raises ValueError
-        stream = self._streams[request_id] = RequestStream(delta=params.output_kind == "delta")
+        req = self.core.add_request(request_id, prompt, params, cache_salt, tenant, pin, grammar)  # raises ValueError
+        stream = self._streams[request_id] = RequestStream(delta=req.params.output_kind == "delta")
         self._wakeup.set()
         return request_id, stream
 
@@ -282,14 +305,17 @@ class AsyncEngine:
         if self.core.pins.get(pin.info.pin_id) is None:
             raise RequestFailedError("the prefix was not pinned: its request ended early")
 
-    async def _repin(self, pins: list[Pin]) -> None:
+    async def _repin(self) -> None:
         """After a restart: computes and pins again the prefixes the old bookkeeping held,
-        under their old ids."""
-        for pin in pins:
+        under their old ids, except those unpinned in the meantime (`unpin`)."""
+        while self._repin_pending:
+            pin_id, pin = next(iter(self._repin_pending.items()))
             try:
                 await self._compute_pin(Pin(pin.info, pin.token_ids), pin.info.tenant)
             except Exception:
-                log.exception("pinning prefix %s again after a restart failed", pin.info.pin_id)
+                log.exception("pinning prefix %s again after a restart failed", pin_id)
+            if self._repin_pending.pop(pin_id, None) is None and self.core.pins.get(pin_id) is not None:
+                self.core.unpin(pin_id)  # unpinned while it was being computed
 
     def _new_pin(self, ids: list[int], tenant: str | None, shared: bool) -> Pin:
         num_blocks = len(ids) // self.config.block_size
@@ -308,12 +334,17 @@ class AsyncEngine:
         return Pin(info, tuple(ids))
 
     async def unpin(self, pin_id: str) -> None:
-        """Lets a pinned prefix's blocks be evicted again; KeyError for an unknown id."""
+        """Lets a pinned prefix's blocks be evicted again; KeyError for an unknown id. A pin
+        not yet made again after a restart is dropped from the repin."""
+        if self.core.pins.get(pin_id) is None and self._repin_pending.pop(pin_id, None) is not None:
+            return
         self.core.unpin(pin_id)
 
     def _check_admission(self) -> None:
         if not self.is_running:
-            if self._state == "stopped" and self._reason not in ("not started", "stopped"):
+            if self._state == "stopped" and self._reason == "stopped":  # by stop(): no fault
+                raise EngineDeadError("engine stopped")
+            if self._state == "stopped" and self._reason != "not started":
                 raise EngineDeadError(f"engine stopped: {self._reason}")
             raise RuntimeError("engine is not running: use `async with engine:` or `await engine.start()`")
         limit = self.config.max_waiting
@@ -426,7 +457,12 @@ class AsyncEngine:
 
     async def _step(self) -> None:
         step = self.core.schedule()
-        if step.plan.is_empty:  # cannot happen while intake checks lengths; never spin
+        if step.plan.is_empty:
+            # Requests that prefixes pinned after their arrival left without room fail alone;
+            # any other empty step is a bookkeeping fault (never spin on it).
+            if self.core.fail_unfittable():
+                self._deliver_failures()
+                return
             raise EngineStateError("scheduler produced an empty step with work pending")
         self._in_flight = True
         try:
@@ -460,7 +496,11 @@ class AsyncEngine:
         log.error("restarting the engine core (restart %d): %s", self.num_restarts, why)
         self._deliver_failures()  # requests whose own fault came first keep their own message
         self._pending_aborts.clear()
-        pins = self.core.pins.all()
+        # Pins held, and those an earlier restart's repin had not made again yet.
+        if self._repin_task is not None:
+            self._repin_task.cancel()
+            self._repin_task = None
+        self._repin_pending = {pin.info.pin_id: pin for pin in [*self.core.pins.all(), *self._repin_pending.values()]}
         for request_id in self.core.reset():
             stream = self._streams.get(request_id)
             if stream is not None:
@@ -470,8 +510,8 @@ class AsyncEngine:
         await asyncio.sleep(RESTART_BACKOFF_S)
         self._state, self._reason = "ready", None
         self._last_progress = time.monotonic()
-        if pins:
-            self._repin_task = asyncio.get_running_loop().create_task(self._repin(pins), name="streamengine-repin")
+        if self._repin_pending:
+            self._repin_task = asyncio.get_running_loop().create_task(self._repin(), name="streamengine-repin")
 
     def _take_pending_aborts(self) -> list[str]:
         aborts, self._pending_aborts = self._pending_aborts, []
@@ -488,3 +528,9 @@ class AsyncEngine:
             stream = self._streams.get(request_id)
             if stream is not None:
                 stream.put_error(RequestFailedError(f"request {request_id!r} failed inside the engine: {why}"))
+
+
+def _cancelling() -> bool:
+    """Whether the current task has been asked to cancel (beyond a CancelledError it caught)."""
+    task = asyncio.current_task()
+    return task is not None and task.cancelling() > 0

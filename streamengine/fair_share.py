@@ -282,16 +282,16 @@ class FairShare:
                      num_new_blocks: int, pool_size: int) -> bool:
         """Whether `seq` may run (admitted, or grown by `num_new_blocks` fresh blocks and the
         cache hits `new_block_ids`) within its tenant's max_running and max_kv_fraction. A tenant
-        with nothing else running may always run one sequence: a limit smaller than one request
-        must not stop it for good."""
+        with no other request running may always run one, all its sequences: a limit smaller
+        than one request must not stop it for good."""
         config = self.tenants.get(seq.tenant)
         if config.max_running is None and config.max_kv_fraction is None:
             return True
         mine = [s for s in running if s.tenant == seq.tenant]
-        admitting = all(s is not seq for s in mine)
-        if not mine or mine == [seq]:
+        if all(s.request_id == seq.request_id for s in mine):
             return True
-        if admitting and config.max_running is not None and len(mine) >= config.max_running:
+        admitting = all(s is not seq for s in mine)
+        if admitting and config.max_running is not None and len(mine) + _width(seq, mine) > config.max_running:
             return False
         if config.max_kv_fraction is None:
             return True
@@ -312,6 +312,15 @@ class FairShare:
         for name, held in blocks.items():
             out[name]["num_blocks"] = len(held)
         return out
+
+
+def _width(seq: Sequence, running: list[Sequence]) -> int:
+    """The sequences that admitting `seq` starts: its whole group (n samples or beams fork from
+    it once its prompt is computed) unless part of the group runs already (a member preempted
+    by recompute rejoins alone)."""
+    if any(s.request_id == seq.request_id for s in running):
+        return 1
+    return seq.group_size
 
 
 def _row(usage: TenantUsage) -> dict[str, float | int]:

@@ -13,6 +13,18 @@ from streamengine.errors import LimitExceededError
 from streamengine.sampling_params import SamplingParams
 
 
+def encode_text(tokenizer: Any, text: str) -> list[int]:
+    """A text prompt's token ids, with the special tokens the tokenizer adds (its BOS), except a
+    second BOS: a text rendered by a chat template (`apply_chat_template`) starts with the BOS
+    already, and a BOS-adding tokenizer (Llama's, Mistral's, Gemma's) would put a second one
+    before it, which the model never saw in training."""
+    ids = tokenizer.encode(text, add_special_tokens=True)
+    bos = getattr(tokenizer, "bos_token_id", None)
+    if bos is not None and ids[:2] == [bos, bos] and text.startswith(tokenizer.bos_token):
+        return ids[1:]
+    return ids
+
+
 @dataclass(frozen=True, slots=True)
 class Intake:
     tokenizer: Any
@@ -25,7 +37,17 @@ class Intake:
         if isinstance(prompt, str):
             if not prompt:
                 raise ValueError("prompt must not be empty")
-            return self.tokenizer.encode(prompt, add_special_tokens=True)
+            ids = encode_text(self.tokenizer, prompt)
+            if not ids:  # a tokenizer without BOS may drop every character: nothing to compute
+                raise ValueError("prompt tokenizes to no tokens")
+            # A tokenizer may know more ids than the model has embeddings (added tokens): such an
+            # id would fail the whole forward pass, and every request batched with it.
+            if max(ids) >= self.vocab_size:
+                raise ValueError(
+                    f"the prompt tokenizes to id {max(ids)}, out of range of the model's "
+                    f"vocabulary [0, {self.vocab_size})"
+                )
+            return ids
         if not isinstance(prompt, list) or not prompt:
             raise ValueError("prompt must be a non-empty string or a non-empty list of token ids")
         for t in prompt:
@@ -53,6 +75,14 @@ class Intake:
                 f"got {max(stop_ids)}"
             )
         return stop_ids
+
+    def check_logit_bias(self, params: SamplingParams) -> None:
+        """Each biased token id is in this model's vocabulary."""
+        if params.logit_bias and max(params.logit_bias) >= self.vocab_size:
+            raise ValueError(
+                f"logit_bias token ids must be < the model's vocabulary size ({self.vocab_size}), "
+                f"got {max(params.logit_bias)}"
+            )
 
     def max_tokens(self, prompt_len: int, params: SamplingParams) -> int:
         """The request's output limit: its own max_tokens (refused above the engine's cap), or

@@ -11,6 +11,12 @@ cached one is decided by the salt it is hashed with (block_manager.hash_block):
 `shared` and `user` are the lengths (in whole blocks) of the longest shared pin and the longest
 pin of the request's tenant that the prompt starts with. Without a per-user salt everything
 after the shared part carries the tenant salt (the tenant's requests share all their prefixes).
+
+A tenant's pinned blocks keep the hashes they were computed with, so a request that starts with
+a tenant pin takes that pin's unsalted part (`Pin.unsalted`, the shared pins of the moment it
+was computed), not today's: otherwise pinning a shared preamble after a bot's system prompt, or
+unpinning one before it, changed every hash of the system prompt and its pinned blocks were
+never hit again (held for nothing, against `max_pinned_fraction`).
 """
 
 from __future__ import annotations
@@ -34,6 +40,7 @@ class Pin:
     info: PinnedPrefix
     token_ids: tuple[int, ...]
     block_ids: list[int] = field(default_factory=list)
+    unsalted: int = 0  # leading tokens its blocks were hashed without a salt (set by Pins.add)
 
 
 class Pins:
@@ -43,7 +50,15 @@ class Pins:
         self.block_size = block_size
         self._pins: dict[str, Pin] = {}
 
-    def add(self, pin: Pin) -> None:
+    def add(self, pin: Pin, segments: Segments | None = None) -> None:
+        """Registers a computed pin. `segments`: the salt segments its blocks were hashed with
+        (default: those a request of its tokens gets now, from the pins in place)."""
+        if pin.info.shared:
+            pin.unsalted = len(pin.token_ids)
+        elif segments is not None:
+            pin.unsalted = segments[1][0] if len(segments) > 1 and segments[0] == (0, None) else 0
+        else:  # what segments() gave its request, if no pin came or went since
+            pin.unsalted = self._heads(list(pin.token_ids), pin.info.tenant)[0]
         self._pins[pin.info.pin_id] = pin
 
     def pop(self, pin_id: str) -> Pin:
@@ -65,8 +80,7 @@ class Pins:
 
     def segments(self, prompt_ids: list[int], tenant: str, tenant_salt: str, user_salt: str | None) -> Segments:
         """The salt segments of a request of `tenant` (see the module docstring)."""
-        shared = self._longest(prompt_ids, None)
-        own = max(shared, self._longest(prompt_ids, tenant))
+        shared, own = self._heads(prompt_ids, tenant)
         segments: list[tuple[int, str | None]] = [(0, None)] if shared else []
         if not user_salt or own > shared:
             segments.append((shared, tenant_salt))
@@ -74,14 +88,22 @@ class Pins:
             segments.append((own, f"{tenant_salt}\x00user:{user_salt}"))
         return tuple(segments)
 
-    def _longest(self, prompt_ids: list[int], tenant: str | None) -> int:
+    def _heads(self, prompt_ids: list[int], tenant: str) -> tuple[int, int]:
+        """`shared` and `user` of a request of `tenant` (see the module docstring)."""
+        shared = self._longest(prompt_ids, None)[0]
+        own, pin = self._longest(prompt_ids, tenant)
+        if pin is not None and own > shared:
+            shared = min(pin.unsalted, own)  # the hashes its pinned blocks have
+        return shared, max(shared, own)
+
+    def _longest(self, prompt_ids: list[int], tenant: str | None) -> tuple[int, Pin | None]:
         """Tokens, in whole blocks, of the longest pin of `tenant` (None: shared pins) that
-        `prompt_ids` starts with."""
-        best = 0
+        `prompt_ids` starts with, and that pin."""
+        best, best_pin = 0, None
         for pin in self._pins.values():
             if (pin.info.tenant if not pin.info.shared else None) != tenant:
                 continue
             n = len(pin.token_ids) // self.block_size * self.block_size
             if n > best and len(prompt_ids) >= n and tuple(prompt_ids[:n]) == pin.token_ids[:n]:
-                best = n
-        return best
+                best, best_pin = n, pin
+        return best, best_pin

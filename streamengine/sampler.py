@@ -43,6 +43,9 @@ class SamplingRow:
     prompt_token_ids: list[int]
     output_token_ids: list[int]
     matcher: GrammarMatcher | None = None
+    # The ids that would end the sample (EOS unless ignore_eos, stop_token_ids): forbidden
+    # while it has fewer than params.min_tokens output tokens. Empty without min_tokens.
+    min_tokens_stop_ids: frozenset[int] = frozenset()
 
 
 @dataclass(slots=True)
@@ -52,7 +55,8 @@ class SamplerOutput:
 
 
 class Sampler:
-    """Grammar mask -> penalties -> temperature -> top-k -> top-p -> min-p -> sample, for a batch.
+    """Grammar mask -> logit bias -> min_tokens mask -> penalties -> temperature -> top-k -> top-p -> min-p
+    -> sample, for a batch.
 
     `logits` is never modified. Greedy rows take the argmax of their penalized logits. Random
     rows run an exponential race (the Gumbel-max trick): argmax(p / q), q ~ Exp(1) made from
@@ -60,7 +64,8 @@ class Sampler:
     the row has none), so a seeded row's token depends only on its logits and its generator,
     never on its batch mates. Rows with a grammar matcher first have every token their grammar
     forbids set to -inf (one bitmask for all of them, `masker`); rows without one are untouched.
-    Logprobs are of these logits (masked where constrained), before penalties and temperature.
+    Logprobs are of these logits (masked where constrained), before the logit bias, the
+    min_tokens mask, penalties and temperature.
     """
 
     def __init__(self, masker: TokenMasker | None = None) -> None:
@@ -81,11 +86,12 @@ class Sampler:
             logits = self.masker.apply(logits, [row.matcher for row in rows])  # a masked copy
         params = [row.params for row in rows]
         want_logprobs = any(p.logprobs is not None for p in params)
+        allowed = suppress_early_stops(add_logit_bias(logits, rows), rows)  # copies only when used
         if not want_logprobs and all(p.greedy and not p.has_penalties for p in params):
             # The common greedy decode step: one kernel, no per-row work.
-            return SamplerOutput(greedy_tokens(logits).tolist(), [None] * len(rows))
+            return SamplerOutput(greedy_tokens(allowed).tolist(), [None] * len(rows))
 
-        scores = apply_penalties(logits, rows)  # [B, V]; a private copy unless it is `logits`
+        scores = apply_penalties(allowed, rows)  # [B, V]; a private copy unless it is `logits`
         private = scores is not logits
         greedy = [i for i, p in enumerate(params) if p.greedy]
         stochastic = [i for i, p in enumerate(params) if not p.greedy]
@@ -106,6 +112,39 @@ class Sampler:
             _gather_logprobs(logits, params, token_ids) if want_logprobs else [None] * len(rows)
         )
         return SamplerOutput(token_ids.tolist(), logprobs)
+
+
+def add_logit_bias(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+    """`logits` with each row's `params.logit_bias` added (a token the grammar masked stays at
+    -inf). Returns `logits` itself when no row has a bias."""
+    todo = [(i, row.params.logit_bias) for i, row in enumerate(rows) if row.params.logit_bias]
+    if not todo:
+        return logits
+    biased = logits.clone()  # [B, V]
+    for i, bias in todo:
+        ids = _index(list(bias), logits.device)
+        biased[i, ids] += torch.tensor(list(bias.values()), dtype=logits.dtype, device=logits.device)
+    return biased
+
+
+def suppress_early_stops(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+    """`logits` with each row's `min_tokens_stop_ids` at -inf while the row has fewer than
+    `min_tokens` output tokens (vLLM's min-tokens logits processor): a sample may not end, nor
+    carry an end-of-sequence token in its middle, before min_tokens. Rows with a grammar are
+    left alone (a complete grammar allows only the end of sequence), as is a row whose ids
+    would forbid the whole vocabulary. Returns `logits` itself when no row needs this."""
+    vocab = logits.shape[1]
+    todo = [
+        (i, ids) for i, row in enumerate(rows)
+        if (ids := row.min_tokens_stop_ids) and row.matcher is None
+        and len(row.output_token_ids) < row.params.min_tokens and len(ids) < vocab
+    ]
+    if not todo:
+        return logits
+    masked = logits.clone()  # [B, V]
+    for i, ids in todo:
+        masked[i, _index(sorted(t for t in ids if t < vocab), logits.device)] = -math.inf
+    return masked
 
 
 def greedy_tokens(scores: torch.Tensor) -> torch.Tensor:

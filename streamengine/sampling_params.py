@@ -8,6 +8,7 @@ through the rules `_rules` reads back from the type (msgspec.inspect).
 
 from __future__ import annotations
 
+import copy
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -29,6 +30,8 @@ MAX_BEAM_WIDTH = 32
 MAX_STOP_STRINGS = 32
 MAX_STOP_STRING_CHARS = 256
 MAX_STOP_TOKEN_IDS = 256
+MAX_LOGIT_BIAS = 1024  # token ids a request may bias (OpenAI's own limit is lower)
+LOGIT_BIAS_RANGE = 100.0  # OpenAI's: -100 bans a token in practice, 100 all but forces it
 GREEDY_EPS = 1e-5
 """Temperatures below this are greedy: dividing by them would only amplify float noise."""
 # The range torch.Generator.manual_seed accepts; msgspec's Meta takes only int64 bounds.
@@ -79,6 +82,9 @@ class SamplingParams(msgspec.Struct, kw_only=True, forbid_unknown_fields=True, d
     min_tokens: Annotated[int, Meta(ge=0)] = 0
     stop: str | list[str] = []
     stop_token_ids: list[int] = []
+    # Added to each listed token's logit before sampling (OpenAI's logit_bias), in
+    # [-100, 100]; logprobs are of the logits before it.
+    logit_bias: dict[int, float] | None = None
     ignore_eos: bool = False
     # top logprobs per token; 0 = only the sampled token's
     logprobs: Annotated[int, Meta(ge=0, le=MAX_LOGPROBS)] | None = None
@@ -105,6 +111,7 @@ class SamplingParams(msgspec.Struct, kw_only=True, forbid_unknown_fields=True, d
         self._check_beam()
         self._check_stop()
         self._check_stop_token_ids()
+        self._check_logit_bias()
         if self.structured is not None:
             self.structured = as_structured(self.structured)  # a dict is converted here
 
@@ -128,6 +135,7 @@ class SamplingParams(msgspec.Struct, kw_only=True, forbid_unknown_fields=True, d
         _check(self.n <= self.beam_width, "n", f"must be <= beam_width ({self.beam_width}) with beam search")
         _check(not self.stop, "stop", "stop strings are not supported with beam search")
         _check(self.logprobs is None, "logprobs", "logprobs are not supported with beam search")
+        _check(not self.logit_bias, "logit_bias", "logit_bias is not supported with beam search")
 
     def _check_stop(self) -> None:
         _check(
@@ -151,6 +159,26 @@ class SamplingParams(msgspec.Struct, kw_only=True, forbid_unknown_fields=True, d
                 "max_stop_string_chars",
                 f"stop[{i}]",
                 f"has {len(s)} characters, more than the maximum of {MAX_STOP_STRING_CHARS}",
+            )
+
+    def _check_logit_bias(self) -> None:
+        bias = self.logit_bias
+        if bias is None:
+            return
+        _check(isinstance(bias, dict), "logit_bias", f"must map token ids to numbers, got {bias!r}")
+        _check_limit(
+            len(bias) <= MAX_LOGIT_BIAS,
+            "max_logit_bias",
+            "logit_bias",
+            f"has {len(bias)} token ids, more than the maximum of {MAX_LOGIT_BIAS}",
+        )
+        for t, value in bias.items():
+            _check(_is_int(t) and t >= 0, "logit_bias", f"must have token ids >= 0 as keys, got {t!r}")
+            _check(
+                isinstance(value, int | float) and not isinstance(value, bool)
+                and -LOGIT_BIAS_RANGE <= value <= LOGIT_BIAS_RANGE,
+                "logit_bias",
+                f"must map to numbers in [-100, 100], got {value!r} for token {t}",
             )
 
     def _check_stop_token_ids(self) -> None:
@@ -183,6 +211,19 @@ class SamplingParams(msgspec.Struct, kw_only=True, forbid_unknown_fields=True, d
             or self.frequency_penalty != 0.0
         )
 
+    def clone(self) -> SamplingParams:
+        """A copy for the engine to keep (vLLM clones a request's params too): the caller may
+        edit or reuse its own object while the request runs. Lists and dicts are copied; the stop
+        automaton built so far is shared (read-only, and rebuilt if `stop` ever differs)."""
+        twin = copy.copy(self)
+        twin.stop = list(self.stop)
+        twin.stop_token_ids = list(self.stop_token_ids)
+        twin.logit_bias = dict(self.logit_bias) if self.logit_bias is not None else None
+        cached = getattr(self, "_stop_automaton", None)
+        if cached is not None:
+            twin._stop_automaton = cached
+        return twin
+
     def stop_automaton(self) -> StopAutomaton | None:
         """The automaton of `stop` (None without stop strings), built on first use and kept on
         this object: the n detokenizers of a request share one."""
@@ -199,10 +240,19 @@ class SamplingParams(msgspec.Struct, kw_only=True, forbid_unknown_fields=True, d
     def from_dict(cls, data: Mapping[str, Any]) -> SamplingParams:
         """Convert a JSON-like mapping; any error is a ValueError naming the field (a
         LimitExceededError, with its `limit`, for a value past a bound)."""
+        bias = data.get("logit_bias")
+        if isinstance(bias, dict):  # JSON object keys are strings: OpenAI's are token ids as text
+            data = {**data, "logit_bias": {_token_key(k): v for k, v in bias.items()}}
         try:
             return msgspec.convert(data, cls)
         except msgspec.ValidationError as exc:
             raise _as_value_error(exc, data) from None
+
+
+def _token_key(key: Any) -> Any:
+    """A logit_bias key written as decimal text ("50256") as its int; anything else as is, for
+    the field's check to name."""
+    return int(key) if isinstance(key, str) and key.isascii() and key.isdigit() else key
 
 
 # ---------------------------------------------------------------- rules read from the annotations

@@ -212,6 +212,19 @@ class Scheduler:
         out.blocks_to_copy = self.block_manager.take_pending_copies()
         return out
 
+    def unfittable(self) -> list[Sequence]:
+        """Queued sequences that cannot start even in a pool holding nothing else: the blocks
+        their tokens need (with the watermark, less the pinned blocks they hit) pass the
+        blocks no pin holds. Only pins made after they arrived leave a sequence so."""
+        bm = self.block_manager
+        room = bm.num_blocks - bm.num_pinned_blocks - self.watermark_blocks
+        stuck = []
+        for seq in [*self.waiting, *self.swapped]:
+            pinned_hits = sum(1 for block in bm.find_cached_blocks(seq) if block.pins)
+            if bm.blocks_needed(seq.num_tokens) - pinned_hits > room:
+                stuck.append(seq)
+        return stuck
+
     def _num_new_tokens(self, seq: Sequence, num_computed: int, budget: int) -> int:
         """How many of `seq`'s tokens past `num_computed` to compute this step."""
         n = min(seq.num_tokens - num_computed, budget)

@@ -43,17 +43,43 @@ class TenantConfig:
     def __post_init__(self) -> None:
         if not isinstance(self.name, str) or not self.name:
             raise ValueError("TenantConfig.name must be a non-empty string")
-        _check(self, "weight", self.weight > 0 and self.weight < float("inf"), "must be > 0 and finite")
-        _check(self, "max_running", self.max_running is None or self.max_running >= 1, "must be >= 1 or None")
-        _check(self, "max_kv_fraction", self.max_kv_fraction is None or 0 < self.max_kv_fraction <= 1,
-               "must be in (0, 1] or None")
-        _check(self, "tokens_per_minute", self.tokens_per_minute is None or self.tokens_per_minute >= 1,
-               "must be >= 1 or None")
+        # A per-user salt is the tenant's salt, NUL, then the user's (pinning.Pins.segments): with
+        # a NUL in a tenant's salt, tenant "a\0user:alice" had the salt of tenant a's user alice
+        # and hit her private blocks. Without one the tenant part ends at the first NUL.
+        if "\x00" in self.name:
+            raise ValueError(f"TenantConfig.name must not contain NUL characters, got {self.name!r}")
+        # Types too: a config can be added at run time (add_tenant). A cache_salt that was not a
+        # string got through to the block hashes, where it failed the engine step (restarting
+        # the engine, failing every tenant's requests) instead of the add_tenant call; a number
+        # given as a string failed here with a bare TypeError naming no field.
+        _check(self, "weight", _is_number(self.weight) and 0 < self.weight < float("inf"),
+               "must be a number > 0 and finite")
+        _check(self, "max_running", self.max_running is None or (_is_int(self.max_running) and self.max_running >= 1),
+               "must be an integer >= 1 or None")
+        _check(self, "max_kv_fraction",
+               self.max_kv_fraction is None or (_is_number(self.max_kv_fraction) and 0 < self.max_kv_fraction <= 1),
+               "must be a number in (0, 1] or None")
+        _check(self, "tokens_per_minute",
+               self.tokens_per_minute is None or (_is_int(self.tokens_per_minute) and self.tokens_per_minute >= 1),
+               "must be an integer >= 1 or None")
+        if self.cache_salt is not None and not isinstance(self.cache_salt, str):  # the value is secret: not shown
+            raise ValueError(f"TenantConfig.cache_salt must be a string or None (tenant {self.name!r}), "
+                             f"got {type(self.cache_salt).__name__}")
+        if self.cache_salt is not None and "\x00" in self.cache_salt:
+            raise ValueError(f"TenantConfig.cache_salt must not contain NUL characters (tenant {self.name!r})")
 
     @property
     def salt(self) -> str:
         """The prefix-cache salt of this tenant's private blocks."""
         return self.cache_salt if self.cache_salt is not None else f"tenant:{self.name}"
+
+
+def _is_number(value: object) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool)
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
 
 
 def _check(config: TenantConfig, name: str, ok: bool, message: str) -> None:

@@ -675,3 +675,33 @@ def test_greedy_tokens_are_torch_argmax_on_ties_nan_and_views() -> None:
     view = scores[:, 1::2]  # strided rows
     assert greedy_tokens(view).tolist() == torch.argmax(view, dim=-1).tolist()
     assert greedy_tokens(scores.double()).dtype == torch.int64
+
+
+# -- logit_bias ----------------------------------------------------------------------------
+
+
+def test_logit_bias_moves_the_draw_and_leaves_logprobs_and_logits_alone() -> None:
+    logits = torch.tensor([[5.0, 1.0, 0.0, -1.0], [5.0, 1.0, 0.0, -1.0]])
+    original = logits.clone()
+    banned = SamplingParams(temperature=0, logit_bias={0: -100.0}, logprobs=0)
+    forced = SamplingParams(temperature=0.7, seed=3, logit_bias={3: 100.0})
+    out = Sampler()(logits, [row(banned), row(forced)])
+    assert out.token_ids == [1, 3]
+    assert out.logprobs[0] == {1: pytest.approx(torch.log_softmax(original[0], -1)[1].item())}
+    assert torch.equal(logits, original)
+    # unbiased rows batched beside them draw as they would alone
+    plain = SamplingParams(temperature=0)
+    assert Sampler()(logits, [row(plain), row(banned)]).token_ids == [0, 1]
+
+
+def test_logit_bias_is_validated() -> None:
+    assert SamplingParams.from_dict({"logit_bias": {"7": 5}}).logit_bias == {7: 5.0}
+    for bad, field in [({"5": 101}, "logit_bias"), ({"-1": 1}, "logit_bias"), ({"x": 1}, "logit_bias"),
+                       ({5: True}, "logit_bias")]:
+        with pytest.raises(ValueError, match=field):
+            SamplingParams.from_dict({"logit_bias": bad})
+    with pytest.raises(LimitExceededError, match="logit_bias has 1025 token ids") as info:
+        SamplingParams(logit_bias=dict.fromkeys(range(1025), 1.0))
+    assert info.value.limit == "max_logit_bias"
+    with pytest.raises(ValueError, match="beam search"):
+        SamplingParams(beam_width=2, logit_bias={1: 1.0})

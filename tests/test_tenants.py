@@ -183,3 +183,52 @@ def test_greedy_outputs_do_not_depend_on_the_policy(tiny_llama_dir, policy):
     got = asyncio.run(run(EngineConfig(scheduling_policy=policy, **base)))
     alone = asyncio.run(run(EngineConfig(scheduling_policy="fcfs", **dict(base, max_num_seqs=1))))
     assert got == alone
+
+
+# -- quotas count every sequence a request runs ---------------------------------------------------
+
+
+async def _peaks_of_a(tiny_llama_dir, tenant: TenantConfig, params: SamplingParams) -> list[tuple[int, int]]:
+    """Three requests of tenant "a" at once; after each step, a's running requests and the
+    distinct blocks their sequences hold."""
+    config = EngineConfig(model=str(tiny_llama_dir), num_gpu_blocks=64, tenants=(tenant,))
+    async with AsyncEngine(config) as engine:
+        sched = engine.core.scheduler
+        schedule, peaks = sched.schedule, []
+
+        def recorded():
+            out = schedule()
+            mine = [s for s in sched.running if s.tenant == "a"]
+            peaks.append((len({s.request_id for s in mine}), len({b for s in mine for b in s.block_table})))
+            return out
+
+        sched.schedule = recorded
+
+        async def run(i: int) -> list:
+            return [o async for o in engine.generate(list(range(100 + 40 * i, 140 + 40 * i)), params, tenant="a")]
+
+        results = await asyncio.gather(*(run(i) for i in range(3)))
+        assert engine.core.block_manager.num_free_blocks == 64
+    assert all(r[-1].finished and len(r[-1].outputs) == params.n for r in results)
+    return peaks
+
+
+WIDE = {"samples": SamplingParams(temperature=1.0, n=3, max_tokens=40, ignore_eos=True, seed=1),
+        "beams": SamplingParams(beam_width=3, n=3, max_tokens=40, ignore_eos=True)}
+
+
+@pytest.mark.parametrize("kind", sorted(WIDE))
+async def test_max_running_counts_the_sequences_a_request_forks(tiny_llama_dir, kind):
+    """n=3 samples (or 3 beams) run 3 sequences: under max_running=2 one such request runs at
+    a time (alone, a request wider than the quota still runs)."""
+    peaks = await _peaks_of_a(tiny_llama_dir, TenantConfig("a", max_running=2), WIDE[kind])
+    assert max(n for n, _ in peaks) == 1, peaks
+
+
+@pytest.mark.parametrize("kind", sorted(WIDE))
+async def test_max_kv_fraction_counts_the_blocks_of_a_requests_forks(tiny_llama_dir, kind):
+    """A may hold 16 of the 64 blocks; beside another of its requests, a request's forks count
+    against that too (a lone request may exceed it)."""
+    peaks = await _peaks_of_a(tiny_llama_dir, TenantConfig("a", max_kv_fraction=0.25), WIDE[kind])
+    assert max(n for n, _ in peaks) >= 2  # the quota, not the requests' size, kept them apart
+    assert max(blocks for n, blocks in peaks if n >= 2) <= 16, peaks
