@@ -109,6 +109,19 @@ async def test_completions_plain_and_streamed_agree(engine):
         assert usage.prompt_tokens_details.cached_tokens >= 0
 
 
+async def test_logit_bias_forces_a_token_and_checks_ids(engine):
+    """OpenAI's logit_bias, keyed by token ids as strings: +100 makes greedy decoding pick that
+    token at every step; an id past the vocabulary is a 400 naming logit_bias."""
+    forced = 1000
+    async with live_server(engine) as (client, _):
+        r = await client.completions.create(model="tiny", prompt="The quick brown fox", max_tokens=4, temperature=0,
+                                            logit_bias={str(forced): 100}, extra_body=IGNORE_EOS)
+        assert r.choices[0].text == engine.tokenizer.decode([forced] * 4)
+        with pytest.raises(openai.BadRequestError) as info:
+            await client.completions.create(model="tiny", prompt="a", max_tokens=2, logit_bias={"10000000": 5})
+        assert "logit_bias" in str(info.value)
+
+
 async def test_chat_streaming_n3_with_usage_and_stop(engine):
     async with live_server(engine) as (client, _):
         stream = await client.chat.completions.create(

@@ -64,6 +64,8 @@ _CORS_METHODS = "GET, POST, OPTIONS"
 _CORS_HEADERS = ("Authorization", "Content-Type")
 _CORS_MAX_AGE_S = 600
 _ABORT_GRACE_S = 5.0
+CLIENT_WATCH_S = 0.2
+"""How often the server looks for HTTP clients that left while their request was in flight."""
 """After aborting, how long a drain waits for handlers to send their last bytes."""
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
@@ -176,14 +178,32 @@ async def _engine_lifespan(app: web.Application) -> AsyncIterator[None]:
     owned = not engine.is_running
     if owned:
         await engine.start()
+    watch = asyncio.create_task(watch_http_clients(state), name="http-client-watch")
     try:
         if state.tenants is not None:
             await apply_tenants_file(engine, state.tenants)
         yield
     finally:
+        watch.cancel()
         state.close()
         if owned:
             await engine.stop()
+
+
+async def watch_http_clients(state: ServerState) -> None:
+    """Aborts the engine request of every HTTP client that has left. aiohttp does not cancel a
+    handler whose client leaves (the server runs without handler_cancellation), and a handler
+    writes nothing before its first output, which may be long in coming (queued behind a full
+    batch, a long prefill): unwatched, a request whose client gave up (a timeout, a retry)
+    stays queued and is then computed for no one. One task for all requests, not one each: a
+    poll per request would wake the loop thousands of times a second under load. A request
+    keeps being aborted each tick until its handler ends: one still compiling its grammar is
+    not in the engine yet, and the abort of an unknown or ended request does nothing."""
+    while True:
+        await asyncio.sleep(CLIENT_WATCH_S)
+        for request_id, client_gone in list(state.http_requests.items()):
+            if client_gone():
+                await state.engine.abort(request_id)
 
 
 async def _on_shutdown(app: web.Application) -> None:
@@ -243,12 +263,13 @@ async def _abort_all(state: ServerState) -> None:
 
 async def _abort_stragglers(state: ServerState, grace: float) -> None:
     """Waits up to `grace` for the aborted handlers to send their last bytes, aborting any
-    HTTP request that reached the engine only after the cut (it was still tokenizing)."""
-    aborted = set(state.http_requests)
+    HTTP request that reached the engine only after the cut. Every tick aborts every HTTP
+    request still in flight, not only those that were not there at the cut: one that was
+    there but still compiling its grammar was not in the engine yet, so its first abort
+    found nothing (aborting an ended request is a no-op)."""
     deadline = asyncio.get_running_loop().time() + grace
     while _busy(state) and asyncio.get_running_loop().time() < deadline:
-        for request_id in state.http_requests - aborted:
-            aborted.add(request_id)
+        for request_id in list(state.http_requests):
             await state.engine.abort(request_id)
         await asyncio.sleep(0.02)
 

@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import asyncio
+import functools
 import time
 import uuid
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -73,37 +74,43 @@ class ServerState:
     tool_parser: str = DEFAULT_TOOL_PARSER  # reads calls out of outputs with tool_choice "auto"
     created: int = field(default_factory=lambda: int(time.time()))
     connections: set[Connection] = field(default_factory=set)
-    # Engine request ids of HTTP requests in flight, aborted on shutdown so handlers end fast.
-    http_requests: set[str] = field(default_factory=set)
+    # Engine request ids of HTTP requests in flight, each with a check that its client has left:
+    # aborted on shutdown so handlers end fast, and when their client leaves (watch_http_clients).
+    http_requests: dict[str, Callable[[], bool]] = field(default_factory=dict)
     shutting_down: bool = False  # True from the start of a drain: no new requests are admitted
     # OpenAI POSTs being handled (tokenizing, generating or writing): a drain waits for these.
     http_in_flight: int = 0
     _tokenizer_pool: ThreadPoolExecutor | None = None
 
-    async def tokenize_async(self, prompt: str | list[int]) -> list[int]:
+    async def tokenize_async(self, prompt: str | list[int], *, chat: bool = False) -> list[int]:
         """`tokenize`, off the event loop for long prompts so other streams keep flowing."""
         if not isinstance(prompt, str) or len(prompt) <= INLINE_TOKENIZE_CHARS:
-            return self.tokenize(prompt)
+            return self.tokenize(prompt, chat=chat)
         if self._tokenizer_pool is None:
             # one worker: the tokenizer is never used by two of our threads at once
             self._tokenizer_pool = ThreadPoolExecutor(1, thread_name_prefix="streamengine-tokenize")
-        return await asyncio.get_running_loop().run_in_executor(self._tokenizer_pool, self.tokenize, prompt)
+        return await asyncio.get_running_loop().run_in_executor(
+            self._tokenizer_pool, functools.partial(self.tokenize, prompt, chat=chat))
 
     def close(self) -> None:
         if self._tokenizer_pool is not None:
             self._tokenizer_pool.shutdown(wait=False, cancel_futures=True)
             self._tokenizer_pool = None
 
-    def tokenize(self, prompt: str | list[int]) -> list[int]:
-        """Token ids exactly as the engine would make them, checked against the server limit.
+    def tokenize(self, prompt: str | list[int], *, chat: bool = False) -> list[int]:
+        """The prompt's token ids (of plain text, as the engine makes them), checked against
+        the server limit.
 
         The server tokenizes once and hands the ids to the engine, so the limit is enforced
-        before any work is queued and the prompt is not tokenized twice.
+        before any work is queued and the prompt is not tokenized twice. `chat`: the prompt
+        was rendered by the chat template (`chat_prompt`), which writes the special tokens
+        itself (the BOS among them), so the tokenizer must add none: a tokenizer that adds
+        a BOS (Llama's, Mistral's, Gemma's) would start the prompt with two.
         """
         if isinstance(prompt, str):
             if not prompt:
                 raise ValueError("prompt must not be empty")
-            ids = self.engine.tokenizer.encode(prompt, add_special_tokens=True)
+            ids = self.engine.tokenizer.encode(prompt, add_special_tokens=not chat)
         else:
             ids = list(prompt)
         if self.max_prompt_tokens is not None and len(ids) > self.max_prompt_tokens:
@@ -122,7 +129,13 @@ class ServerState:
         template = getattr(self.engine.tokenizer, "chat_template", None)
         if template_renders_tools(template) and needs_tools_template(messages, functions):
             return self._template_with_tools(messages, functions)
-        return self.engine.apply_chat_template(render_messages(messages, functions))
+        rendered = render_messages(messages, functions)
+        try:
+            return self.engine.apply_chat_template(rendered)
+        except ValueError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - a template refusing the conversation (see below)
+            raise _template_refused(exc) from None
 
     def _template_with_tools(self, messages: list[dict[str, Any]], functions: list[dict[str, Any]] | None) -> str:
         tools = [{"type": "function", "function": f} for f in functions] if functions else None
@@ -130,7 +143,15 @@ class ServerState:
             return self.engine.tokenizer.apply_chat_template(
                 template_messages(messages), tools=tools, tokenize=False, add_generation_prompt=True)
         except Exception as exc:  # noqa: BLE001 - a template's own error (jinja raises its own types)
-            raise ValueError(f"the chat template cannot render these messages: {exc}") from None
+            raise _template_refused(exc) from None
+
+
+def _template_refused(exc: Exception) -> ValueError:
+    """The client's error for a conversation the chat template will not render. Templates
+    raise jinja's own exceptions, not ValueError (Llama 2's, Mistral's and Gemma's call
+    `raise_exception` when roles do not alternate): as they were, they reached clients as a
+    500 / `engine_error`, a server bug, for what is a bad request."""
+    return ValueError(f"the chat template cannot render these messages: {exc}")
 
 
 STATE_KEY = web.AppKey("streamengine_state", ServerState)

@@ -40,14 +40,15 @@ async def apply_tenants_file(engine: AsyncEngine, tenants: TenantsFile) -> None:
 
 def file_pins(tokenizer: Any, tenants: TenantsFile) -> list[tuple[list[int], str | None, str]]:
     """(token ids, tenant or None for the shared prefix, what it is) of every prefix the file
-    pins. Tokenized as the server tokenizes prompts (ServerState.tokenize), so the pinned
-    blocks hold exactly the tokens requests start with."""
+    pins. Tokenized as the server tokenizes chat prompts (ServerState.tokenize with `chat`:
+    no special tokens added, the template wrote them), so the pinned blocks hold exactly
+    the tokens chat requests start with; the shared prefix is template markup too."""
     texts: list[tuple[str, str | None, str]] = []
     if tenants.shared_prefix is not None:
         texts.append((tenants.shared_prefix, None, "shared_prefix"))
     for name, prompt in tenants.system_prompts.items():
         texts.append((system_prefix(tokenizer, prompt), name, f"the system_prompt of tenant {name!r}"))
-    return [(tokenizer.encode(text, add_special_tokens=True), tenant, what) for text, tenant, what in texts]
+    return [(tokenizer.encode(text, add_special_tokens=False), tenant, what) for text, tenant, what in texts]
 
 
 def system_prefix(tokenizer: Any, prompt: str) -> str:

@@ -131,10 +131,15 @@ class Outbox:
         self.overflowed = False
         self.num_coalesced = 0  # deltas merged into an unsent one (observable by tests)
 
-    def push_delta(self, request_id: str, delta: SampleDelta, tool_calls: list[p.ToolCall] | None = None) -> None:
+    def push_delta(self, request_id: str, delta: SampleDelta, tool_calls: list[p.ToolCall] | None = None,
+                   *, run: str | None = None) -> None:
+        """Queues `delta` of sample `delta.index` of request `request_id`, merged into an unsent
+        delta of the same run. `run` (default: `request_id`) must differ between two requests
+        that reuse one client id: a later run's tokens must never merge into an earlier run's
+        unsent delta, which sits ahead of that run's `done`."""
         if self.overflowed:
             return
-        key = ("delta", request_id, delta.index)
+        key = ("delta", run or request_id, delta.index)
         pending = self._items.get(key)
         if pending is not None:
             self.num_coalesced += 1
@@ -402,7 +407,7 @@ class Connection:
     async def _prompt_ids(self, msg: p.Generate, plan: ToolPlan) -> list[int]:
         if msg.messages is not None:
             chat = [msgspec.to_builtins(m) for m in msg.messages]
-            return await self.state.tokenize_async(self.state.chat_prompt(chat, plan.functions))
+            return await self.state.tokenize_async(self.state.chat_prompt(chat, plan.functions), chat=True)
         return await self.state.tokenize_async(msg.prompt)  # type: ignore[arg-type]
 
     async def _run(self, msg: p.Generate, live: _Live, params: SamplingParams, plan: ToolPlan) -> None:
@@ -441,19 +446,20 @@ class Connection:
                 last = update
                 for delta in update.deltas:
                     if tools is not None:
-                        self._push_parsed(client_id, delta, tools)
+                        self._push_parsed(client_id, live, delta, tools)
                     elif delta.token_ids or delta.text:
-                        self.outbox.push_delta(client_id, delta)
+                        self.outbox.push_delta(client_id, delta, run=live.engine_id)
                 if live.aborted:
                     break  # closing the stream aborts the request in the engine
         return last
 
-    def _push_parsed(self, client_id: str, delta: SampleDelta, tools: ToolStreams) -> None:
+    def _push_parsed(self, client_id: str, live: _Live, delta: SampleDelta, tools: ToolStreams) -> None:
         """A delta whose text went through the tool parser: content as text, calls apart."""
         parsed = tools.feed(delta.index, delta.text, last=delta.finish_reason is not None)
         calls = [p.ToolCall(c.id, p.FunctionCall(c.name, c.arguments)) for c in parsed.calls]
         if delta.token_ids or parsed.content or calls:
-            self.outbox.push_delta(client_id, dataclasses.replace(delta, text=parsed.content), calls or None)
+            self.outbox.push_delta(client_id, dataclasses.replace(delta, text=parsed.content), calls or None,
+                                   run=live.engine_id)
 
     async def _on_abort(self, client_id: str) -> None:
         live = self.live.get(client_id)

@@ -7,8 +7,8 @@ so a request the engine refuses still gets a plain status: 400 for bad params, a
 long or an engine limit (`param` names the limit, code `limit_exceeded`), 429 with Retry-After
 when the engine's queue is full, 500 with the engine's message when it fails the request, 504
 past the server's request timeout. After the first chunk, a failure is reported in-band (an
-`{"error": ...}` event, then `data: [DONE]`). A client that goes away mid-request has its
-request aborted at the next engine step. Past a tenant's `tokens_per_minute` the answer is 429
+`{"error": ...}` event, then `data: [DONE]`). A client that goes away has its request
+aborted within a fraction of a second, also while it still waits for its first output. Past a tenant's `tokens_per_minute` the answer is 429
 with Retry-After, code `rate_limit_exceeded` and `param` "tokens_per_minute".
 
 `user` is honoured: it salts the request's private prefix-cache blocks per user (hashed with a

@@ -31,7 +31,7 @@ Body = TypeVar("Body", bound=s.RequestBase)
 _PASSTHROUGH = (
     "n", "temperature", "top_p", "seed", "presence_penalty", "frequency_penalty", "top_k",
     "min_p", "repetition_penalty", "min_tokens", "ignore_eos", "stop_token_ids",
-    "skip_special_tokens", "include_stop_str_in_output",
+    "skip_special_tokens", "include_stop_str_in_output", "logit_bias",
 )
 
 
@@ -59,6 +59,7 @@ class Prepared:
     params: SamplingParams
     top_logprobs: int | None  # how many alternatives to report; None = no logprobs
     tool_parser: ToolParser | None = None
+    chat: bool = False  # the prompt was rendered by the chat template (see ServerState.tokenize)
 
 
 @dataclass(frozen=True, slots=True)
@@ -84,8 +85,8 @@ class Endpoint(ABC, Generic[Body]):
         check_model(state, body.model)
         prepared = self.prepare(state, body)
         response_id, created = new_request_id(self.id_prefix), int(time.time())
-        prompt_ids = await tokenize(state, prepared.prompt)
-        return Job(self, response_id, created, prompt_ids, prepared.params, prepared.top_logprobs, body.stream,
+        prompt_ids = await tokenize(state, prepared.prompt, chat=prepared.chat)
+        return Job(self, response_id, created, prompt_ids, prepared.params, prepared.top_logprobs, bool(body.stream),
                    body.include_usage, body.user, prepared.tool_parser)
 
     @abstractmethod
@@ -166,7 +167,7 @@ class ChatCompletions(Endpoint[s.ChatCompletionRequest]):
             prompt = state.chat_prompt(messages, plan.functions)
         except ValueError as exc:
             raise OpenAIError(400, str(exc), param="messages") from None
-        return Prepared(prompt, params, top_logprobs, plan.parser)
+        return Prepared(prompt, params, top_logprobs, plan.parser, chat=True)
 
     def logprobs(self, entries: list[LogprobEntry], offset: int) -> s.ChatLogprobs:
         return s.ChatLogprobs([
@@ -234,9 +235,9 @@ def sampling_params(body: s.RequestBase, max_tokens: int | None, logprobs: int |
         raise validation_error(exc) from None
 
 
-async def tokenize(state: ServerState, prompt: str | list[int]) -> list[int]:
+async def tokenize(state: ServerState, prompt: str | list[int], *, chat: bool = False) -> list[int]:
     try:
-        return await state.tokenize_async(prompt)
+        return await state.tokenize_async(prompt, chat=chat)
     except PromptTooLong as exc:
         raise OpenAIError(400, str(exc), param="prompt", code="context_length_exceeded") from None
     except ValueError as exc:

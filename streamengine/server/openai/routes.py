@@ -82,7 +82,7 @@ async def _mapped(step: Awaitable[StepUpdate]) -> StepUpdate:
 
 async def _run(state: ServerState, request: web.Request, job: Job) -> web.StreamResponse:
     runner = _Runner(state, request, job)
-    state.http_requests.add(runner.engine_id)
+    state.http_requests[runner.engine_id] = runner.client_gone  # watched by watch_http_clients
     try:
         async with contextlib.aclosing(runner.updates):
             first = await runner.first()
@@ -90,7 +90,7 @@ async def _run(state: ServerState, request: web.Request, job: Job) -> web.Stream
                 return await _stream(runner, first)
             return await _collect(runner, first)
     finally:
-        state.http_requests.discard(runner.engine_id)
+        state.http_requests.pop(runner.engine_id, None)
 
 
 async def _collect(runner: _Runner, first: StepUpdate) -> web.Response:
@@ -108,7 +108,6 @@ async def _collect(runner: _Runner, first: StepUpdate) -> web.Response:
 
 async def _stream(runner: _Runner, first: StepUpdate) -> web.StreamResponse:
     response = web.StreamResponse(headers=_SSE_HEADERS)
-    await response.prepare(runner.request)
     encoder = msgspec.json.Encoder()
 
     async def send(payload: msgspec.Struct | dict | str) -> None:
@@ -116,6 +115,8 @@ async def _stream(runner: _Runner, first: StepUpdate) -> web.StreamResponse:
         await response.write(b"data: " + data + b"\n\n")
 
     try:
+        # Inside the try: a client that left before the first output fails the headers' write.
+        await response.prepare(runner.request)
         for chunk in runner.format.opening_chunks():
             await send(chunk)
         last = first

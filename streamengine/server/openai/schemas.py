@@ -1,6 +1,8 @@
 """OpenAI's request and response bodies as msgspec Structs.
 
-Requests ignore unknown fields (OpenAI clients send many). Responses are encoded as they
+Requests ignore unknown fields (OpenAI clients send many), and take null for every field
+OpenAI's API marks nullable, meaning its default (`n`, `stream`, `logprobs`, `echo` and
+`include_usage` too: some clients send unset fields as null). Responses are encoded as they
 are: a field that OpenAI sends as null is None here, and the chunks' `usage` is UNSET
 (left out) unless the client asked for it.
 """
@@ -16,7 +18,7 @@ from msgspec import UNSET, UnsetType
 
 
 class StreamOptions(msgspec.Struct):
-    include_usage: bool = False
+    include_usage: bool | None = False
 
 
 class ContentPart(msgspec.Struct):
@@ -84,13 +86,14 @@ class RequestBase(msgspec.Struct, kw_only=True):
     """The fields both endpoints take."""
 
     model: str | None = None
-    n: int = 1
+    n: int | None = 1  # None: 1 (SamplingParams' default)
     temperature: float | None = None
     top_p: float | None = None
     stop: str | list[str] | None = None
     seed: int | None = None
-    stream: bool = False
+    stream: bool | None = False
     stream_options: StreamOptions | None = None
+    logit_bias: dict[int, float] | None = None  # token id (a JSON string key) -> bias
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
     user: str | None = None
@@ -115,14 +118,14 @@ class CompletionRequest(RequestBase, kw_only=True):
     prompt: str | list[Any]  # a string, token ids, or a list holding one of those
     max_tokens: int | None = 16  # OpenAI's default for completions
     logprobs: int | None = None
-    echo: bool = False
+    echo: bool | None = False
 
 
 class ChatCompletionRequest(RequestBase, kw_only=True):
     messages: list[ChatMessage]
     max_tokens: int | None = None
     max_completion_tokens: int | None = None
-    logprobs: bool = False
+    logprobs: bool | None = False
     top_logprobs: int | None = None
     response_format: ResponseFormat | None = None
     tools: list[Tool] | None = None
