@@ -39,6 +39,25 @@ async def wait_for(predicate, timeout: float = 30.0) -> None:
             await asyncio.sleep(0.01)
 
 
+async def _engine_with_held_steps(tiny_llama_dir, monkeypatch):
+    """A started engine whose forward passes wait (in the worker thread) for `release`;
+    `entered` is set once one is in flight."""
+    import threading
+
+    eng = AsyncEngine(EngineConfig(model=str(tiny_llama_dir), num_gpu_blocks=32))
+    await eng.start()
+    entered, release = threading.Event(), threading.Event()
+    execute = eng.core.execute
+
+    def held(step):
+        entered.set()
+        release.wait(30)
+        return execute(step)
+
+    monkeypatch.setattr(eng.core, "execute", held)
+    return eng, entered, release
+
+
 @pytest.mark.parametrize("leave", ["read_to_end", "break"])
 async def test_request_id_reused_while_the_finished_stream_is_unread(engine, leave, monkeypatch):
     """An id is free again once its request finished in the engine (as in vLLM), even if its
@@ -451,19 +470,7 @@ async def test_beam_search_at_the_context_limit_and_max_tokens_1(tiny_llama_dir)
 
 
 async def test_abort_pending_at_stop_does_not_hit_a_later_request(tiny_llama_dir, monkeypatch):
-    import threading
-
-    eng = AsyncEngine(EngineConfig(model=str(tiny_llama_dir), num_gpu_blocks=32))
-    await eng.start()
-    entered, release = threading.Event(), threading.Event()
-    execute = eng.core.execute
-
-    def held(step):
-        entered.set()
-        release.wait(30)
-        return execute(step)
-
-    monkeypatch.setattr(eng.core, "execute", held)
+    eng, entered, release = await _engine_with_held_steps(tiny_llama_dir, monkeypatch)
     params = SamplingParams(temperature=0, max_tokens=5, ignore_eos=True)
     task = asyncio.create_task(drain(eng.generate([5, 6, 7], params, request_id="r1")))
     assert await asyncio.to_thread(entered.wait, 30)
@@ -474,7 +481,7 @@ async def test_abort_pending_at_stop_does_not_hit_a_later_request(tiny_llama_dir
     await stopping
     with pytest.raises(EngineDeadError):
         await task
-    monkeypatch.setattr(eng.core, "execute", execute)
+    monkeypatch.undo()  # the plain forward pass again
     async with eng:
         outs = await asyncio.wait_for(drain(eng.generate([5, 6, 7], params, request_id="r1")), 30)
     assert outs[-1].outputs[0].finish_reason == "length", outs[-1]
@@ -635,19 +642,7 @@ async def test_streams_end_even_if_stop_is_cancelled(tiny_llama_dir, monkeypatch
     """stop() waits for the forward pass in flight; a caller that gives up on that wait
     (asyncio.wait_for, a cancelled shutdown task) must still leave every open stream ended with
     EngineDeadError, not waiting forever for a step loop that is gone."""
-    import threading
-
-    eng = AsyncEngine(EngineConfig(model=str(tiny_llama_dir), num_gpu_blocks=32))
-    await eng.start()
-    entered, release = threading.Event(), threading.Event()
-    execute = eng.core.execute
-
-    def held(step):
-        entered.set()
-        release.wait(30)
-        return execute(step)
-
-    monkeypatch.setattr(eng.core, "execute", held)
+    eng, entered, release = await _engine_with_held_steps(tiny_llama_dir, monkeypatch)
     params = SamplingParams(temperature=0, max_tokens=50, ignore_eos=True)
     task = asyncio.create_task(drain(eng.generate([5, 6, 7], params)))
     assert await asyncio.to_thread(entered.wait, 30)

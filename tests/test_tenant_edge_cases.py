@@ -9,6 +9,7 @@ import asyncio
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from test_tenants import cached_tokens
 
 from streamengine import AsyncEngine, EngineConfig, SamplingParams
 from streamengine.block_manager import prompt_block_hashes
@@ -21,18 +22,14 @@ SYSTEM = list(range(1000, 1064))  # 4 blocks
 PREAMBLE = list(range(2000, 2032))  # 2 blocks
 
 
+
+
 @pytest.fixture
 async def engine(tiny_llama_dir):
     config = EngineConfig(model=str(tiny_llama_dir), num_gpu_blocks=64, max_pinned_fraction=0.5,
                           tenants=(TenantConfig("a"), TenantConfig("b", weight=2.0)))
     async with AsyncEngine(config) as eng:
         yield eng
-
-
-async def cached_tokens(engine, prompt, tenant=None, user=None) -> int:
-    params = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
-    outs = [o async for o in engine.generate(prompt, params, tenant=tenant, cache_salt=user)]
-    return outs[-1].num_cached_tokens
 
 
 # -- a tenant's pin keeps being hit whatever shared pins come and go -------------------------
