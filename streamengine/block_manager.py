@@ -477,6 +477,10 @@ class BlockManager:
             ids.append(block.block_id)
         return ids
 
+    def num_pinned_hits(self, block_hashes: list[bytes]) -> int:
+        """Pinned blocks in the cached run of `block_hashes` (cached_block_ids)."""
+        return sum(1 for block_id in self.cached_block_ids(block_hashes) if self.blocks[block_id].pins)
+
     def pin_blocks(self, block_ids: list[int], owner: str | None = None) -> None:
         """Adds one pin per entry: a pinned block is never freed nor evicted until unpinned.
 

@@ -169,15 +169,16 @@ class EngineCore:
         prompt_ids = self.intake.prompt_ids(prompt)
         self.intake.check_length(len(prompt_ids), params)
         self.intake.check_logit_bias(params)
+        stop_ids = self.intake.stop_ids(params)
+        segments = self._salt_segments(prompt_ids, tenant, cache_salt, pin)
+        max_tokens = self._fit_beside_pins(prompt_ids, segments, self.intake.max_tokens(len(prompt_ids), params),
+                                           explicit=params.max_tokens is not None)
         if params.structured is not None and grammar is None:
             grammar = self.grammars.compile(params.structured)
         req = Request(
-            request_id, prompt_ids, params, samples=[], arrival_time=time.monotonic(),
-            max_tokens=self.intake.max_tokens(len(prompt_ids), params),
-            stop_ids=self.intake.stop_ids(params), tenant=tenant, pin=pin,
-            salt_segments=self._salt_segments(prompt_ids, tenant, cache_salt, pin),
+            request_id, prompt_ids, params, samples=[], arrival_time=time.monotonic(), max_tokens=max_tokens,
+            stop_ids=stop_ids, tenant=tenant, pin=pin, salt_segments=segments,
         )
-        self._check_room_beside_pins(req)
         if params.use_beam_search:
             self._start_beam_search(req, grammar)
         else:
@@ -187,25 +188,26 @@ class EngineCore:
         self.tenants.record(tenant, len(prompt_ids))
         return req
 
-    def _check_room_beside_pins(self, req: Request) -> None:
-        """Refuses a request whose prompt and max_tokens need more blocks than the pool holds
-        beside the pinned prefixes (less those it hits): intake checks lengths against the
-        whole pool, and such a request would wait, or preempt itself, forever."""
-        bm = self.block_manager
-        if not bm.num_pinned_blocks:
-            return
-        num_tokens = len(req.prompt_token_ids) + req.max_tokens
-        max_hits = (len(req.prompt_token_ids) - 1) // bm.block_size  # the last token is computed
-        hashes = prompt_block_hashes(
-            req.prompt_token_ids, bm.block_size, req.salt_segments, _seq_salt(req.salt_segments))[:max_hits]
-        hits = sum(1 for block_id in bm.cached_block_ids(hashes) if bm.pin_count(block_id))
-        room = bm.num_blocks - bm.num_pinned_blocks
-        if bm.blocks_needed(num_tokens) - hits > room:
-            raise ValueError(
-                f"prompt ({len(req.prompt_token_ids)} tokens) plus max_tokens ({req.max_tokens}) "
-                f"needs {bm.blocks_needed(num_tokens) - hits} KV blocks of {bm.block_size} tokens, "
-                f"but only {room} of the pool's {bm.num_blocks} blocks are free of pinned prefixes"
-            )
+    def _fit_beside_pins(self, prompt_ids: list[int], segments: tuple, max_tokens: int, explicit: bool) -> int:
+        """The request's max_tokens, fitted to the pool beside the pinned prefixes (plus the
+        pinned blocks it hits): intake checks lengths against the whole pool, and a request
+        needing more would wait, or preempt itself, forever. An implicit max_tokens (None:
+        the room left in the context) shrinks to what fits; an explicit one that does not
+        fit, or a prompt that does not, is refused."""
+        bm, bs = self.block_manager, self.block_manager.block_size
+        room = self.scheduler.room_for_one()
+        if not bm.num_pinned_blocks or bm.blocks_needed(len(prompt_ids) + max_tokens) <= room:
+            return max_tokens  # hits on pinned blocks can only lower the need
+        max_hits = (len(prompt_ids) - 1) // bs  # the last prompt token is always computed
+        hits = bm.num_pinned_hits(prompt_block_hashes(prompt_ids[: max_hits * bs], bs, segments, _seq_salt(segments)))
+        fits = (room + hits) * bs - len(prompt_ids)
+        if fits >= max_tokens or (not explicit and fits >= 1):
+            return min(max_tokens, fits)
+        raise ValueError(
+            f"prompt ({len(prompt_ids)} tokens) plus max_tokens ({max_tokens}) needs "
+            f"{bm.blocks_needed(len(prompt_ids) + max_tokens) - hits} KV blocks of {bs} tokens, but only {room} "
+            f"of the pool's {bm.num_blocks} blocks are free of pinned prefixes"
+        )
 
     def fail_unfittable(self) -> bool:
         """Fails, each alone, the queued requests that cannot start even in a pool holding

@@ -121,21 +121,24 @@ class AsyncEngine:
         release_openmp_pool()
         self._state, self._reason = "starting", "the step loop has not started yet"
         self._task = asyncio.get_running_loop().create_task(self._run(), name="streamengine-step-loop")
+        if self._repin_pending:  # a stop() came before a restart's repin was done: resume it
+            self._repin_task = asyncio.get_running_loop().create_task(self._repin(), name="streamengine-repin")
 
     async def stop(self) -> None:
         """Stops the step loop, waits for a forward pass in flight, aborts every request."""
         task, self._task = self._task, None
         repin, self._repin_task = self._repin_task, None
+        if self._state != "stopped":  # from now on new requests get EngineDeadError
+            self._state, self._reason = "stopped", "stopped"
         try:
-            for own in (repin, task):
-                if own is None:
-                    continue
+            owned = [t for t in (repin, task) if t is not None]
+            for own in owned:
                 own.cancel()
-                try:
-                    await own
-                except asyncio.CancelledError:
-                    if _cancelling():
-                        raise  # our caller was cancelled too, not only the task we cancelled
+            if owned:
+                # asyncio.wait raises only for a cancellation of our caller, never for those of
+                # the tasks we cancelled (awaiting them one by one, a caller's stale cancel
+                # count could not be told apart from theirs).
+                await asyncio.wait(owned)
             if self._executor is not None:
                 await asyncio.to_thread(self._executor.shutdown, True)
                 self._executor = None
@@ -149,8 +152,6 @@ class AsyncEngine:
             # Aborts that waited for the cancelled step: _drop_all ends their requests. Kept,
             # they would abort a request reusing the id after a later start().
             self._pending_aborts.clear()
-            if self._state != "stopped":
-                self._state, self._reason = "stopped", "stopped"
             self._drop_all(EngineDeadError("engine stopped"))
 
     def _drop_all(self, error: BaseException) -> None:
@@ -271,7 +272,10 @@ class AsyncEngine:
         self.core.tenants.add(config)
 
     def pinned(self) -> list[PinnedPrefix]:
-        return [pin.info for pin in self.core.pins.all()]
+        """Every pinned prefix, those a restart has yet to compute again among them."""
+        pins = {pin.info.pin_id: pin.info for pin in self.core.pins.all()}
+        pins.update((pin_id, pin.info) for pin_id, pin in self._repin_pending.items())
+        return list(pins.values())
 
     async def pin_prefix(
         self, prompt: str | list[int], tenant: str | None = None, shared: bool = False,
@@ -498,8 +502,9 @@ class AsyncEngine:
         self._pending_aborts.clear()
         # Pins held, and those an earlier restart's repin had not made again yet.
         if self._repin_task is not None:
-            self._repin_task.cancel()
-            self._repin_task = None
+            repin, self._repin_task = self._repin_task, None
+            repin.cancel()
+            await asyncio.wait({repin})
         self._repin_pending = {pin.info.pin_id: pin for pin in [*self.core.pins.all(), *self._repin_pending.values()]}
         for request_id in self.core.reset():
             stream = self._streams.get(request_id)

@@ -13,11 +13,16 @@ from streamengine.errors import LimitExceededError
 from streamengine.sampling_params import SamplingParams
 
 
-def encode_text(tokenizer: Any, text: str) -> list[int]:
-    """A text prompt's token ids, with the special tokens the tokenizer adds (its BOS), except a
-    second BOS: a text rendered by a chat template (`apply_chat_template`) starts with the BOS
-    already, and a BOS-adding tokenizer (Llama's, Mistral's, Gemma's) would put a second one
-    before it, which the model never saw in training."""
+def encode_prompt(tokenizer: Any, text: str, *, chat: bool = False) -> list[int]:
+    """A text prompt's token ids: the one rule of the engine, the server and the Ray ingress.
+
+    `chat`: the text was rendered by the chat template, which writes the special tokens itself,
+    so the tokenizer adds none. Otherwise the tokenizer adds its own (its BOS), except a second
+    BOS: a text that starts with the BOS already (a template rendered by the caller, as
+    `generate(engine.apply_chat_template(...))` does) would get two from a BOS-adding
+    tokenizer (Llama's, Mistral's, Gemma's), a start the model never saw in training."""
+    if chat:
+        return tokenizer.encode(text, add_special_tokens=False)
     ids = tokenizer.encode(text, add_special_tokens=True)
     bos = getattr(tokenizer, "bos_token_id", None)
     if bos is not None and ids[:2] == [bos, bos] and text.startswith(tokenizer.bos_token):
@@ -37,7 +42,7 @@ class Intake:
         if isinstance(prompt, str):
             if not prompt:
                 raise ValueError("prompt must not be empty")
-            ids = encode_text(self.tokenizer, prompt)
+            ids = encode_prompt(self.tokenizer, prompt)
             if not ids:  # a tokenizer without BOS may drop every character: nothing to compute
                 raise ValueError("prompt tokenizes to no tokens")
             # A tokenizer may know more ids than the model has embeddings (added tokens): such an

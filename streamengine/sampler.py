@@ -46,6 +46,10 @@ class SamplingRow:
     # The ids that would end the sample (EOS unless ignore_eos, stop_token_ids): forbidden
     # while it has fewer than params.min_tokens output tokens. Empty without min_tokens.
     min_tokens_stop_ids: frozenset[int] = frozenset()
+    # Index tensors on the logits' device, built at the row's first step (adjust_logits):
+    # per step they would cost a host-to-device copy per row.
+    bias_index: tuple[torch.Tensor, torch.Tensor] | None = None  # logit_bias ids, values
+    early_stop_index: torch.Tensor | None = None  # min_tokens_stop_ids
 
 
 @dataclass(slots=True)
@@ -86,7 +90,7 @@ class Sampler:
             logits = self.masker.apply(logits, [row.matcher for row in rows])  # a masked copy
         params = [row.params for row in rows]
         want_logprobs = any(p.logprobs is not None for p in params)
-        allowed = suppress_early_stops(add_logit_bias(logits, rows), rows)  # copies only when used
+        allowed = adjust_logits(logits, rows)  # a copy only when some row has a bias or min_tokens
         if not want_logprobs and all(p.greedy and not p.has_penalties for p in params):
             # The common greedy decode step: one kernel, no per-row work.
             return SamplerOutput(greedy_tokens(allowed).tolist(), [None] * len(rows))
@@ -114,37 +118,42 @@ class Sampler:
         return SamplerOutput(token_ids.tolist(), logprobs)
 
 
-def add_logit_bias(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
-    """`logits` with each row's `params.logit_bias` added (a token the grammar masked stays at
-    -inf). Returns `logits` itself when no row has a bias."""
-    todo = [(i, row.params.logit_bias) for i, row in enumerate(rows) if row.params.logit_bias]
-    if not todo:
-        return logits
-    biased = logits.clone()  # [B, V]
-    for i, bias in todo:
-        ids = _index(list(bias), logits.device)
-        biased[i, ids] += torch.tensor(list(bias.values()), dtype=logits.dtype, device=logits.device)
-    return biased
-
-
-def suppress_early_stops(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
-    """`logits` with each row's `min_tokens_stop_ids` at -inf while the row has fewer than
-    `min_tokens` output tokens (vLLM's min-tokens logits processor): a sample may not end, nor
-    carry an end-of-sequence token in its middle, before min_tokens. Rows with a grammar are
-    left alone (a complete grammar allows only the end of sequence), as is a row whose ids
-    would forbid the whole vocabulary. Returns `logits` itself when no row needs this."""
+def adjust_logits(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+    """`logits` with each row's `params.logit_bias` added, then its `min_tokens_stop_ids` at
+    -inf while it has fewer than `min_tokens` output tokens (vLLM's min-tokens processor: a
+    sample may not end, nor carry an end-of-sequence token mid-output, before min_tokens).
+    A grammar's -inf stays (a bias cannot undo it), and rows with a grammar keep their stop
+    ids (a complete grammar allows only the end of sequence), as does a row whose ids would
+    forbid the whole vocabulary. One copy for all rows; `logits` itself when none needs it."""
     vocab = logits.shape[1]
-    todo = [
-        (i, ids) for i, row in enumerate(rows)
-        if (ids := row.min_tokens_stop_ids) and row.matcher is None
-        and len(row.output_token_ids) < row.params.min_tokens and len(ids) < vocab
+    biased = [i for i, row in enumerate(rows) if row.params.logit_bias]
+    early = [
+        i for i, row in enumerate(rows)
+        if row.min_tokens_stop_ids and row.matcher is None
+        and len(row.output_token_ids) < row.params.min_tokens and len(row.min_tokens_stop_ids) < vocab
     ]
-    if not todo:
+    if not biased and not early:
         return logits
-    masked = logits.clone()  # [B, V]
-    for i, ids in todo:
-        masked[i, _index(sorted(t for t in ids if t < vocab), logits.device)] = -math.inf
-    return masked
+    out = logits.clone()  # [B, V]
+    for i in biased:
+        ids, values = _bias_index(rows[i], logits.device)
+        out[i].index_add_(0, ids, values)
+    for i in early:
+        out[i].index_fill_(0, _early_stop_index(rows[i], vocab, logits.device), -math.inf)
+    return out
+
+
+def _bias_index(row: SamplingRow, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    if row.bias_index is None:
+        bias = row.params.logit_bias
+        row.bias_index = (_index(list(bias), device), torch.tensor(list(bias.values()), dtype=torch.float32, device=device))
+    return row.bias_index
+
+
+def _early_stop_index(row: SamplingRow, vocab: int, device: torch.device) -> torch.Tensor:
+    if row.early_stop_index is None:
+        row.early_stop_index = _index(sorted(t for t in row.min_tokens_stop_ids if t < vocab), device)
+    return row.early_stop_index
 
 
 def greedy_tokens(scores: torch.Tensor) -> torch.Tensor:

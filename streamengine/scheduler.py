@@ -212,12 +212,17 @@ class Scheduler:
         out.blocks_to_copy = self.block_manager.take_pending_copies()
         return out
 
+    def room_for_one(self) -> int:
+        """The blocks one sequence may hold with nothing else running (admission then keeps
+        no watermark): those no pin holds."""
+        return self.block_manager.num_blocks - self.block_manager.num_pinned_blocks
+
     def unfittable(self) -> list[Sequence]:
         """Queued sequences that cannot start even in a pool holding nothing else: the blocks
-        their tokens need (with the watermark, less the pinned blocks they hit) pass the
-        blocks no pin holds. Only pins made after they arrived leave a sequence so."""
+        their tokens need, less the pinned blocks they hit, pass `room_for_one`. Only pins
+        made after they arrived leave a sequence so (EngineCore refuses it otherwise)."""
         bm = self.block_manager
-        room = bm.num_blocks - bm.num_pinned_blocks - self.watermark_blocks
+        room = self.room_for_one()
         stuck = []
         for seq in [*self.waiting, *self.swapped]:
             pinned_hits = sum(1 for block in bm.find_cached_blocks(seq) if block.pins)

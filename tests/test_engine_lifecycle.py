@@ -783,12 +783,15 @@ async def test_changing_the_callers_params_does_not_touch_a_running_request(engi
             "Hello there my friend", SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
         )
     )
+    expected = alone[-1].outputs[0].text
+    middle = expected[len(expected) // 2:][:3]  # applied, this stop string would cut the output
+    assert middle
     tokens, text = [], ""
     async for out in engine.generate("Hello there my friend", params):
         tokens += out.outputs[0].token_ids if out.outputs else []
         text += out.outputs[0].text if out.outputs else ""
         params.output_kind, params.temperature, params.max_tokens = "cumulative", 1.5, 40
-        params.stop.append(" friend")
+        params.stop.append(middle)
     assert tokens == alone[-1].outputs[0].token_ids
     assert text == alone[-1].outputs[0].text
 
@@ -814,12 +817,14 @@ def test_a_text_that_starts_with_the_bos_gets_no_second_one():
     """A chat template's rendering starts with the BOS; encoded with the tokenizer's special
     tokens it started with two (Llama, Mistral, Gemma), which `generate(apply_chat_template(...))`
     then fed the model."""
-    from streamengine.intake import encode_text
+    from streamengine.intake import encode_prompt
 
     tokenizer = _BosTokenizer()
-    assert encode_text(tokenizer, "<s>user: hi") == [1, *map(ord, "user: hi")]
-    assert encode_text(tokenizer, "hi") == [1, ord("h"), ord("i")]  # a plain prompt gets its BOS
-    assert encode_text(tokenizer, "<s><s>x") == [1, 1, ord("x")]  # two written: both kept
+    assert encode_prompt(tokenizer, "<s>user: hi") == [1, *map(ord, "user: hi")]
+    assert encode_prompt(tokenizer, "hi") == [1, ord("h"), ord("i")]  # a plain prompt gets its BOS
+    assert encode_prompt(tokenizer, "<s><s>x") == [1, 1, ord("x")]  # two written: both kept
+    assert encode_prompt(tokenizer, "<s>user: hi", chat=True) == [1, *map(ord, "user: hi")]
+    assert encode_prompt(tokenizer, "user: hi", chat=True) == list(map(ord, "user: hi"))
 
 
 async def test_logit_bias_bans_and_forces_tokens(engine):
@@ -850,3 +855,28 @@ async def test_a_cancelled_stop_is_cancelled_and_still_ends_the_streams(engine, 
     with pytest.raises(EngineDeadError):
         async for _ in stream:
             pass
+
+
+async def test_stop_from_a_task_that_caught_a_cancellation_still_stops_everything(tiny_llama_dir):
+    """A task that caught a CancelledError keeps a cancel count; leaving `async with engine`
+    from it used to make stop() re-raise at its first wait, leaving the forward-pass thread
+    (and a repin task, when one was pending) running behind an engine that said "stopped"."""
+    eng = AsyncEngine(EngineConfig(model=str(tiny_llama_dir), num_gpu_blocks=32))
+    started = asyncio.Event()
+    loop_tasks = []
+
+    async def user():
+        async with eng:
+            loop_tasks.append(eng._task)
+            started.set()
+            try:
+                await asyncio.sleep(60)
+            except asyncio.CancelledError:
+                pass  # handled here: the task goes on and leaves the engine
+
+    task = asyncio.create_task(user())
+    await asyncio.wait_for(started.wait(), 30)
+    task.cancel()
+    await task
+    assert loop_tasks[0].done() and eng._executor is None and not eng.is_running
+    assert eng.health()["state"] == "stopped"

@@ -279,9 +279,9 @@ async def test_outbox_coalesces_deltas_and_bounds_its_bytes():
     overflowed = []
     box = Outbox(lambda: overflowed.append(True), max_bytes=64 * 1024)
     for i in range(50):
-        box.push_delta("a", SampleDelta(0, f"t{i} ", [i], [{i: -1.0}], None))
-        box.push_delta("a", SampleDelta(1, "x", [100 + i], None, None))
-    box.push_delta("b", SampleDelta(0, "b", [7], None, None))
+        box.push_delta("a", SampleDelta(0, f"t{i} ", [i], [{i: -1.0}], None), run="a")
+        box.push_delta("a", SampleDelta(1, "x", [100 + i], None, None), run="a")
+    box.push_delta("b", SampleDelta(0, "b", [7], None, None), run="b")
     assert len(box) == 3 and box.num_coalesced == 98
     assert 0 < box.pending_bytes < 64 * 1024
     first = json.loads(await box.get())
@@ -303,7 +303,7 @@ async def test_outbox_coalesces_deltas_and_bounds_its_bytes():
     # is dropped, and nothing more is queued for it
     assert len(box) == 0 and box.pending_bytes == 0
     box.push(Error(None, "bad_json", "x"))
-    box.push_delta("a", SampleDelta(0, "late", [1], None, None))
+    box.push_delta("a", SampleDelta(0, "late", [1], None, None), run="a")
     assert len(box) == 0 and overflowed == [True]
     box2 = Outbox(lambda: None)
     box2.push(KvState(16, 2, "00", {"free": 2}), replace_key="kv")

@@ -244,6 +244,19 @@ async def test_a_request_too_long_for_the_room_pins_leave_is_refused(engine16):
     assert out.finished and out.num_cached_tokens == 128 and len(out.outputs[0].token_ids) == 4
 
 
+async def test_an_implicit_max_tokens_shrinks_to_the_room_pins_leave(engine16):
+    """max_tokens=None means the room left in the context (the whole pool here): beside 8
+    pinned blocks it is what the other 8 hold, not a refusal."""
+    engine = engine16
+    await engine.pin_prefix(HALF, tenant="a")
+    params = SamplingParams(max_tokens=None, ignore_eos=True, temperature=0)
+    out = [o async for o in engine.generate([5, 6, 7], params, tenant="b")][-1]
+    assert out.finished and len(out.outputs[0].token_ids) == 8 * 16 - 3
+    # its own pinned blocks count as room for tenant a
+    out = [o async for o in engine.generate(HALF + [5], params, tenant="a")][-1]
+    assert out.num_cached_tokens == 128 and len(out.outputs[0].token_ids) == 16 * 16 - 129
+
+
 async def test_a_request_left_without_room_by_a_later_pin_fails_alone(engine16):
     """b's 160 tokens fit the empty pool when it arrives, but the pin submitted just before
     it takes half the pool: b can never start. Before the fix the step loop found an empty

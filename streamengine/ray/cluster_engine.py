@@ -31,7 +31,7 @@ from ray.serve.handle import DeploymentHandle
 from streamengine.config import EngineConfig
 from streamengine.engine import AsyncEngine
 from streamengine.errors import EngineDeadError, RequestFailedError
-from streamengine.intake import encode_text
+from streamengine.intake import encode_prompt
 from streamengine.outputs import CompletionOutput, RequestOutput
 from streamengine.pinning import Pin, PinnedPrefix, Pins
 from streamengine.ray.directory import get_or_create_directory
@@ -213,7 +213,7 @@ class ClusterEngine:
 
     def _prompt_ids(self, prompt: str | list[int]) -> list[int]:
         """Tokenized as the engine's Intake does; the replica validates the ids."""
-        return encode_text(self.tokenizer, prompt) if isinstance(prompt, str) else list(prompt)
+        return encode_prompt(self.tokenizer, prompt) if isinstance(prompt, str) else list(prompt)
 
     def _mirror_pin(self, spec: PinSpec) -> PinnedPrefix:
         owner = None if spec.shared else (spec.tenant if spec.tenant is not None else DEFAULT_TENANT)

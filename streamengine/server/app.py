@@ -64,9 +64,9 @@ _CORS_METHODS = "GET, POST, OPTIONS"
 _CORS_HEADERS = ("Authorization", "Content-Type")
 _CORS_MAX_AGE_S = 600
 _ABORT_GRACE_S = 5.0
+"""After aborting, how long a drain waits for handlers to send their last bytes."""
 CLIENT_WATCH_S = 0.2
 """How often the server looks for HTTP clients that left while their request was in flight."""
-"""After aborting, how long a drain waits for handlers to send their last bytes."""
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
@@ -185,6 +185,7 @@ async def _engine_lifespan(app: web.Application) -> AsyncIterator[None]:
         yield
     finally:
         watch.cancel()
+        await asyncio.wait({watch})
         state.close()
         if owned:
             await engine.stop()
@@ -202,8 +203,11 @@ async def watch_http_clients(state: ServerState) -> None:
     while True:
         await asyncio.sleep(CLIENT_WATCH_S)
         for request_id, client_gone in list(state.http_requests.items()):
-            if client_gone():
-                await state.engine.abort(request_id)
+            try:
+                if client_gone():
+                    await state.engine.abort(request_id)
+            except Exception:  # one request's failure must not end the watch of all the others
+                log.exception("aborting HTTP request %s whose client left", request_id)
 
 
 async def _on_shutdown(app: web.Application) -> None:

@@ -12,7 +12,9 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from aiohttp import web
+from jinja2 import TemplateError
 
+from streamengine.intake import encode_prompt
 from streamengine.server.metrics import ServerMetrics
 from streamengine.server.security import HostPolicy, KeyRing, OriginPolicy, Tenant
 from streamengine.server.tenants_file import TenantsFile
@@ -98,7 +100,7 @@ class ServerState:
             self._tokenizer_pool = None
 
     def tokenize(self, prompt: str | list[int], *, chat: bool = False) -> list[int]:
-        """The prompt's token ids (of plain text, as the engine makes them), checked against
+        """The prompt's token ids (intake.encode_prompt, the engine's own rule), checked against
         the server limit.
 
         The server tokenizes once and hands the ids to the engine, so the limit is enforced
@@ -110,7 +112,7 @@ class ServerState:
         if isinstance(prompt, str):
             if not prompt:
                 raise ValueError("prompt must not be empty")
-            ids = self.engine.tokenizer.encode(prompt, add_special_tokens=not chat)
+            ids = encode_prompt(self.engine.tokenizer, prompt, chat=chat)
         else:
             ids = list(prompt)
         if self.max_prompt_tokens is not None and len(ids) > self.max_prompt_tokens:
@@ -132,9 +134,7 @@ class ServerState:
         rendered = render_messages(messages, functions)
         try:
             return self.engine.apply_chat_template(rendered)
-        except ValueError:
-            raise
-        except Exception as exc:  # noqa: BLE001 - a template refusing the conversation (see below)
+        except TemplateError as exc:  # the template refusing the conversation (see below)
             raise _template_refused(exc) from None
 
     def _template_with_tools(self, messages: list[dict[str, Any]], functions: list[dict[str, Any]] | None) -> str:

@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING, Any
 
 from aiohttp import web
 
+from streamengine.intake import encode_prompt
 from streamengine.server.state import get_state
 from streamengine.server.tenants_file import TenantsFile, TenantsFileError
 
@@ -48,7 +49,7 @@ def file_pins(tokenizer: Any, tenants: TenantsFile) -> list[tuple[list[int], str
         texts.append((tenants.shared_prefix, None, "shared_prefix"))
     for name, prompt in tenants.system_prompts.items():
         texts.append((system_prefix(tokenizer, prompt), name, f"the system_prompt of tenant {name!r}"))
-    return [(tokenizer.encode(text, add_special_tokens=False), tenant, what) for text, tenant, what in texts]
+    return [(encode_prompt(tokenizer, text, chat=True), tenant, what) for text, tenant, what in texts]
 
 
 def system_prefix(tokenizer: Any, prompt: str) -> str:

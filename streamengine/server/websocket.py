@@ -132,14 +132,14 @@ class Outbox:
         self.num_coalesced = 0  # deltas merged into an unsent one (observable by tests)
 
     def push_delta(self, request_id: str, delta: SampleDelta, tool_calls: list[p.ToolCall] | None = None,
-                   *, run: str | None = None) -> None:
+                   *, run: str) -> None:
         """Queues `delta` of sample `delta.index` of request `request_id`, merged into an unsent
-        delta of the same run. `run` (default: `request_id`) must differ between two requests
+        delta of the same run. `run` (the engine's request id) differs between two requests
         that reuse one client id: a later run's tokens must never merge into an earlier run's
         unsent delta, which sits ahead of that run's `done`."""
         if self.overflowed:
             return
-        key = ("delta", run or request_id, delta.index)
+        key = ("delta", run, delta.index)
         pending = self._items.get(key)
         if pending is not None:
             self.num_coalesced += 1
