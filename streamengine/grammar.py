@@ -224,9 +224,22 @@ def grammar_text(spec: StructuredOutput) -> str:
         # Lark string literals take JSON's escapes, so any text is one literal.
         return llguidance.LLMatcher.grammar_from_lark("start: " + " | ".join(map(json.dumps, spec.choices)))
     if isinstance(spec, Grammar):
-        lark = gbnf_to_lark(spec.grammar) if spec.syntax == "ebnf" else spec.grammar
+        lark = _gbnf_to_lark(spec.grammar) if spec.syntax == "ebnf" else spec.grammar
         return llguidance.LLMatcher.grammar_from_lark(lark)
     raise TypeError(f"not a structured-output spec: {spec!r}")
+
+
+def _gbnf_to_lark(gbnf: str) -> str:
+    """llguidance's GBNF converter with every failure a ValueError: it is plain Python and
+    reports some bad grammars with a bare Exception ("Rule 'x' not found", "No 'root' rule
+    found"), an IndexError (a trailing backslash) or a RecursionError (deep nesting), which
+    would otherwise reach the client as a 500 rather than a 400 invalid_grammar."""
+    try:
+        return gbnf_to_lark(gbnf)
+    except GbnfToLarkError:
+        raise
+    except Exception as exc:
+        raise ValueError(f"the GBNF grammar does not convert: {type(exc).__name__}: {exc}") from None
 
 
 class TokenMasker:

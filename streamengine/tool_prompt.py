@@ -133,12 +133,26 @@ def tool_call_lark(functions: list[dict[str, Any]], *, parallel: bool = False) -
     return "\n".join(lines) + "\n"
 
 
+_DEFINITIONS = ("$defs", "definitions")
+
+
 def _call_schema(function: dict[str, Any]) -> dict[str, Any]:
     parameters = function.get("parameters") or _ANY_OBJECT
-    return {
+    # The parser reads only an object as a call's arguments; a schema that does not say
+    # "type": "object" (say, just properties and required) also allows strings, arrays and
+    # false, which would make a forced call come back as content. One whose type excludes
+    # objects is then unsatisfiable: a 400 invalid_grammar.
+    arguments = parameters if parameters.get("type") == "object" else {"allOf": [_ANY_OBJECT, parameters]}
+    schema = {
         "type": "object",
-        "properties": {"name": {"const": function["name"]}, "arguments": parameters},
+        "properties": {"name": {"const": function["name"]}, "arguments": arguments},
         "required": ["name", "arguments"],
         "additionalProperties": False,
         "x-guidance": JSON_LAYOUT,  # one line, spaced as the prompt's example
     }
+    # The parameters' references ("#/$defs/Item", as pydantic writes nested models) point at
+    # their own root, which here is the call's: its definitions go up there too (as vLLM does).
+    for key in _DEFINITIONS:
+        if isinstance(parameters.get(key), dict):
+            schema[key] = parameters[key]
+    return schema
