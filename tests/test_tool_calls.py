@@ -176,3 +176,19 @@ def test_server_prompt_uses_a_tools_template_natively():
     _, seen, tools = engine.seen
     assert tools == [{"type": "function", "function": FUNCTIONS[0]}]
     assert seen[1]["tool_calls"][0]["function"]["arguments"] == {"tz": "UTC"}  # templates `tojson` a dict
+
+
+def test_tool_streams_flush_what_a_sample_left_unfinished_held_back():
+    """A WebSocket request aborted between two outputs never sees its samples' last delta:
+    flush() gives back the text each parser still held (here an unfinished call), once."""
+    from streamengine.server.tools import ToolStreams
+
+    streams = ToolStreams(get_tool_parser("hermes"))
+    held = 'Sure.<tool_call>\n{"name": "note", "'
+    first = streams.feed(0, held, last=False)
+    done = streams.feed(1, "plain answer", last=True)
+    assert first.content == "Sure." and not first.calls and done.content == "plain answer"
+    flushed = streams.flush()
+    assert set(flushed) == {0}  # sample 1 had finished
+    assert first.content + flushed[0].content == held and not flushed[0].calls
+    assert streams.flush() == {}

@@ -83,6 +83,7 @@ class ToolStreams:
     def __init__(self, parser: ToolParser) -> None:
         self._parser = parser
         self._streams: dict[int, StreamingToolParser] = {}
+        self._finished: set[int] = set()
 
     def feed(self, index: int, text: str, *, last: bool) -> ParsedDelta:
         """What `text` adds to sample `index`; with `last`, everything it still held too."""
@@ -91,9 +92,15 @@ class ToolStreams:
             stream = self._streams[index] = self._parser.stream()
         parsed = stream.feed(text)
         if last:
+            self._finished.add(index)
             rest = stream.finish()
             parsed = ParsedDelta(parsed.content + rest.content, parsed.calls + rest.calls)
         return parsed
+
+    def flush(self) -> dict[int, ParsedDelta]:
+        """Per sample not finished yet, what its parser still held back (a request left before
+        its last output: an abort); each is finished then."""
+        return {index: self.feed(index, "", last=True) for index in self._streams if index not in self._finished}
 
     def called(self, index: int) -> bool:
         stream = self._streams.get(index)

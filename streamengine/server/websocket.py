@@ -57,6 +57,7 @@ from streamengine.server.state import (
 from streamengine.server.streaming import SampleDelta, StepUpdate, stream_request
 from streamengine.server.tools import NO_TOOLS, ToolPlan, ToolStreams, finish_reason, plan_tools
 from streamengine.tenants import DEFAULT_TENANT
+from streamengine.tool_calls import ParsedDelta
 
 log = logging.getLogger(__name__)
 
@@ -451,11 +452,17 @@ class Connection:
                         self.outbox.push_delta(client_id, delta, run=live.engine_id)
                 if live.aborted:
                     break  # closing the stream aborts the request in the engine
+        if tools is not None:  # left before a sample's last output: what its parser held back
+            for index, parsed in tools.flush().items():
+                self._push_tool_delta(client_id, live, SampleDelta(index, "", [], None, None), parsed)
         return last
 
     def _push_parsed(self, client_id: str, live: _Live, delta: SampleDelta, tools: ToolStreams) -> None:
         """A delta whose text went through the tool parser: content as text, calls apart."""
-        parsed = tools.feed(delta.index, delta.text, last=delta.finish_reason is not None)
+        self._push_tool_delta(client_id, live, delta, tools.feed(delta.index, delta.text,
+                                                                 last=delta.finish_reason is not None))
+
+    def _push_tool_delta(self, client_id: str, live: _Live, delta: SampleDelta, parsed: ParsedDelta) -> None:
         calls = [p.ToolCall(c.id, p.FunctionCall(c.name, c.arguments)) for c in parsed.calls]
         if delta.token_ids or parsed.content or calls:
             self.outbox.push_delta(client_id, dataclasses.replace(delta, text=parsed.content), calls or None,
