@@ -245,7 +245,8 @@ class FairShare:
     def num_passed(self, seq: Sequence) -> int:
         return self._passed.get(seq, 0)
 
-    def pick_victim(self, candidates: list[Sequence], held: Mapping[str, tuple[int, int]]) -> Sequence:
+    def pick_victim(self, candidates: list[Sequence], held: Mapping[str, tuple[int, int]],
+                    cached: bool = True) -> Sequence:
         """The newest sequence of the candidates' tenant furthest over its share of the pool.
         `held`: per tenant, its running sequences and the blocks they hold. A tenant running
         a single sequence goes last (as in over_block_share: one request larger than a share
@@ -255,7 +256,14 @@ class FairShare:
         Not the service counter alone: a quiet tenant returning from idle starts level with
         the busy one and is charged its whole prompt at once, so by service it would be the
         first to yield, its lone prompt preempted mid-prefill to let the busy tenant's many
-        sequences grow; by blocks held the busy tenant yields, which is what frees the pool."""
+        sequences grow; by blocks held the busy tenant yields, which is what frees the pool.
+
+        Without the prefix cache (`cached` False) a victim loses its whole computed prefix: among
+        lone sequences only, the newest arrival yields (as under "fcfs"), so the oldest always
+        advances. By blocks held, two long prompts that did not fit side by side preempted
+        each other in turn, neither ever finishing."""
+        if not cached and all(held.get(s.tenant, (0, 0))[0] == 1 for s in candidates):
+            return max(candidates, key=lambda s: (s.arrival_time, s.seq_id))
         def key(seq: Sequence) -> tuple[bool, float, float, float, int]:
             num_seqs, num_blocks = held.get(seq.tenant, (0, 0))
             weight = self.tenants.get(seq.tenant).weight

@@ -549,7 +549,7 @@ class Scheduler:
         held = self._blocks_by_tenant()
         left = list(candidates)
         while left:
-            victim = self._pick_victim(left, held)
+            victim = self.share.pick_victim(left, held, self.block_manager.enable_prefix_caching)
             left.remove(victim)
             freed = self._blocks_freed_by(victim)
             num_seqs, num_blocks = held[victim.tenant]
@@ -622,19 +622,9 @@ class Scheduler:
             return self.running.pop()
         scheduled = {item.seq for item in out.scheduled}
         candidates = [s for s in self.running if s not in scheduled and tenant in (None, s.tenant)]
-        victim = self._pick_victim(candidates, self._blocks_by_tenant())
+        victim = self.share.pick_victim(candidates, self._blocks_by_tenant(), self.block_manager.enable_prefix_caching)
         self.running.remove(victim)
         return victim
-
-    def _pick_victim(self, candidates: list[Sequence], held: dict[str, tuple[int, int]]) -> Sequence:
-        """"fair": the sequence to preempt among `candidates` (FairShare.pick_victim), except
-        between lone sequences (tenants running one each) without the prefix cache: there a
-        victim loses its whole computed prefix, and taking the largest holder made two long
-        prompts that do not fit side by side preempt each other in turn, neither ever
-        finishing. The newest arrival yields, as under "fcfs", so the oldest always advances."""
-        if not self.block_manager.enable_prefix_caching and all(held[s.tenant][0] == 1 for s in candidates):
-            return max(candidates, key=_arrival)
-        return self.share.pick_victim(candidates, held)
 
     def _blocks_by_tenant(self) -> dict[str, tuple[int, int]]:
         """Per tenant, its running sequences and the distinct unpinned blocks they hold: what

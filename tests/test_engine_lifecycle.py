@@ -166,7 +166,7 @@ async def test_cancel_mid_beam_search_frees_every_beam(engine, monkeypatch):
     slow_down_steps(monkeypatch, engine)
     params = SamplingParams(max_tokens=40, ignore_eos=True, beam_width=3, n=2)
     task = asyncio.create_task(drain(engine.generate(list(range(3, 40)), params)))
-    await asyncio.sleep(0.2)
+    await wait_for(lambda: engine.stats()["num_running"] >= 2)  # the search has forked its beams
     task.cancel()
     with pytest.raises(asyncio.CancelledError):
         await task
