@@ -121,7 +121,8 @@ class EngineConfig:
         "the whole context. None: no cap, max_tokens=None runs to the end of the context.",
         minimum=1)
     seed: int = _option(0, "seed of the sampler's generator for requests without their own seed")
-    num_threads: int | None = _option(None, "torch intra-op threads on CPU; None keeps torch's default")
+    num_threads: int | None = _option(
+        None, "threads of the forward pass on CPU; None: torch's default, fewer while other processes hold the cores")
     cache_dir: str | None = _option(None, "where converted GGUF copies are kept; None: default_cache_dir()")
     tenants: tuple[TenantConfig, ...] = _option(
         (), "tenants known at start (more can be added at run time); requests naming no tenant run as 'default'")

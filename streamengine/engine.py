@@ -25,7 +25,8 @@ from collections.abc import AsyncIterator
 from concurrent.futures import ThreadPoolExecutor
 
 from streamengine.config import EngineConfig
-from streamengine.core import EngineCore, EngineStateError
+from streamengine.core import EngineCore, EngineStateError, StepPlan, StepResult
+from streamengine.cpu_threads import thread_governor
 from streamengine.errors import (
     EngineDeadError,
     EngineOverloadedError,
@@ -75,6 +76,7 @@ class AsyncEngine:
     def __init__(self, config: EngineConfig | None = None, *, loaded: LoadedModel | None = None) -> None:
         self.config = config or EngineConfig()
         self.core = EngineCore(self.config, loaded)
+        self.threads = thread_governor(self.config.num_threads, self.core.device.type)
         self._streams: dict[str, RequestStream] = {}
         self._task: asyncio.Task | None = None
         self._wakeup: asyncio.Event | None = None
@@ -471,7 +473,7 @@ class AsyncEngine:
         self._in_flight = True
         try:
             loop = asyncio.get_running_loop()
-            result = await loop.run_in_executor(self._executor, self.core.execute, step)
+            result = await loop.run_in_executor(self._executor, self._execute, step)
         except Exception:
             log.exception("engine step failed; failing the requests in it")
             outputs = self.core.fail(step)
@@ -485,6 +487,14 @@ class AsyncEngine:
         self._deliver_failures()
         for request_id in self._take_pending_aborts():
             self._abort(request_id)
+
+    def _execute(self, step: StepPlan) -> StepResult:
+        """The forward pass, on the step thread, with the thread count the governor chose."""
+        self.threads.before_step()
+        try:
+            return self.core.execute(step)
+        finally:
+            self.threads.after_step()
 
     async def _restart(self, why: str) -> None:
         """Fails every request in flight and starts the core's bookkeeping afresh; raises
