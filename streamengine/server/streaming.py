@@ -40,6 +40,7 @@ class SampleDelta:
     token_ids: list[int]
     logprobs: list[dict[int, float]] | None
     finish_reason: str | None
+    stop_reason: int | str | None = None  # the stop string or stop token id that ended it (vLLM's)
 
 
 @dataclass(slots=True)
@@ -51,6 +52,9 @@ class StepUpdate:
     completion_tokens: int  # all samples, so far
     finish_reasons: list[str | None]  # per sample index, so far
     metrics: RequestMetrics | None = None  # the engine's stage times, as of this step
+    # With SamplingParams.prompt_logprobs, in the update that first has them: per prompt
+    # position, the prompt token's logprob and the top alternatives (None at position 0).
+    prompt_logprobs: list[dict[int, float] | None] | None = None
 
 
 @dataclass(slots=True)
@@ -62,7 +66,8 @@ class _Progress:
 
     def update(self, out: RequestOutput) -> StepUpdate:
         deltas = [
-            SampleDelta(c.index, c.text, c.token_ids, c.logprobs, c.finish_reason) for c in out.outputs
+            SampleDelta(c.index, c.text, c.token_ids, c.logprobs, c.finish_reason, c.stop_reason)
+            for c in out.outputs
         ]
         for delta in deltas:
             self.completion_tokens += len(delta.token_ids)
@@ -75,6 +80,7 @@ class _Progress:
             completion_tokens=self.completion_tokens,
             finish_reasons=list(self.finish_reasons),
             metrics=out.metrics,
+            prompt_logprobs=getattr(out, "prompt_logprobs", None),
         )
 
 
