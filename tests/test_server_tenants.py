@@ -383,3 +383,54 @@ async def test_the_real_engine_serves_a_tenants_file(tiny_llama_dir):
         by_name = {t["name"]: t for t in view["data"]}
         assert by_name["bot-a"]["num_pinned_blocks"] >= 1 and by_name["bot-a"]["pinned"]
         assert view["shared_pinned"][0]["num_blocks"] >= 1
+
+
+# ---- hostile tenants files ----------------------------------------------------------------------
+
+
+def test_a_tenants_file_nested_too_deeply_is_a_tenants_file_error(tmp_path):
+    from streamengine.server.tenants_file import load_tenants_file
+
+    for text in ("x = " + "[" * 5000 + "]" * 5000, "x = " + "{a = " * 5000 + "1" + "}" * 5000):
+        path = tmp_path / "deep.toml"
+        path.write_text(text)
+        with pytest.raises(TenantsFileError, match="nested too deeply"):
+            load_tenants_file(path)
+
+
+def test_an_endless_file_as_tenants_file_is_refused_by_its_size():
+    from streamengine.server.tenants_file import MAX_FILE_BYTES, load_tenants_file
+
+    with pytest.raises(TenantsFileError, match=f"larger than {MAX_FILE_BYTES} bytes"):
+        load_tenants_file("/dev/zero")
+
+
+def test_a_system_prompt_shorter_than_a_block_is_refused_before_the_model_loads(tiny_llama_dir, tmp_path,
+                                                                                 monkeypatch, capsys):
+    from streamengine import __main__ as cli
+
+    def no_engine(*_a, **_k):
+        raise AssertionError("the model must not be loaded")
+
+    monkeypatch.setattr("streamengine.engine.AsyncEngine", no_engine)
+    path = tmp_path / "tenants.toml"
+    path.write_text(f'[[tenants]]\nname = "bot-a"\napi_key = "key-a"\nsystem_prompt = "Hi."\n'
+                    f'[[tenants]]\nname = "bot-b"\napi_key = "key-b"\nsystem_prompt = "{SYSTEM_A}"\n')
+    assert cli.main(["serve", "--tenants", str(path), "--model", str(tiny_llama_dir)]) == 2
+    err = capsys.readouterr().err
+    assert "the system_prompt of tenant 'bot-a'" in err and "shorter than one KV block (16 tokens)" in err
+
+
+def test_a_key_lookup_costs_one_probe_among_20000_keys(monkeypatch):
+    import hmac
+
+    from streamengine.server import security
+
+    keys = [f"sk-{i:05d}" for i in range(20_000)]
+    ring = security.KeyRing(keys, admin_keys=["admin"])
+    compared = []
+    real = hmac.compare_digest
+    monkeypatch.setattr(security.hmac, "compare_digest", lambda a, b: compared.append(1) or real(a, b))
+    assert ring.lookup("sk-12345").name == security._tenant_for("sk-12345", is_admin=False).name
+    assert ring.lookup("admin").is_admin and ring.lookup("sk-nope") is None and ring.lookup("") is None
+    assert len(compared) <= 3  # one comparison at most per lookup, not one per key

@@ -19,7 +19,8 @@ from streamengine.server.state import (
     DEFAULT_STALL_TIMEOUT_S,
     DEFAULT_TOOL_PARSER,
 )
-from streamengine.server.tenants_file import TenantsFile
+from streamengine.server.tenancy import file_pins
+from streamengine.server.tenants_file import TenantsFile, TenantsFileError
 
 __all__ = ["app_options", "create_app", "drain", "run_server"]
 
@@ -59,6 +60,8 @@ def run_server(
     check_exposure(host, has_keys=has_keys, allow_unauthenticated=allow_unauthenticated)
     if shutdown_timeout < 0:
         raise ValueError(f"shutdown_timeout must be >= 0 seconds, got {shutdown_timeout}")
+    if tenants is not None:
+        check_tenant_pins(config, tenants)
     from streamengine.engine import AsyncEngine
 
     print(f"streamengine: loading {config.model or 'the default model (SmolLM2-135M-Instruct)'} ...", flush=True)
@@ -70,6 +73,24 @@ def run_server(
         tool_parser=tool_parser,
     ))
     _run(_serve(app, host, port, engine.model_name, shutdown_timeout))
+
+
+def check_tenant_pins(config: EngineConfig, tenants: TenantsFile) -> None:
+    """Refuses (TenantsFileError) a tenants file whose system prompt or shared prefix is
+    shorter than one KV block, which cannot be pinned: checked with the model's tokenizer
+    alone, before the weights load, so the server does not stop after a long load."""
+    pins = [pin for pin in (tenants.shared_prefix, *tenants.system_prompts.values()) if pin is not None]
+    if not pins:
+        return
+    from streamengine.models.loader import load_tokenizer
+
+    tokenizer, _ = load_tokenizer(config.model, config.cache_dir)
+    for ids, _, what in file_pins(tokenizer, tenants):
+        if len(ids) < config.block_size:
+            raise TenantsFileError(
+                f"tenants file {tenants.path!r}: {what} is {len(ids)} tokens as the chat template renders "
+                f"it, shorter than one KV block ({config.block_size} tokens): a pinned prefix needs at "
+                "least one full block; lengthen it or leave it out")
 
 
 def app_options(

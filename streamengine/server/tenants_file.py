@@ -37,6 +37,9 @@ _LIMITS: dict[str, tuple[type, ...]] = {
 _TEXTS = ("name", "api_key", "api_key_sha256", "system_prompt")
 _TENANT_FIELDS = frozenset((*_TEXTS, *_LIMITS))
 _TOP_FIELDS = frozenset(("tenants", "shared_prefix"))
+MAX_FILE_BYTES = 16 << 20
+"""A tenants file larger than this is refused: room for far more than 20,000 tenants with
+their system prompts, and a bound on what reading a wrong path (a device) can take."""
 
 
 class TenantsFileError(ValueError):
@@ -61,15 +64,31 @@ class TenantsFile:
     shared_prefix: str | None = None
 
 
-def load_tenants_file(path: str | Path) -> TenantsFile:
-    """Parses and checks the file at `path` (TenantsFileError on any problem)."""
+def load_tenants_file(path: str | Path, max_bytes: int = MAX_FILE_BYTES) -> TenantsFile:
+    """Parses and checks the file at `path` (TenantsFileError on any problem, a file larger
+    than `max_bytes` or nested too deeply for the parser among them)."""
+    where = f"tenants file {str(path)!r}"
+    raw = _read_bounded(path, max_bytes, where)
     try:
-        data = tomllib.loads(Path(path).read_text(encoding="utf-8"))
-    except OSError as exc:
-        raise TenantsFileError(f"tenants file {str(path)!r}: cannot read it: {exc.strerror or exc}") from None
+        data = tomllib.loads(raw.decode("utf-8"))
     except (tomllib.TOMLDecodeError, UnicodeDecodeError) as exc:
-        raise TenantsFileError(f"tenants file {str(path)!r}: not valid TOML: {exc}") from None
+        raise TenantsFileError(f"{where}: not valid TOML: {exc}") from None
+    except RecursionError:  # tomllib recurses once per level of nested arrays and inline tables
+        raise TenantsFileError(f"{where}: not valid TOML: arrays or tables nested too deeply") from None
     return parse_tenants(data, str(path))
+
+
+def _read_bounded(path: str | Path, max_bytes: int, where: str) -> bytes:
+    """The file's bytes; reads at most one byte past `max_bytes`, so a device or a pipe that
+    never ends (/dev/zero) is refused instead of filling memory."""
+    try:
+        with open(path, "rb") as f:
+            raw = f.read(max_bytes + 1)
+    except OSError as exc:
+        raise TenantsFileError(f"{where}: cannot read it: {exc.strerror or exc}") from None
+    if len(raw) > max_bytes:
+        raise TenantsFileError(f"{where}: larger than {max_bytes} bytes, the most a tenants file may hold")
+    return raw
 
 
 def parse_tenants(data: dict[str, Any], path: str = "<tenants>") -> TenantsFile:
