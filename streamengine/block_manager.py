@@ -177,8 +177,9 @@ class BlockManager:
         """Longest run of leading full blocks already in the cache.
 
         Capped so at least one token is left to compute: its logits are needed to sample.
+        No hits for a sequence that must compute every position (`seq.reads_prefix_cache`).
         """
-        if not self.enable_prefix_caching:
+        if not self.enable_prefix_caching or not seq.reads_prefix_cache:
             return []
         max_blocks = (seq.num_tokens - 1) // self.block_size
         hits: list[KVBlock] = []

@@ -26,7 +26,7 @@ from streamengine.grammar import CompiledGrammar, GrammarCompiler, GrammarMatche
 from streamengine.intake import Intake
 from streamengine.kv_cache import plan_kv_cache
 from streamengine.kv_events import KVCacheEvent
-from streamengine.model_runner import ModelRunner
+from streamengine.model_runner import ModelRunner, PromptLogprobs
 from streamengine.models import LoadedModel, load_model
 from streamengine.output_processor import make_output
 from streamengine.outputs import RequestOutput
@@ -41,7 +41,8 @@ from streamengine.tenants import DEFAULT_TENANT, TenantConfig, Tenants
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
-StepResult = tuple[SamplerOutput, torch.Tensor | None]  # sampled tokens; beams' log-probs
+# Sampled tokens; beams' log-probs; prompt logprobs of each sequence that asked, in plan order.
+StepResult = tuple[SamplerOutput, torch.Tensor | None, list[PromptLogprobs]]
 
 
 class EngineStateError(RuntimeError):
@@ -172,7 +173,8 @@ class EngineCore:
         stop_ids = self.intake.stop_ids(params)
         segments = self._salt_segments(prompt_ids, tenant, cache_salt, pin)
         max_tokens = self._fit_beside_pins(prompt_ids, segments, self.intake.max_tokens(len(prompt_ids), params),
-                                           explicit=params.max_tokens is not None)
+                                           explicit=params.max_tokens is not None,
+                                           reads_cache=params.prompt_logprobs is None)
         if params.structured is not None and grammar is None:
             grammar = self.grammars.compile(params.structured)
         req = Request(
@@ -184,11 +186,22 @@ class EngineCore:
         else:
             self._start_samples(req, grammar)
         self.requests[request_id] = req
+        self._want_prompt_logprobs(req)
         self.scheduler.add(req.seqs[0])
         self.tenants.record(tenant, len(prompt_ids))
         return req
 
-    def _fit_beside_pins(self, prompt_ids: list[int], segments: tuple, max_tokens: int, explicit: bool) -> int:
+    def _want_prompt_logprobs(self, req: Request) -> None:
+        """Starts collecting the prompt's logprobs when asked: the first entry has no context;
+        the first sequence (the one that computes the prompt) computes the others."""
+        if req.params.prompt_logprobs is None:
+            return
+        req.prompt_logprobs = [None]
+        if len(req.prompt_token_ids) > 1:
+            req.seqs[0].prompt_logprobs = req.params.prompt_logprobs
+
+    def _fit_beside_pins(self, prompt_ids: list[int], segments: tuple, max_tokens: int, explicit: bool,
+                         reads_cache: bool = True) -> int:
         """The request's max_tokens, fitted to the pool beside the pinned prefixes (plus the
         pinned blocks it hits): intake checks lengths against the whole pool, and a request
         needing more would wait, or preempt itself, forever. An implicit max_tokens (None:
@@ -198,7 +211,9 @@ class EngineCore:
         room = self.scheduler.room_for_one()
         if not bm.num_pinned_blocks or bm.blocks_needed(len(prompt_ids) + max_tokens) <= room:
             return max_tokens  # hits on pinned blocks can only lower the need
-        max_hits = (len(prompt_ids) - 1) // bs  # the last prompt token is always computed
+        # The last prompt token is always computed; a request wanting its prompt's logprobs
+        # computes them all (Sequence.reads_prefix_cache).
+        max_hits = (len(prompt_ids) - 1) // bs if reads_cache else 0
         hits = bm.num_pinned_hits(prompt_block_hashes(prompt_ids[: max_hits * bs], bs, segments, _seq_salt(segments)))
         fits = (room + hits) * bs - len(prompt_ids)
         if fits >= max_tokens or (not explicit and fits >= 1):
@@ -412,13 +427,18 @@ class EngineCore:
 
         A fault in one request's postprocessing fails that request alone (see `failures`);
         raises EngineStateError when the bookkeeping did not survive such a fault."""
-        sampler_out, beam_logprobs = result
+        sampler_out, beam_logprobs, prompt_logprobs = result
         faults: dict[str, str] = {}
         touched: dict[str, Request] = {}
         draws = iter(zip(sampler_out.token_ids, sampler_out.logprobs, strict=True))
         beam_rows = iter(beam_logprobs if beam_logprobs is not None else ())
+        prompt_rows = iter(prompt_logprobs)
         beam_reqs: dict[str, Request] = {}
         for item in step.plan.scheduled:
+            if item.num_prompt_logprobs:
+                entries = next(prompt_rows)  # taken first: a fault cannot shift another's rows
+                req = self._owner[item.seq.seq_id][0]
+                self._guarded(faults, req, self._add_prompt_logprobs, req, item.seq, entries)
             item.seq.num_computed_tokens += item.num_new_tokens
             if not item.samples:
                 continue
@@ -441,6 +461,20 @@ class EngineCore:
         ]
         self._fail_all(faults)
         return outputs
+
+    @staticmethod
+    def _add_prompt_logprobs(req: Request, seq: Sequence, entries: PromptLogprobs) -> None:
+        """Adds the entries of prompt tokens num_computed_tokens + 1 onwards (this step's,
+        before `seq` counts them computed). A sequence recomputing its prompt after a
+        preemption gives again the entries it gave before: those are skipped, so each is
+        delivered once. Complete, the sequence asks for no more (and may read the cache)."""
+        collected = req.prompt_logprobs
+        skip = len(collected) - (seq.num_computed_tokens + 1)
+        if skip < 0:
+            raise RuntimeError(f"prompt logprobs of {req.request_id!r} would skip prompt tokens")
+        collected.extend(entries[skip:])
+        if len(collected) == len(req.prompt_token_ids):
+            seq.prompt_logprobs = None
 
     def _take_samples(self, req: Request, sample: Sample, draws: list[tuple[int, Any]]) -> None:
         targets = [sample, *self._fork_children(req, sample)]

@@ -1,7 +1,8 @@
 """Turns a scheduler plan into tensors, runs one packed forward over the paged cache, samples.
 
 All scheduled tokens of all sequences form one flat batch (`input_ids` [T]); only the last
-token of each sequence that samples goes through the output projection. The attention backend
+token of each sequence that samples goes through the output projection, plus the positions
+whose logits give a prompt's logprobs where a request asks for them. The attention backend
 and the model implementation are chosen once, when the runner is built.
 """
 
@@ -32,6 +33,11 @@ from streamengine.sampler import Sampler, SamplerOutput, SamplingRow
 from streamengine.scheduler import SchedulerOutput
 
 log = logging.getLogger(__name__)
+
+PROMPT_LOGPROBS_ROWS_PER_PASS = 256
+"""Prompt positions whose logits one pass holds at once ([rows, vocab] float32 and its
+log-softmax): bounds their memory whatever the chunk size."""
+PromptLogprobs = list[dict[int, float]]  # per prompt position: {token id: logprob}
 
 
 def select_backend(
@@ -155,6 +161,25 @@ class PackedBatch:
     seq_lens: list[int] = field(default_factory=list)
     block_tables: list[list[int]] = field(default_factory=list)
     logits_indices: list[int] = field(default_factory=list)  # the last token of each sampling sequence
+    prompt_rows: PromptRows | None = None  # positions whose logits give prompt logprobs
+
+
+@dataclass(slots=True)
+class PromptRows:
+    """The positions of one step whose logits give prompt logprobs, in plan order: each row's
+    index in the flat batch, the prompt token it scores (the next one), and how many top
+    alternatives its request wants; `counts` splits the rows by scheduled sequence."""
+
+    indices: list[int] = field(default_factory=list)
+    targets: list[int] = field(default_factory=list)
+    top_k: list[int] = field(default_factory=list)
+    counts: list[int] = field(default_factory=list)
+
+    def add(self, first_index: int, targets: list[int], k: int) -> None:
+        self.indices.extend(range(first_index, first_index + len(targets)))
+        self.targets.extend(targets)
+        self.top_k.extend([k] * len(targets))
+        self.counts.append(len(targets))
 
 
 def pack_batch(plan: SchedulerOutput, block_size: int) -> PackedBatch:
@@ -162,6 +187,10 @@ def pack_batch(plan: SchedulerOutput, block_size: int) -> PackedBatch:
     for item in plan.scheduled:
         seq, start, n = item.seq, item.seq.num_computed_tokens, item.num_new_tokens
         table = seq.block_table
+        if item.num_prompt_logprobs:
+            rows = batch.prompt_rows = batch.prompt_rows or PromptRows()
+            targets = seq.token_ids[start + 1:start + 1 + item.num_prompt_logprobs]
+            rows.add(len(batch.token_ids), targets, seq.prompt_logprobs or 0)
         batch.token_ids.extend(seq.token_ids[start:start + n])
         batch.positions.extend(range(start, start + n))
         batch.slot_mapping.extend(table[p // block_size] * block_size + p % block_size for p in range(start, start + n))
@@ -171,6 +200,26 @@ def pack_batch(plan: SchedulerOutput, block_size: int) -> PackedBatch:
         if item.samples:
             batch.logits_indices.append(len(batch.token_ids) - 1)
     return batch
+
+
+def _logprob_entries(logits: torch.Tensor, targets: list[int], top_k: list[int]) -> PromptLogprobs:
+    """Per row of `logits` [R, vocab]: its top `top_k[r]` tokens' logprobs, then its target's
+    (the order of a sampled token's logprobs: sampler._gather_logprobs)."""
+    logprobs = torch.log_softmax(logits, dim=-1)  # [R, vocab]
+    target_ids = torch.tensor(targets, dtype=torch.int64, device=logits.device)
+    target_lp = logprobs.gather(1, target_ids.unsqueeze(1)).squeeze(1).tolist()  # [R]
+    k_max = max(top_k)
+    top_lp: list[list[float]] = [[] for _ in targets]
+    top_ids: list[list[int]] = [[] for _ in targets]
+    if k_max > 0:
+        values, ids = logprobs.topk(k_max, dim=-1)  # [R, k_max]
+        top_lp, top_ids = values.tolist(), ids.tolist()
+    entries = []
+    for r, (token, k) in enumerate(zip(targets, top_k, strict=True)):
+        entry = dict(zip(top_ids[r][:k], top_lp[r][:k], strict=True))
+        entry.setdefault(token, target_lp[r])
+        entries.append(entry)
+    return entries
 
 
 def attention_metadata(batch: PackedBatch, kv_caches: KVCaches, device: torch.device) -> AttentionMetadata:
@@ -219,14 +268,23 @@ class ModelRunner:
     def execute(
         self, plan: SchedulerOutput, rows: list[SamplingRow], row_sources: list[int],
         beam_sources: list[int] = (), beam_matchers: list[GrammarMatcher | None] = (),
-    ) -> tuple[SamplerOutput, torch.Tensor | None]:
+    ) -> tuple[SamplerOutput, torch.Tensor | None, list[PromptLogprobs]]:
         """Runs one step. The scheduled sequences that sample give one logits row each, in
         plan order; sampling row j draws from logits row `row_sources[j]`; beam-search rows
         get their full log-softmax back instead of a sampled token, masked first by their
-        beam's grammar matcher where `beam_matchers` has one."""
+        beam's grammar matcher where `beam_matchers` has one. Last, the prompt logprobs of
+        each scheduled sequence with `num_prompt_logprobs`, in plan order."""
         self._move_blocks(plan)
         batch = pack_batch(plan, self.block_size)
         hidden = self._forward(batch)  # [T, hidden]
+        prompt = self._prompt_logprobs(hidden, batch.prompt_rows) if batch.prompt_rows else []
+        sampled, beam = self._sample(hidden, batch, rows, row_sources, beam_sources, beam_matchers)
+        return sampled, beam, prompt
+
+    def _sample(
+        self, hidden: torch.Tensor, batch: PackedBatch, rows: list[SamplingRow], row_sources: list[int],
+        beam_sources: list[int], beam_matchers: list[GrammarMatcher | None],
+    ) -> tuple[SamplerOutput, torch.Tensor | None]:
         if not batch.logits_indices:
             return SamplerOutput([], []), None
         logits_indices = torch.tensor(batch.logits_indices, dtype=torch.int64, device=self.device)
@@ -240,6 +298,21 @@ class ModelRunner:
         if row_sources != list(range(len(batch.logits_indices))):
             logits = logits[torch.tensor(row_sources, device=logits.device)]  # [num_rows, vocab]
         return self.sampler(logits, rows, self.generator), beam
+
+    def _prompt_logprobs(self, hidden: torch.Tensor, rows: PromptRows) -> list[PromptLogprobs]:
+        """Each row's {prompt token: logprob} plus its top-k alternatives, split per sequence.
+        The log-softmax is of the model's float32 logits, as for sampled tokens' logprobs (a
+        prompt has no grammar mask, penalties or temperature to apply)."""
+        entries: PromptLogprobs = []
+        for lo in range(0, len(rows.indices), PROMPT_LOGPROBS_ROWS_PER_PASS):
+            hi = lo + PROMPT_LOGPROBS_ROWS_PER_PASS
+            index = torch.tensor(rows.indices[lo:hi], dtype=torch.int64, device=self.device)
+            entries.extend(_logprob_entries(self._logits(hidden[index]).float(), rows.targets[lo:hi], rows.top_k[lo:hi]))
+        out, start = [], 0
+        for count in rows.counts:
+            out.append(entries[start:start + count])
+            start += count
+        return out
 
     def _forward(self, batch: PackedBatch) -> torch.Tensor:
         attn_plan = self.backend.plan(attention_metadata(batch, self.kv_caches, self.device))

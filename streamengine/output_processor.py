@@ -24,7 +24,20 @@ def make_output(req: Request) -> RequestOutput:
         finished=req.finished,
         num_cached_tokens=req.num_cached_tokens,
         metrics=req.metrics.snapshot(),  # later steps stamp the request's own
+        prompt_logprobs=_prompt_logprobs(req),
     )
+
+
+def _prompt_logprobs(req: Request) -> list[dict[int, float] | None] | None:
+    """The prompt's logprobs once all are computed: on every cumulative output (the same list,
+    which no longer changes), on the first delta output only (as vLLM delivers them)."""
+    if not req.prompt_logprobs_ready:
+        return None
+    if req.params.output_kind == "delta":
+        if req.prompt_logprobs_sent:
+            return None
+        req.prompt_logprobs_sent = True
+    return req.prompt_logprobs
 
 
 def _cumulative(sample: Sample) -> CompletionOutput:

@@ -50,7 +50,8 @@ class RequestStream:
 
 def merge_deltas(outputs: list[RequestOutput]) -> RequestOutput:
     """Consecutive delta outputs of one request as one: each sample's text, token ids and
-    logprobs concatenated, its latest finish and stop reason."""
+    logprobs concatenated, its latest finish and stop reason; the prompt logprobs that one of
+    them carried."""
     last = outputs[-1]
     parts: dict[int, list[CompletionOutput]] = {}
     for output in outputs:
@@ -63,6 +64,7 @@ def merge_deltas(outputs: list[RequestOutput]) -> RequestOutput:
         finished=last.finished,
         num_cached_tokens=last.num_cached_tokens,
         metrics=last.metrics,
+        prompt_logprobs=next((o.prompt_logprobs for o in outputs if o.prompt_logprobs is not None), None),
     )
 
 

@@ -68,3 +68,9 @@ class RequestOutput:
     finished: bool
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
     metrics: RequestMetrics | None = None  # when the request reached each stage, as of this output
+    # With SamplingParams.prompt_logprobs: one entry per prompt token, None for the first (it
+    # has no context), else {token id: logprob} of that token and its position's top
+    # alternatives. None unless asked (or when an abort came before the prompt was computed);
+    # "cumulative" outputs all carry it (one list, shared: do not modify it), "delta" outputs
+    # only the first.
+    prompt_logprobs: list[dict[int, float] | None] | None = None

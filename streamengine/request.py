@@ -79,6 +79,10 @@ class Request:
     tenant: str = "default"
     salt_segments: tuple[tuple[int, str | None], ...] = ()  # see pinning.Pins.segments
     pin: Pin | None = None  # a pin_prefix request: its prompt's full blocks are pinned at the end
+    # With params.prompt_logprobs: [None] + an entry per prompt token computed so far (each
+    # once, even when a preempted prompt is computed again); complete at len(prompt_token_ids).
+    prompt_logprobs: list[dict[int, float] | None] | None = None
+    prompt_logprobs_sent: bool = False  # a delta output carried them: later ones do not
     metrics: RequestMetrics = field(init=False)  # stage times, stamped by the core
 
     def __post_init__(self) -> None:
@@ -94,6 +98,12 @@ class Request:
         if self.beam is not None:
             return self.beam.seqs
         return [s.seq for s in self.samples if s.seq is not None]
+
+    @property
+    def prompt_logprobs_ready(self) -> bool:
+        """Every prompt token has its entry (asked for, and the prompt is computed)."""
+        plp = self.prompt_logprobs
+        return plp is not None and len(plp) == len(self.prompt_token_ids)
 
     @property
     def num_cached_tokens(self) -> int:

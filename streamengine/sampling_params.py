@@ -67,6 +67,10 @@ class SamplingParams(msgspec.Struct, kw_only=True, forbid_unknown_fields=True, d
     holds whatever `min_tokens` and `ignore_eos` say (a finished grammar has nothing left to
     add). Stop strings, stop token ids and `max_tokens` still end it early ("length" for
     `max_tokens`), leaving an incomplete output. A spec that does not compile is a GrammarError.
+
+    `prompt_logprobs` asks for the log-probabilities of the prompt's own tokens, each with its
+    position's top `prompt_logprobs` alternatives (RequestOutput.prompt_logprobs). They are
+    computed once per request, whatever `n` or `beam_width`.
     """
 
     n: Annotated[int, _limited(1, MAX_N, "max_n")] = 1
@@ -88,6 +92,9 @@ class SamplingParams(msgspec.Struct, kw_only=True, forbid_unknown_fields=True, d
     ignore_eos: bool = False
     # top logprobs per token; 0 = only the sampled token's
     logprobs: Annotated[int, Meta(ge=0, le=MAX_LOGPROBS)] | None = None
+    # top logprobs per prompt position (vLLM's prompt_logprobs); 0 = only the prompt token's.
+    # The request then computes its whole prompt: it takes no prefix-cache hits.
+    prompt_logprobs: Annotated[int, Meta(ge=0, le=MAX_LOGPROBS)] | None = None
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     # Beam search (beam_width > 1): deterministic; returns the n best finished beams.

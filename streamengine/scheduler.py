@@ -41,10 +41,18 @@ class ScheduledSeq:
     seq: Sequence
     num_new_tokens: int  # compute positions [num_computed_tokens, num_computed_tokens + this)
     samples: bool = False  # reaches the last known token, whose logits give the next one
+    # The first this many positions computed give prompt logprobs: position p's logits give
+    # prompt token p + 1's (only while `seq.prompt_logprobs` asks for them).
+    num_prompt_logprobs: int = 0
 
     @classmethod
     def of(cls, seq: Sequence, num_new_tokens: int) -> ScheduledSeq:
-        return cls(seq, num_new_tokens, seq.num_computed_tokens + num_new_tokens == seq.num_tokens)
+        start = seq.num_computed_tokens
+        end = start + num_new_tokens
+        prompt_rows = 0
+        if seq.prompt_logprobs is not None:
+            prompt_rows = max(0, min(end, seq.num_prompt_tokens - 1) - start)
+        return cls(seq, num_new_tokens, end == seq.num_tokens, prompt_rows)
 
 
 @dataclass(slots=True)
@@ -808,6 +816,8 @@ class Scheduler:
         return self.block_manager.compute_block_hashes(seq)[seq.num_cached_blocks:]
 
     def _waits_for_prefix(self, seq: Sequence, num_hits: int, in_flight: set[bytes]) -> bool:
+        if not seq.reads_prefix_cache:
+            return False  # it would not take those blocks as hits anyway
         limit = (seq.num_tokens - 1) // self.block_manager.block_size  # hits stop there anyway
         return bool(in_flight) and num_hits < limit and seq.block_hashes[num_hits] in in_flight
 

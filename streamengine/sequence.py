@@ -45,6 +45,10 @@ class Sequence:
     # the last segment starting at or before the block's last token, so a block that mixes a
     # shared preamble with private tokens is private. Empty: `cache_salt` for every block.
     salt_segments: tuple[tuple[int, str | None], ...] = ()
+    # Top logprobs per prompt position while its prompt's logprobs are still to compute
+    # (SamplingParams.prompt_logprobs), else None: every prompt position must then run, so the
+    # sequence reads no prefix-cache hits (it still caches its own blocks).
+    prompt_logprobs: int | None = None
 
     def __post_init__(self) -> None:
         if not self.token_ids:
@@ -65,6 +69,11 @@ class Sequence:
     @property
     def num_output_tokens(self) -> int:
         return len(self.token_ids) - len(self.prompt_token_ids)
+
+    @property
+    def reads_prefix_cache(self) -> bool:
+        """False while its prompt's logprobs are wanted: its first step starts at position 0."""
+        return self.prompt_logprobs is None
 
     @property
     def is_finished(self) -> bool:
