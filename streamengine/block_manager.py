@@ -230,7 +230,7 @@ class BlockManager:
         has no blocks yet; they count as computed tokens.
         """
         need = self.num_new_blocks(seq, num_new_tokens, cached)
-        cow = self._needs_copy_on_write(seq, num_new_tokens)
+        cow = self.needs_copy_on_write(seq, num_new_tokens)
         if need + cow + reserve > self._num_available(cached):
             return False
         if cached:
@@ -256,7 +256,7 @@ class BlockManager:
         they count among the free blocks but are no room for the sequence that hits them."""
         return sum(1 for b in cached if b.ref_cnt == 0)
 
-    def _needs_copy_on_write(self, seq: Sequence, num_new_tokens: int) -> bool:
+    def needs_copy_on_write(self, seq: Sequence, num_new_tokens: int) -> bool:
         """True if the next write lands in a block another sequence also references."""
         if num_new_tokens == 0:
             return False
@@ -304,9 +304,10 @@ class BlockManager:
         seq.cpu_block_table = []
         self._release_blocks(seq)
 
-    def _release_blocks(self, seq: Sequence) -> None:
+    def _release_blocks(self, seq: Sequence, start: int = 0) -> None:
+        """Drops `seq`'s references to its blocks from index `start` on, tail first."""
         hashes = seq.block_hashes
-        for i in range(len(seq.block_table) - 1, -1, -1):
+        for i in range(len(seq.block_table) - 1, start - 1, -1):
             block = self.blocks[seq.block_table[i]]
             if block.holders.get(seq.tenant, 0) <= 0:
                 raise RuntimeError(f"double free of block {block.block_id}")
@@ -316,8 +317,8 @@ class BlockManager:
                 self._enqueue_free(block)
             if block.block_hash is None and i < len(hashes):
                 self._touch_free_cached(hashes[i])
-        seq.block_table = []
-        seq.num_cached_blocks = 0
+        seq.block_table = seq.block_table[:start]  # a new list: a plan in flight may hold the old one
+        seq.num_cached_blocks = min(seq.num_cached_blocks, start)
 
     def _evict_owner(self, tenant: str | None) -> str:
         """Whose share of the free cache a block freed by `tenant` counts in."""
@@ -393,17 +394,33 @@ class BlockManager:
     def num_free_cpu_blocks(self) -> int:
         return len(self.cpu_free)
 
+    def num_kept_on_swap(self, seq: Sequence) -> int:
+        """Leading blocks of `seq` that something else holds too (a pin, another sequence):
+        swapping `seq` out keeps its references to them, so they stay on the device, shared.
+        Copying them out would free nothing (the other holders keep them), and coming back
+        into private copies would need more blocks than `seq` ever took: beside a pinned
+        prompt, more than the pool leaves free of pins (the request could never come back)."""
+        kept = 0
+        for block_id in seq.block_table:
+            if self.blocks[block_id].ref_cnt < 2:
+                break
+            kept += 1
+        return kept
+
     def can_swap_out(self, seq: Sequence) -> bool:
-        return 0 < len(seq.block_table) <= len(self.cpu_free)
+        return bool(seq.block_table) and len(seq.block_table) - self.num_kept_on_swap(seq) <= len(self.cpu_free)
 
     def swap_out(self, seq: Sequence) -> list[tuple[int, int]]:
-        """Moves `seq` to the host pool: returns (device block, host block) copies to make
-        before the device blocks are reused. A block shared with another sequence is copied
-        too (the copy is private to `seq`; the device block stays with the other holders)."""
+        """Moves `seq`'s own blocks to the host pool: returns (device block, host block)
+        copies to make before the device blocks are reused. Its leading shared blocks
+        (num_kept_on_swap) stay in `seq.block_table`, held; the rest are in
+        `seq.cpu_block_table`, in order, after them. A shared block past the first private one
+        is copied too (the copy is private to `seq`; the device block stays with the others)."""
         if not self.can_swap_out(seq):
             raise NoFreeBlocksError("not enough free swap blocks")
-        mapping = [(block_id, self.cpu_free.pop()) for block_id in seq.block_table]
-        self._release_blocks(seq)
+        kept = self.num_kept_on_swap(seq)
+        mapping = [(block_id, self.cpu_free.pop()) for block_id in seq.block_table[kept:]]
+        self._release_blocks(seq, kept)
         seq.cpu_block_table = [cpu for _, cpu in mapping]
         return mapping
 
@@ -411,15 +428,16 @@ class BlockManager:
         return len(seq.cpu_block_table) + reserve <= self.num_free_blocks
 
     def swap_in(self, seq: Sequence) -> list[tuple[int, int]]:
-        """Brings `seq` back into fresh device blocks: returns (host block, device block)
-        copies to make before its next forward."""
+        """Brings `seq`'s host blocks back into fresh device blocks behind the shared ones it
+        kept: returns (host block, device block) copies to make before its next forward."""
         if not self.can_swap_in(seq):
             raise NoFreeBlocksError("not enough free KV blocks to swap in")
         mapping = [(cpu, self._pop_free(seq.tenant).block_id) for cpu in seq.cpu_block_table]
         self.cpu_free.extend(reversed(seq.cpu_block_table))
         seq.cpu_block_table = []
-        seq.block_table = [gpu for _, gpu in mapping]
-        seq.num_cached_blocks = 0  # fresh blocks: register their hashes again as they fill
+        seq.block_table = [*seq.block_table, *(gpu for _, gpu in mapping)]
+        # fresh blocks: register their hashes again as they fill
+        seq.num_cached_blocks = min(seq.num_cached_blocks, len(seq.block_table) - len(mapping))
         return mapping
 
     def fork(self, parent: Sequence, child: Sequence) -> None:

@@ -92,7 +92,8 @@ class PreemptionPolicy:
             return False
         if self.mode == "swap" or seq.group_size > 1:
             return True
-        swap = 2 * len(seq.block_table) * self.swap_cost_per_block  # out and back in
+        moved = len(seq.block_table) - block_manager.num_kept_on_swap(seq)  # shared ones stay
+        swap = 2 * moved * self.swap_cost_per_block  # out and back in
         return swap < seq.num_computed_tokens * self.recompute_cost_per_token
 
 
@@ -217,8 +218,22 @@ class Scheduler:
             budget = self._schedule_swapped(out, self.max_num_batched_tokens)
             if not self.swapped:
                 self._schedule_waiting(out, budget, yielded)
+        if not out.scheduled and not self.running and self.swapped:
+            self._recompute_swapped(out, yielded)
         out.blocks_to_copy = self.block_manager.take_pending_copies()
         return out
+
+    def _recompute_swapped(self, out: SchedulerOutput, yielded: list[Sequence]) -> None:
+        """Nothing runs, so no block frees up for the swapped head: the swapped sequences
+        holding the blocks it lacks (shared blocks they kept on the device) recompute instead,
+        newest first, until it swaps in; if it still cannot, it recomputes too, and admission
+        then starts it or `unfittable` names it (its request fails alone). An empty step
+        with work pending is a bookkeeping fault to the engine: it restarts the core."""
+        while not out.scheduled and self.swapped:
+            self._preempt(self.swapped.pop())  # to the head of the line: arrival order kept
+            budget = self._schedule_swapped(out, self.max_num_batched_tokens)
+            if not self.swapped:
+                self._schedule_waiting(out, budget, yielded)
 
     def room_for_one(self) -> int:
         """The blocks one sequence may hold with nothing else running (admission then keeps
@@ -227,16 +242,23 @@ class Scheduler:
 
     def unfittable(self) -> list[Sequence]:
         """Queued sequences that cannot start even in a pool holding nothing else: the blocks
-        their tokens need, less the pinned blocks they hit, pass `room_for_one`. Only pins
+        their tokens need, less the pinned blocks they hit (waiting) or hold (swapped: those
+        stay on the device, BlockManager.num_kept_on_swap), pass `room_for_one`. Only pins
         made after they arrived leave a sequence so (EngineCore refuses it otherwise)."""
         bm = self.block_manager
         room = self.room_for_one()
         stuck = []
         for seq in [*self.waiting, *self.swapped]:
-            pinned_hits = sum(1 for block in bm.find_cached_blocks(seq) if block.pins)
-            if bm.blocks_needed(seq.num_tokens) - pinned_hits > room:
+            if bm.blocks_needed(seq.num_tokens) - self._num_pinned_held(seq) > room:
                 stuck.append(seq)
         return stuck
+
+    def _num_pinned_held(self, seq: Sequence) -> int:
+        """Pinned blocks that queued `seq` holds (swapped) or will hit (waiting)."""
+        bm = self.block_manager
+        if seq.status is SequenceStatus.SWAPPED:
+            return sum(1 for block_id in seq.block_table if bm.blocks[block_id].pins)
+        return sum(1 for block in bm.find_cached_blocks(seq) if block.pins)
 
     def _num_new_tokens(self, seq: Sequence, num_computed: int, budget: int) -> int:
         """How many of `seq`'s tokens past `num_computed` to compute this step."""
@@ -678,8 +700,11 @@ class Scheduler:
         while self.swapped and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.swapped[0]
             n = self._num_new_tokens(seq, seq.num_computed_tokens, budget)
-            need = bm.blocks_needed(seq.num_tokens) - len(seq.cpu_block_table)
-            reserve = max(0, need) + (self.watermark_blocks if self.running else 0)
+            # Beside its host blocks: the blocks its known tokens grow into, and a copy of a
+            # kept partial block that another holder shares (the first write copies it).
+            grow = bm.blocks_needed(seq.num_tokens) - len(seq.block_table) - len(seq.cpu_block_table)
+            need = max(0, grow) + bm.needs_copy_on_write(seq, n)
+            reserve = need + (self.watermark_blocks if self.running else 0)
             if not bm.can_swap_in(seq, reserve=reserve):
                 break
             self.swapped.pop(0)

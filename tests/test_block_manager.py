@@ -627,22 +627,72 @@ def test_swap_out_and_in_move_blocks_between_pools() -> None:
     bm = BlockManager(6, BS, num_cpu_blocks=3)
     a = make_seq(0, list(range(6)))
     prefill(bm, a)  # blocks 0 (hashed), 1
+    assert bm.can_swap_out(a)
+    assert bm.swap_out(a) == [(0, 0), (1, 1)]  # (device, host): its own blocks all go
+    assert a.block_table == [] and a.cpu_block_table == [0, 1] and a.num_computed_tokens == 6
+    assert refs(bm) == [0] * 6 and bm.num_free_cpu_blocks == 1
+    b = make_seq(1, list(range(50, 58)))
+    prefill(bm, b)
+    assert not bm.can_swap_out(b)  # 2 blocks, 1 host block left
+    before = (list(b.block_table), bm.num_free_cpu_blocks)
+    with pytest.raises(NoFreeBlocksError):
+        bm.swap_out(b)
+    assert (b.block_table, bm.num_free_cpu_blocks) == before
+    assert bm.can_swap_in(a, reserve=2) and not bm.can_swap_in(a, reserve=3)  # 4 free
+    mapping = bm.swap_in(a)  # fresh device blocks, host blocks returned
+    assert [cpu for cpu, _ in mapping] == [0, 1] and a.block_table == [dev for _, dev in mapping]
+    assert a.cpu_block_table == [] and a.num_cached_blocks == 0 and bm.num_free_cpu_blocks == 3
+    for s in (a, b):
+        bm.free(s)
+    assert bm.num_free_blocks == 6
+
+
+def test_swap_keeps_the_leading_shared_blocks_on_the_device() -> None:
+    """A block another sequence holds too stays where it is, held by the swapped sequence:
+    copying it out would free nothing, and it would come back as a private copy."""
+    bm = BlockManager(8, BS, num_cpu_blocks=3)
+    a = make_seq(0, list(range(6)))
+    prefill(bm, a)  # blocks 0 (hashed), 1
     child = make_seq(1, list(range(6)))
     bm.fork(a, child)
-    assert bm.can_swap_out(a)
-    assert bm.swap_out(a) == [(0, 0), (1, 1)]  # the shared blocks stay with the child
-    assert a.block_table == [] and a.cpu_block_table == [0, 1] and a.num_computed_tokens == 6
-    assert refs(bm)[:2] == [1, 1] and bm.num_free_cpu_blocks == 1
-    assert not bm.can_swap_out(child)  # 2 blocks, 1 host block left
-    with pytest.raises(NoFreeBlocksError):
-        bm.swap_out(child)
-    assert child.block_table == [0, 1] and bm.num_free_cpu_blocks == 1
-    assert bm.can_swap_in(a, reserve=2) and not bm.can_swap_in(a, reserve=3)  # 4 free
-    assert bm.swap_in(a) == [(0, 2), (1, 3)]  # fresh device blocks, host blocks returned
-    assert a.block_table == [2, 3] and a.cpu_block_table == [] and a.num_cached_blocks == 0
-    assert bm.num_free_cpu_blocks == 3
-    for s in (a, child):
-        bm.free(s)
+    append_token(bm, child, 100)  # the child's write copies the shared partial block 1 into 2
+    for token in (101, 102, 103):
+        append_token(bm, a, token)  # a fills block 1, then takes block 3
+    assert a.block_table == [0, 1, 3] and child.block_table == [0, 2]
+    assert bm.num_kept_on_swap(a) == 1
+    assert bm.swap_out(a) == [(1, 0), (3, 1)]
+    assert a.block_table == [0] and a.cpu_block_table == [0, 1] and refs(bm)[:4] == [2, 0, 1, 0]
+    twin = make_seq(2, list(range(6)) + [100])
+    bm.fork(child, twin)
+    assert bm.num_kept_on_swap(twin) == 2 and bm.swap_out(twin) == []  # all shared: nothing moves
+    assert twin.block_table == [0, 2] and twin.cpu_block_table == [] and refs(bm)[:3] == [3, 0, 2]
+    bm.free(child)
+    bm.free(twin)
+    assert refs(bm)[:4] == [1, 0, 0, 0]  # a alone holds block 0 now
+    assert bm.can_swap_in(a, reserve=5) and not bm.can_swap_in(a, reserve=6)  # 7 free
+    mapping = bm.swap_in(a)
+    assert [cpu for cpu, _ in mapping] == [0, 1] and a.block_table == [0, *(dev for _, dev in mapping)]
+    assert a.cpu_block_table == [] and bm.num_free_cpu_blocks == 3
+    bm.free(a)
+    assert bm.num_free_blocks == 8
+
+
+def test_pinned_blocks_stay_on_the_device_across_swap() -> None:
+    bm = BlockManager(6, BS, num_cpu_blocks=4)
+    system = make_seq(0, list(range(8)))
+    prefill(bm, system)
+    bm.pin_blocks([0, 1])
+    bm.free(system)
+    a = make_seq(1, list(range(8)) + [50, 51])
+    prefill(bm, a, bm.find_cached_blocks(a))  # both pinned blocks hit, block 2 for the rest
+    assert a.block_table == [0, 1, 2]
+    assert bm.swap_out(a) == [(2, 0)]
+    assert a.block_table == [0, 1] and refs(bm)[:3] == [2, 2, 0] and bm.num_free_blocks == 4
+    bm.unpin_blocks([0, 1])  # a still holds them: they stay
+    assert refs(bm)[:3] == [1, 1, 0] and bm.num_free_blocks == 4
+    mapping = bm.swap_in(a)
+    assert [cpu for cpu, _ in mapping] == [0] and a.block_table == [0, 1, mapping[0][1]]
+    bm.free(a)
     assert bm.num_free_blocks == 6
 
 
@@ -863,11 +913,13 @@ class BlockManagerMachine(RuleBasedStateMachine):
             assert self._snapshot(seq) == before
             return
         table = list(seq.block_table)
+        kept = self.bm.num_kept_on_swap(seq)
+        assert all(self.bm.blocks[b].ref_cnt > 1 for b in table[:kept])
         mapping = self.bm.swap_out(seq)
-        assert [dev for dev, _ in mapping] == table
+        assert [dev for dev, _ in mapping] == table[kept:]
         for dev, cpu in mapping:  # the runner copies before the device blocks are reused
             self.cpu_store[cpu] = list(self.store[dev])
-        assert seq.block_table == [] and seq.cpu_block_table == [cpu for _, cpu in mapping]
+        assert seq.block_table == table[:kept] and seq.cpu_block_table == [cpu for _, cpu in mapping]
         self.live.remove(seq)
         self.swapped.append(seq)
 
@@ -877,12 +929,12 @@ class BlockManagerMachine(RuleBasedStateMachine):
         seq = data.draw(st.sampled_from(self.swapped))
         if not self.bm.can_swap_in(seq):
             return
-        host = list(seq.cpu_block_table)
+        host, kept = list(seq.cpu_block_table), list(seq.block_table)
         mapping = self.bm.swap_in(seq)
         assert [cpu for cpu, _ in mapping] == host
         for cpu, dev in mapping:
             self.store[dev] = list(self.cpu_store[cpu])
-        assert seq.block_table == [dev for _, dev in mapping] and seq.cpu_block_table == []
+        assert seq.block_table == kept + [dev for _, dev in mapping] and seq.cpu_block_table == []
         self.swapped.remove(seq)
         self.live.append(seq)
 
@@ -893,9 +945,9 @@ class BlockManagerMachine(RuleBasedStateMachine):
         if self.bm is None:
             return
         counts = [0] * self.bm.num_blocks
-        for seq in self.live:
+        for seq in self.live + self.swapped:  # a swapped one keeps its leading shared blocks
             assert len(set(seq.block_table)) == len(seq.block_table), "block twice in a table"
-            assert len(seq.block_table) == self.bm.blocks_needed(seq.num_computed_tokens)
+            assert len(seq.block_table) + len(seq.cpu_block_table) == self.bm.blocks_needed(seq.num_computed_tokens)
             for block_id in seq.block_table:
                 counts[block_id] += 1
         assert refs(self.bm) == counts
@@ -908,12 +960,12 @@ class BlockManagerMachine(RuleBasedStateMachine):
         assert sorted(owned + self.bm.cpu_free) == list(range(self.bm.num_cpu_blocks))
         assert self.bm.num_free_cpu_blocks == len(self.bm.cpu_free)
         bs = self.bm.block_size
-        for seq in self.swapped:
-            assert seq.block_table == []
-            assert len(seq.cpu_block_table) == self.bm.blocks_needed(seq.num_computed_tokens)
+        for seq in self.swapped:  # its kept blocks on the device, then the host ones
+            kept = len(seq.block_table)
             for pos in range(seq.num_computed_tokens):
-                got = self.cpu_store[seq.cpu_block_table[pos // bs]][pos % bs]
-                assert got == (seq.cache_salt, tuple(seq.token_ids[: pos + 1]))
+                i = pos // bs
+                block = self.store[seq.block_table[i]] if i < kept else self.cpu_store[seq.cpu_block_table[i - kept]]
+                assert block[pos % bs] == (seq.cache_salt, tuple(seq.token_ids[: pos + 1]))
         for seq in self.live:
             assert seq.cpu_block_table == []
 

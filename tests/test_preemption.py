@@ -122,3 +122,39 @@ async def test_swap_restores_a_float16_cache_exactly(tiny_llama_dir):
     assert outs == free
     assert stats["num_swap_outs"] > 0
     assert stats["num_swap_blocks_free"] == stats["num_swap_blocks"] == 128  # float16: twice the blocks
+
+
+# -- swap preemption beside a pinned prefix ----------------------------------------------------
+
+SYSTEM = list(range(1000, 1128))  # 8 blocks: half of a 16-block pool, pinned for tenant a
+
+
+async def _tokens(engine, prompt, params, tenant):
+    out = [o async for o in engine.generate(prompt, params, tenant=tenant)][-1]
+    return [c.token_ids for c in out.outputs]
+
+
+@pytest.mark.parametrize(("mode", "n", "num_requests"), [("swap", 1, 2), ("auto", 2, 1), ("auto", 2, 2)])
+async def test_swap_beside_a_pinned_prefix_serves_everyone(tiny_llama_dir, mode, n, num_requests):
+    """Requests opening with tenant a's pinned system prompt need more blocks in all (16) than
+    the pool leaves beside the pin (8): they are admitted on the credit of their pinned hit,
+    and preempted by swap ("auto" swaps every n >= 2 sample) when they outgrow the pool
+    together. Before the fix swap-out copied the pinned blocks to the host and swap-in wanted
+    private device blocks for all of them, more than the pool minus the pin: nothing ran, the
+    step was empty, and the core restarted, failing every request in flight (tenant b's too)."""
+    cfg = EngineConfig(model=str(tiny_llama_dir), num_gpu_blocks=16, preemption_mode=mode,
+                       swap_space_bytes=swap_bytes(tiny_llama_dir, 64))
+    wide = SamplingParams(n=n, temperature=0.8, seed=1, max_tokens=100, ignore_eos=True)
+    small = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)
+    async with AsyncEngine(cfg) as engine:
+        await engine.pin_prefix(SYSTEM, tenant="a")
+        prompts = [SYSTEM + list(range(2000 + 16 * i, 2016 + 16 * i)) for i in range(num_requests)]
+        results = await asyncio.gather(
+            *(_tokens(engine, p, wide, "a") for p in prompts), _tokens(engine, [5, 6, 7], small, "b"),
+        )
+        s = engine.stats()
+        assert engine.health()["num_restarts"] == 0
+    assert s["num_swap_outs"] > 0
+    assert [[len(t) for t in r] for r in results] == [[100] * n] * num_requests + [[30]]
+    assert s["num_free_blocks"] == 16 - 8 and s["num_pinned_blocks"] == 8
+    assert s["num_swap_blocks_free"] == s["num_swap_blocks"] == 64

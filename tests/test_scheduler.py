@@ -83,15 +83,20 @@ class Sim:
             assert item.samples == (end == seq.num_tokens)
             assert len(seq.block_table) == self.bm.blocks_needed(end)  # every slot allocated
         for seq in out.preempted:
-            assert seq not in sched.running and seq.block_table == []
+            assert seq not in sched.running
+            if seq.status is SequenceStatus.WAITING:
+                assert seq.block_table == []
 
     def check_refcounts(self) -> None:
         counts = [self.bm.pin_count(i) for i in range(self.bm.num_blocks)]
-        for seq in self.sched.running:
+        for seq in [*self.sched.running, *self.sched.swapped]:  # a swapped one keeps its shared head
             for block_id in seq.block_table:
                 counts[block_id] += 1
-        for seq in [*self.sched.waiting, *self.sched.swapped]:
+        for seq in self.sched.waiting:
             assert seq.block_table == []
+        for seq in self.sched.swapped:
+            assert all(self.bm.blocks[b].ref_cnt >= 1 for b in seq.block_table)
+            assert len(seq.block_table) + len(seq.cpu_block_table) == self.bm.blocks_needed(seq.num_computed_tokens)
         assert [b.ref_cnt for b in self.bm.blocks] == counts
         assert self.bm.num_free_blocks == counts.count(0)
 
@@ -541,6 +546,72 @@ def test_a_swapped_sequence_that_needs_the_whole_pool_comes_back() -> None:
     assert out.preempted == [b] and b.status is SequenceStatus.SWAPPED and a.is_finished
     sim.run(max_steps=10)
     assert b.is_finished
+
+
+def pin_prompt(sim: Sim, prompt: list[int]) -> list[int]:
+    """Computes `prompt` and pins its full blocks, as EngineCore.pin_prefix does."""
+    seq = sim.add(prompt, max_tokens=1)
+    sim.run()
+    ids = sim.bm.cached_block_ids(sim.bm.compute_block_hashes(seq)[: len(prompt) // sim.bm.block_size])
+    sim.bm.pin_blocks(ids)
+    return ids
+
+
+def test_pinned_blocks_stay_shared_across_swap() -> None:
+    """a and b open with a 2-block pinned prompt; each needs 8 blocks in all, 6 beside the pin
+    (the pool leaves exactly 6). Swapped out, b keeps its references to the pinned blocks and
+    copies out only its own; it comes back into 5 fresh blocks. Before the fix the pinned
+    blocks went to the host too and b wanted 8 private blocks to come back: it never could,
+    and the plan was empty once a finished."""
+    sim = Sim(8, policy=PreemptionPolicy(mode="swap"), num_cpu_blocks=8)
+    assert pin_prompt(sim, tokens(8)) == [0, 1]
+    a = sim.add(tokens(8) + [50, 51], max_tokens=22)  # 32 tokens: 8 blocks
+    b = sim.add(tokens(8) + [60, 61], max_tokens=22)
+    out = run_until_preemption(sim)
+    assert out.preempted == [b] and b.status is SequenceStatus.SWAPPED
+    assert b.num_computed_tokens == 20 and b.block_table == [0, 1]  # the pinned blocks stay, held by b
+    assert out.blocks_to_swap_out == [(3, 0), (5, 1), (7, 2)] and b.cpu_block_table == [0, 1, 2]
+    assert [sim.bm.blocks[i].ref_cnt for i in (0, 1)] == [3, 3]  # the pin, a and b
+    assert sim.sched.unfittable() == []
+    outs = sim.run()
+    assert [o.blocks_to_swap_in for o in outs if o.blocks_to_swap_in] == [[(0, 3), (1, 5), (2, 7)]]
+    assert a.num_output_tokens == b.num_output_tokens == 22
+    assert sim.bm.num_free_blocks == 6 and [sim.bm.blocks[i].ref_cnt for i in (0, 1)] == [1, 1]
+    assert sim.bm.num_free_cpu_blocks == 8
+
+
+def swapped_out(sim: Sim, seq: Sequence, fork_into: Sequence | None = None) -> None:
+    """Computes all of waiting `seq`'s tokens (forking its blocks into `fork_into`, which
+    then holds them too), samples one more token, and swaps `seq` out."""
+    sim.sched.waiting.remove(seq)
+    assert sim.bm.allocate_slots(seq, seq.num_tokens)
+    seq.num_computed_tokens = seq.num_tokens
+    if fork_into is not None:
+        sim.bm.fork(seq, fork_into)
+    seq.token_ids.append(1000 + seq.seq_id)
+    sim.sched._swap_out(seq, SchedulerOutput())
+
+
+def test_a_swapped_head_kept_out_by_the_shared_blocks_of_a_later_one_takes_them_back() -> None:
+    """Nothing runs; q (7 blocks) heads the swapped line, and s behind it holds 2 blocks on
+    the device that it kept when swapped out (shared then with a sibling, since ended): 6
+    are free, q cannot come back, and nothing will free a block. s recomputes instead (to
+    the head of the waiting line), and q swaps in: the plan is not empty."""
+    sim = Sim(8, policy=PreemptionPolicy(mode="swap"), num_cpu_blocks=16)
+    q = sim.add(tokens(27), max_tokens=3)
+    s = sim.add(tokens(8, 50), max_tokens=3)
+    sibling = Sequence(99, s.request_id, tokens(8, 50), arrival_time=s.arrival_time)
+    swapped_out(sim, q)
+    swapped_out(sim, s, fork_into=sibling)
+    assert q.cpu_block_table == [0, 1, 2, 3, 4, 5, 6] and s.block_table == [0, 1] and s.cpu_block_table == []
+    sim.bm.free(sibling)
+    assert sim.bm.num_free_blocks == 6 and sim.sched.swapped == [q, s] and not sim.sched.running
+    out = sim.step()
+    assert out.preempted == [] and [(i.seq, i.num_new_tokens) for i in out.scheduled] == [(q, 1)]
+    assert len(out.blocks_to_swap_in) == 7 and q.status is SequenceStatus.RUNNING
+    assert s.status is SequenceStatus.WAITING and s.num_computed_tokens == 0 and list(sim.sched.waiting) == [s]
+    sim.run()
+    assert q.num_output_tokens == s.num_output_tokens == 3 and sim.bm.num_free_blocks == 8
 
 
 def test_idle_running_sequences_yield_blocks_to_a_waiting_one() -> None:
