@@ -147,6 +147,8 @@ class Scheduler:
         # step has no pool to split between them (_split_pool skips its scan).
         self._num_prefilling_tenants = 0
         self._prefill_slices: dict[str, int] = {}
+        # The waiting sequence whose admission the pool refused last this step (unfittable).
+        self._refused: Sequence | None = None
 
     def add(self, seq: Sequence) -> None:
         seq.status = SequenceStatus.WAITING
@@ -194,6 +196,7 @@ class Scheduler:
 
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
+        self._refused = None
         self.share.start_step()
         self._count_prefills()
         budget = self.max_num_batched_tokens - self._serve_underserved(out)
@@ -251,6 +254,11 @@ class Scheduler:
         for seq in [*self.waiting, *self.swapped]:
             if bm.blocks_needed(seq.num_tokens) - self._num_pinned_held(seq) > room:
                 stuck.append(seq)
+        if not stuck and self._refused in self.waiting and not (self.running or self.swapped):
+            # The pool held nothing but pins and free cached blocks, and still refused it: it
+            # cannot start, whatever the count above says (a safety net: failing it alone
+            # beats an empty step, which restarts the core and fails every request).
+            stuck.append(self._refused)
         return stuck
 
     def _num_pinned_held(self, seq: Sequence) -> int:
@@ -604,6 +612,7 @@ class Scheduler:
         start = len(cached) * bm.block_size
         n = self._num_new_tokens(seq, start, budget)
         if not bm.allocate_slots(seq, n, cached, reserve=self.watermark_blocks if self.running else 0):
+            self._refused = seq
             return 0
         self.waiting.remove(seq)
         self._admit(out, seq, n, start)
@@ -737,6 +746,7 @@ class Scheduler:
             n = self._num_new_tokens(seq, len(cached) * bm.block_size, budget)
             reserve = self.watermark_blocks if self.running else 0
             if not bm.allocate_slots(seq, n, cached, reserve=reserve):
+                self._refused = seq
                 break  # FCFS: nobody overtakes the head of the line for blocks
             del self.waiting[i]
             self._admit(out, seq, n, len(cached) * bm.block_size)

@@ -8,6 +8,7 @@ import asyncio
 import pytest
 
 from streamengine import AsyncEngine, EngineConfig, SamplingParams
+from streamengine.errors import RequestFailedError
 from streamengine.kv_cache import kv_bytes_per_block
 
 PROMPTS = [f"Request number {i} asks about {'many things ' * (i % 3 + 1)}" for i in range(6)]
@@ -158,3 +159,23 @@ async def test_swap_beside_a_pinned_prefix_serves_everyone(tiny_llama_dir, mode,
     assert [[len(t) for t in r] for r in results] == [[100] * n] * num_requests + [[30]]
     assert s["num_free_blocks"] == 16 - 8 and s["num_pinned_blocks"] == 8
     assert s["num_swap_blocks_free"] == s["num_swap_blocks"] == 64
+
+
+async def test_a_request_the_emptiest_pool_refuses_fails_alone(tiny_llama_dir, monkeypatch):
+    """Whatever makes a pool holding nothing else refuse a request (here its allocations are
+    made to fail; unfittable()'s count of blocks sees nothing wrong), it fails alone once the
+    step would be empty. Before the fix the empty step restarted the core, failing the
+    request in flight beside it too."""
+    async with AsyncEngine(EngineConfig(model=str(tiny_llama_dir), num_gpu_blocks=16)) as engine:
+        bm = engine.core.block_manager
+        allocate = bm.allocate_slots
+        monkeypatch.setattr(bm, "allocate_slots", lambda seq, *a, **k: seq.request_id != "doomed" and allocate(seq, *a, **k))
+        params = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)
+        other = asyncio.ensure_future(_tokens(engine, [5, 6, 7], params, "b"))
+        await asyncio.sleep(0)  # queued first
+        with pytest.raises(RequestFailedError, match="no longer fits in the KV pool"):
+            async for _ in engine.generate([8, 9, 10], params, request_id="doomed", tenant="a"):
+                pass
+        assert [len(t) for t in await other] == [30]
+        assert engine.health()["num_restarts"] == 0
+        assert engine.stats()["num_free_blocks"] == 16
