@@ -26,6 +26,7 @@ import torch
 from llguidance.gbnf_to_lark import GbnfToLarkError, gbnf_to_lark
 
 from streamengine.errors import GrammarError
+from streamengine.json_schema import normalize_schema
 from streamengine.structured_params import (
     JSON_LAYOUT,
     Choice,
@@ -215,6 +216,7 @@ def grammar_text(spec: StructuredOutput) -> str:
         if spec.schema is False:
             raise ValueError("the JSON schema false allows no value")
         schema = spec.schema if isinstance(spec.schema, dict) else {}  # true: any value
+        schema = normalize_schema(schema, strict=spec.strict is not False)
         return llguidance.LLMatcher.grammar_from_json_schema(schema, defaults=JSON_LAYOUT)
     if isinstance(spec, JsonObject):
         return llguidance.LLMatcher.grammar_from_json_schema({"type": "object"}, defaults=JSON_LAYOUT)

@@ -4,7 +4,8 @@ No torch and no llguidance here: the server validates a client's spec with this 
 streamengine/grammar.py compiles it. A spec is given as `SamplingParams.structured`, as a
 Struct or as a JSON-like dict whose `"type"` names the kind:
 
-    {"type": "json_schema", "schema": {...}}        any JSON Schema (or true / false)
+    {"type": "json_schema", "schema": {...}}        any JSON Schema (or true / false);
+                                                    "strict": false allows unnamed properties
     {"type": "json_object"}                         any JSON object
     {"type": "regex", "pattern": "\\d+"}            the whole output matches the pattern
     {"type": "choice", "choices": ["yes", "no"]}    the output is one of the strings
@@ -28,8 +29,13 @@ class _Spec(msgspec.Struct, tag_field="type", forbid_unknown_fields=True, frozen
     pass
 
 
-class JsonSchema(_Spec, tag="json_schema"):
+class JsonSchema(_Spec, tag="json_schema", omit_defaults=True):
+    """A JSON Schema, held as json_schema.py describes: with `strict` absent or true, objects
+    refuse the properties they do not name unless they allow them explicitly; with `strict`
+    false, JSON Schema's own defaults (other properties allowed)."""
+
     schema: dict[str, Any] | bool
+    strict: bool | None = None
 
 
 class JsonObject(_Spec, tag="json_object"):

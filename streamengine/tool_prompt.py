@@ -12,7 +12,7 @@ an output to such a call: of one named function, or of any of the tools (tool_ch
 "required"). The server wraps it into the `grammar` structured output.
 
 Functions here take OpenAI's shapes as plain dicts: a tool's function is `{"name",
-"description", "parameters"}`; a message may carry `tool_calls` (`[{"id", "function": {"name",
+"description", "parameters", "strict"}`; a message may carry `tool_calls` (`[{"id", "function": {"name",
 "arguments"}}]`, arguments as JSON text) or, for role "tool", `tool_call_id`.
 """
 
@@ -21,6 +21,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
+from streamengine.json_schema import normalize_schema
 from streamengine.structured_params import JSON_LAYOUT
 from streamengine.tool_calls import HERMES_CLOSE, HERMES_OPEN
 
@@ -44,7 +45,9 @@ def template_renders_tools(chat_template: str | None) -> bool:
 
 def tools_system_text(functions: list[dict[str, Any]]) -> str:
     """The system-message block that lists the tools and says how to call them."""
-    lines = [json.dumps({"type": "function", "function": f}, ensure_ascii=False) for f in functions]
+    # "strict" is how the server holds the arguments to the schema, nothing the model needs to read.
+    shown = [{k: v for k, v in f.items() if k != "strict"} for f in functions]
+    lines = [json.dumps({"type": "function", "function": f}, ensure_ascii=False) for f in shown]
     return _TOOLS_PREAMBLE + "<tools>\n" + "\n".join(lines) + "\n</tools>\n" + _TOOLS_INSTRUCTIONS
 
 
@@ -117,7 +120,8 @@ def tool_call_lark(functions: list[dict[str, Any]], *, parallel: bool = False) -
     """Lark grammar of `<tool_call>` blocks calling one of `functions` with valid arguments.
 
     One call, or with `parallel` one or more separated by newlines. A named tool_choice passes
-    that one function.
+    that one function. Each function's parameters are held to its schema as json_schema.py
+    says, strictly unless the function says `"strict": false`.
     """
     if not functions:
         raise ValueError("a forced tool call needs at least one tool")
@@ -137,7 +141,9 @@ _DEFINITIONS = ("$defs", "definitions")
 
 
 def _call_schema(function: dict[str, Any]) -> dict[str, Any]:
-    parameters = function.get("parameters") or _ANY_OBJECT
+    # Held as a json_schema response format is (json_schema.py): unnamed arguments refused
+    # unless the function says "strict": false or its schema allows them.
+    parameters = normalize_schema(function.get("parameters") or _ANY_OBJECT, strict=function.get("strict") is not False)
     # The parser reads only an object as a call's arguments; a schema that does not say
     # "type": "object" (say, just properties and required) also allows strings, arrays and
     # false, which would make a forced call come back as content. One whose type excludes

@@ -63,7 +63,8 @@ def plan_tools(tools: Sequence[Any], choice: Any, *, parallel: bool, parser_name
 
 def _function_dict(function: Any) -> dict[str, Any]:
     """A tool's function as tool_prompt.py takes it (fields that are not given left out)."""
-    fields = {"name": function.name, "description": function.description, "parameters": function.parameters}
+    fields = {"name": function.name, "description": function.description, "parameters": function.parameters,
+              "strict": function.strict}
     return {key: value for key, value in fields.items() if value is not None}
 
 

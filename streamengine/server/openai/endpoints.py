@@ -285,7 +285,8 @@ def _response_format(response_format: s.ResponseFormat | None) -> dict[str, Any]
     if schema is None:
         raise OpenAIError(400, "response_format of type json_schema needs json_schema.schema",
                           param="response_format.json_schema.schema")
-    return {"type": "json_schema", "schema": schema}
+    strict = response_format.json_schema.strict  # None or true: unnamed properties refused
+    return {"type": "json_schema", "schema": schema, "strict": strict}
 
 
 def _message_dict(message: s.ChatMessage, i: int) -> dict[str, Any]:
