@@ -11,7 +11,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from streamengine import EngineConfig, SamplingParams
+from streamengine import AsyncEngine, EngineConfig, SamplingParams
 from streamengine.core import EngineCore
 from streamengine.output_stream import merge_deltas
 from streamengine.outputs import RequestOutput
@@ -169,6 +169,15 @@ def test_delta_outputs_carry_them_once_on_the_first(base_core, reference):
     assert merge_deltas(outs[1:]).prompt_logprobs is None
 
 
+async def test_the_async_engine_streams_them(tiny_llama_dir, reference):
+    async with AsyncEngine(EngineConfig(model=str(tiny_llama_dir), num_gpu_blocks=64, max_prefill_chunk=16)) as engine:
+        ids = engine.tokenizer(PROMPT).input_ids
+        params = greedy(prompt_logprobs=1, output_kind="delta")
+        outs = [out async for out in engine.generate(PROMPT, params)]
+    assert [o.prompt_logprobs is not None for o in outs] == [True] + [False] * (len(outs) - 1)
+    assert_matches(outs[0].prompt_logprobs, ids, reference(ids), k=1)
+
+
 def test_a_recompute_preemption_mid_prompt_delivers_each_entry_once(base_core, reference):
     core = make_core(base_core, max_prefill_chunk=8, max_num_batched_tokens=8)
     ids = core.intake.prompt_ids(PROMPT)
@@ -186,6 +195,32 @@ def test_a_recompute_preemption_mid_prompt_delivers_each_entry_once(base_core, r
     assert_matches(outs[0].prompt_logprobs, ids, reference(ids), k=3)
 
 
+@pytest.mark.parametrize("mode", ["recompute", "swap"])
+def test_memory_pressure_changes_nothing(base_core, reference, mode):
+    """Three prompts that do not fit the pool side by side: preemptions happen, and each
+    request still gets its prompt logprobs, delivered as alone, and the tokens it gets alone."""
+    params = [greedy(prompt_logprobs=2), greedy(prompt_logprobs=0, output_kind="delta"), greedy()]
+    prompts = [PROMPT, PROMPT[::-1], PROMPT.upper()]
+    for p in params:
+        p.max_tokens = 30
+    alone = [run(make_core(base_core), {"r": (t, p)})["r"] for t, p in zip(prompts, params, strict=True)]
+    swap = {"swap_space_bytes": 2**22} if mode == "swap" else {}
+    core = EngineCore(EngineConfig(model=base_core.config.model, num_gpu_blocks=10, preemption_mode=mode,
+                                   max_prefill_chunk=16, **swap), loaded=base_core.loaded)
+    busy = run(core, {f"r{i}": (t, p) for i, (t, p) in enumerate(zip(prompts, params, strict=True))})
+    assert core.scheduler.num_preemptions > 0
+    assert (core.scheduler.num_swap_outs > 0) == (mode == "swap")
+    for i, want in enumerate(alone):
+        got = busy[f"r{i}"]
+        assert [o.prompt_logprobs is None for o in got] == [o.prompt_logprobs is None for o in want]
+        assert sum(o.prompt_logprobs is not None for o in got) == [len(got), 1, 0][i]
+        if params[i].prompt_logprobs is not None:
+            ids = got[0].prompt_token_ids
+            assert_matches(got[0].prompt_logprobs, ids, reference(ids), k=params[i].prompt_logprobs)
+        final = merge_deltas(got) if i == 1 else got[-1]
+        assert final.outputs[0].token_ids == (merge_deltas(want) if i == 1 else want[-1]).outputs[0].token_ids
+
+
 def test_batch_mates_are_unaffected(base_core):
     plain = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True, logprobs=3)
     alone = run(make_core(base_core), {"b": ("Hello there, how are", plain)})["b"][-1]
@@ -196,8 +231,8 @@ def test_batch_mates_are_unaffected(base_core):
     assert mate.prompt_logprobs is None
     assert mate.outputs[0].token_ids == alone.outputs[0].token_ids
     for got, want in zip(mate.outputs[0].logprobs, alone.outputs[0].logprobs, strict=True):
-        assert got.keys() == want.keys()
-        assert all(math.isclose(got[t], want[t], abs_tol=TOL) for t in got)
+        # by value: a near tie may rank two ids either way in batches of other shapes
+        assert torch.allclose(torch.tensor(sorted(got.values())), torch.tensor(sorted(want.values())), atol=TOL)
     # and asking changes nothing the request generates
     asked = together["a"][-1].outputs[0].token_ids
     assert asked == run(make_core(base_core), {"a": (PROMPT, greedy())})["a"][-1].outputs[0].token_ids
