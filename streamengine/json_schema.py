@@ -45,9 +45,10 @@ FORMAT_PATTERNS = {f"uuid{version}": _UUID % version for version in "12345678"}
 """Formats llguidance does not know that are enforced as a `pattern` instead (when the schema
 gives none): pydantic's UUID1..UUID8 write them, and validate the version and the variant."""
 
-MAX_OPEN_COPIES = 256
-"""Most open copies of definitions one schema may need (`allOf` parts that are `$ref`s): bounds
-what a schema of chained compositions can make the normalizer build."""
+MAX_ADDED_NODES = 20_000
+"""Most subschemas normalizing may add (names listed beside the ones they close, open copies of
+definitions): compositions multiply them (an allOf of two 100-way anyOfs lists 200 names in
+each of its 200 branches), and this bounds what one schema can make the walk and llguidance do."""
 
 _DEFINITIONS = ("$defs", "definitions")
 _OPEN_KEYS = ("additionalProperties", "unevaluatedProperties")  # an object that says how it treats other keys
@@ -56,7 +57,7 @@ _Names = tuple[str, ...]
 
 def normalize_schema(schema: dict[str, Any] | bool, *, strict: bool = True) -> dict[str, Any] | bool:
     """`schema` with the rules of the module doc applied; ValueError for one nested too deeply
-    to walk or composed of too many definitions."""
+    to walk, or one whose compositions would add more than MAX_ADDED_NODES subschemas."""
     if not isinstance(schema, dict):
         return schema
     try:
@@ -110,13 +111,21 @@ class _Scope:
 class _Normalizer:
     """One walk over one schema: `root()` builds the normalized copy."""
 
-    __slots__ = ("_root", "_strict", "_copies", "_copy_defs")
+    __slots__ = ("_root", "_strict", "_copies", "_copy_defs", "_copying", "_added")
 
     def __init__(self, root: dict[str, Any], strict: bool) -> None:
         self._root = root
         self._strict = strict
         self._copies: dict[tuple[str, _Scope | None], str] = {}  # (ref, scope) -> the open copy's ref
         self._copy_defs: dict[str, dict[str, Any]] = {}  # definitions key -> {name: open copy}
+        self._copying = 0  # how many open copies the walk is inside
+        self._added = 0  # subschemas added so far
+
+    def _add(self, count: int) -> None:
+        self._added += count
+        if self._added > MAX_ADDED_NODES:
+            raise ValueError(f"the JSON schema's compositions (allOf, anyOf, oneOf) make it too large to hold "
+                             f"strictly: more than {MAX_ADDED_NODES} subschemas to add; send it with strict false")
 
     def root(self) -> dict[str, Any]:
         out = self._schema(self._root)
@@ -131,6 +140,8 @@ class _Normalizer:
         the target of a $ref beside properties): left open, the object is closed as a whole."""
         if not isinstance(node, dict):
             return node
+        if self._copying:
+            self._add(1)
         out = dict(node)
         fmt = out.get("format")
         if isinstance(fmt, str) and fmt not in ENFORCED_FORMATS:
@@ -158,7 +169,9 @@ class _Normalizer:
         scope = _Scope(self._fixed(node, set()), self._names(node))
         if not any(k in node for k in _OPEN_KEYS):
             own = node.get("properties", {})
-            out["properties"] = {**own, **{name: {} for name in scope.everything if name not in own}}
+            placeholders = {name: {} for name in scope.everything if name not in own}
+            self._add(len(placeholders))
+            out["properties"] = {**own, **placeholders}
             out["additionalProperties"] = False
         return scope
 
@@ -218,6 +231,7 @@ class _Normalizer:
             return self._schema(sub)
         names = {*inherited, *self._names(sub)}
         properties = {name: own.get(name, {}) for name in order if name in names}
+        self._add(len(properties) - len(own))
         if isinstance(sub.get("$ref"), str) and not self._composes(sub):
             rest = {k: v for k, v in sub.items() if k != "$ref"}
             return self._schema({**rest, "allOf": [*_as_list(sub.get("allOf")), {"$ref": sub["$ref"]}],
@@ -301,13 +315,15 @@ class _Normalizer:
         key = (ref, scope if self._alternative_names(target, set()) else None)
         if key in self._copies:
             return self._copies[key]
-        if len(self._copies) >= MAX_OPEN_COPIES:
-            raise ValueError(f"the JSON schema composes more than {MAX_OPEN_COPIES} definitions through allOf")
         defs_key = parts[1]
         name = self._copy_name(defs_key, _unescape(parts[2]))
         self._copies[key] = copy_ref = f"#/{defs_key}/{_escape(name)}"
         self._copy_defs.setdefault(defs_key, {})[name] = {}  # taken before the walk: it may refer to itself
-        self._copy_defs[defs_key][name] = self._schema(target, scope)
+        self._copying += 1
+        try:
+            self._copy_defs[defs_key][name] = self._schema(target, scope)
+        finally:
+            self._copying -= 1
         return copy_ref
 
     def _copy_name(self, defs_key: str, name: str) -> str:

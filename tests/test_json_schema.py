@@ -21,7 +21,7 @@ import pytest
 from pydantic import UUID4, BaseModel, Field, SecretStr
 
 from streamengine.grammar import grammar_text
-from streamengine.json_schema import ENFORCED_FORMATS, MAX_OPEN_COPIES, normalize_schema
+from streamengine.json_schema import ENFORCED_FORMATS, MAX_ADDED_NODES, normalize_schema
 from streamengine.server.openai import schemas
 from streamengine.server.openai.endpoints import _response_format
 from streamengine.server.tools import plan_tools
@@ -216,13 +216,16 @@ def test_schemas_too_deep_or_too_composed_are_value_errors():
         deep = {"type": "array", "items": deep}
     with pytest.raises(ValueError, match="nests too deeply"):
         normalize_schema(deep)
-    # each definition an allOf of the one below, with its own names: one open copy per object
-    defs = {"L0": {"properties": {"p0": {}}}}
-    for i in range(1, 40):
-        defs[f"L{i}"] = {"properties": {f"p{i}": {}}, "allOf": [{"$ref": f"#/$defs/L{i - 1}"}],
-                         "anyOf": [{"properties": {f"q{i}": {}}}, {}]}
-    with pytest.raises(ValueError, match=f"more than {MAX_OPEN_COPIES} definitions"):
-        normalize_schema({"$defs": defs, "$ref": "#/$defs/L39"})
+    # an allOf of two 101-way anyOfs: each branch would list all 202 names
+    product = {"allOf": [{"anyOf": [{"properties": {f"p{g}_{b}": {}}} for b in range(101)]} for g in range(2)]}
+    with pytest.raises(ValueError, match=f"more than {MAX_ADDED_NODES} subschemas"):
+        normalize_schema(product)
+    assert normalize_schema(product, strict=False)["allOf"] == product["allOf"]
+    # one definition with alternatives, an allOf part of many objects: an open copy for each
+    defs = {"B": {"properties": {f"k{i}": {"type": "integer"} for i in range(1000)}, "anyOf": [{"properties": {"z": {}}}, {}]}}
+    many = {f"o{i}": {"properties": {f"u{i}": {}}, "allOf": [{"$ref": "#/$defs/B"}]} for i in range(30)}
+    with pytest.raises(ValueError, match=f"more than {MAX_ADDED_NODES} subschemas"):
+        normalize_schema({"$defs": defs, "properties": many})
 
 
 # ---------------------------------------------------------------- end to end through llguidance

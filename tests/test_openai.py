@@ -197,7 +197,7 @@ async def test_errors_have_openai_shape_and_status(engine):
         headers = {"Authorization": f"Bearer {KEY}"}
         async with aiohttp.ClientSession(base, headers=headers) as http:
             for body, status in ((b"{nope", 400), (b"", 400), (json.dumps({"prompt": 5}).encode(), 400),
-                                 (json.dumps({"prompt": ["a", "b"]}).encode(), 400),
+                                 (json.dumps({"prompt": ["a", [1]]}).encode(), 400),
                                  (b"{" + b" " * 70_000 + b"}", 413)):
                 async with http.post("/v1/completions", data=body, headers={"Content-Type": "application/json"}) as resp:
                     assert resp.status == status, body[:20]

@@ -80,7 +80,7 @@ class _Progress:
             completion_tokens=self.completion_tokens,
             finish_reasons=list(self.finish_reasons),
             metrics=out.metrics,
-            prompt_logprobs=getattr(out, "prompt_logprobs", None),
+            prompt_logprobs=out.prompt_logprobs,
         )
 
 

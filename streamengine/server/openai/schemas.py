@@ -1,7 +1,8 @@
 """OpenAI's request and response bodies as msgspec Structs.
 
-Requests ignore unknown fields (OpenAI clients send many), and take null for every field
-OpenAI's API marks nullable, meaning its default (`n`, `stream`, `logprobs`, `echo` and
+A request Struct holds the fields its endpoint implements (OpenAI's and vLLM's; fields.py
+lists every field either defines and refuses the others by name). Unknown fields pass
+unread, and every field takes null as its default (`n`, `stream`, `logprobs`, `echo` and
 `include_usage` too: some clients send unset fields as null). Responses are encoded as they
 are: a field that OpenAI sends as null is None here, and the chunks' `usage` is UNSET
 (left out) unless the client asked for it.
@@ -19,6 +20,8 @@ from msgspec import UNSET, UnsetType
 
 class StreamOptions(msgspec.Struct):
     include_usage: bool | None = False
+    continuous_usage_stats: bool | None = False  # vLLM's: the usage so far in every chunk
+    include_obfuscation: bool | None = None  # OpenAI's stream padding: refused when true
 
 
 class ContentPart(msgspec.Struct):
@@ -82,11 +85,28 @@ class ResponseFormat(msgspec.Struct):
     json_schema: JsonSchemaFormat | None = None
 
 
+class StructuredOutputsParams(msgspec.Struct, kw_only=True):
+    """vLLM's `structured_outputs`: one of json, regex, choice, grammar, json_object."""
+
+    json: dict[str, Any] | bool | str | None = None  # a JSON schema, or its JSON text
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None  # GBNF or Lark
+    json_object: bool | None = None
+    # accepted: llguidance never falls back, and writes JSON without free whitespace
+    disable_fallback: bool | None = None
+    disable_any_whitespace: bool | None = None
+    disable_additional_properties: bool | None = None
+    whitespace_pattern: str | None = None  # refused
+    structural_tag: str | dict[str, Any] | None = None  # refused
+
+
 class RequestBase(msgspec.Struct, kw_only=True):
     """The fields both endpoints take."""
 
     model: str | None = None
     n: int | None = 1  # None: 1 (SamplingParams' default)
+    best_of: int | None = None  # n, or the beam width with use_beam_search
     temperature: float | None = None
     top_p: float | None = None
     stop: str | list[str] | None = None
@@ -97,6 +117,8 @@ class RequestBase(msgspec.Struct, kw_only=True):
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
     user: str | None = None
+    echo: bool | None = False
+    response_format: ResponseFormat | None = None
     # vLLM's extensions, accepted under the same names
     top_k: int | None = None
     min_p: float | None = None
@@ -106,6 +128,21 @@ class RequestBase(msgspec.Struct, kw_only=True):
     stop_token_ids: list[int] | None = None
     skip_special_tokens: bool | None = None
     include_stop_str_in_output: bool | None = None
+    use_beam_search: bool | None = False
+    length_penalty: float | None = None
+    early_stopping: bool | None = None
+    prompt_logprobs: int | None = None
+    truncate_prompt_tokens: int | None = None
+    truncation_side: Literal["left", "right"] | None = None
+    add_special_tokens: bool | None = None  # None: the endpoint's default
+    request_id: str | None = None
+    cache_salt: str | None = None
+    return_tokens_as_token_ids: bool | None = None
+    structured_outputs: StructuredOutputsParams | None = None
+    guided_json: dict[str, Any] | bool | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
     # the engine's structured output as a tagged object ({"type": "regex", "pattern": ...}, ...)
     structured: dict[str, Any] | None = None
 
@@ -113,12 +150,16 @@ class RequestBase(msgspec.Struct, kw_only=True):
     def include_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.include_usage)
 
+    @property
+    def continuous_usage(self) -> bool:
+        """vLLM's continuous_usage_stats, which applies with include_usage."""
+        return self.include_usage and bool(self.stream_options and self.stream_options.continuous_usage_stats)
+
 
 class CompletionRequest(RequestBase, kw_only=True):
-    prompt: str | list[Any]  # a string, token ids, or a list holding one of those
+    prompt: str | list[Any]  # a string, a list of strings, token ids, or a list of id lists
     max_tokens: int | None = 16  # OpenAI's default for completions
     logprobs: int | None = None
-    echo: bool | None = False
 
 
 class ChatCompletionRequest(RequestBase, kw_only=True):
@@ -127,10 +168,14 @@ class ChatCompletionRequest(RequestBase, kw_only=True):
     max_completion_tokens: int | None = None
     logprobs: bool | None = False
     top_logprobs: int | None = None
-    response_format: ResponseFormat | None = None
     tools: list[Tool] | None = None
     tool_choice: ToolChoice | None = None
     parallel_tool_calls: bool | None = None
+    # vLLM's chat template fields
+    add_generation_prompt: bool | None = True
+    continue_final_message: bool | None = False
+    chat_template_kwargs: dict[str, Any] | None = None
+    documents: list[dict[str, Any]] | None = None
 
 
 # ---- responses ------------------------------------------------------------------------------
@@ -149,9 +194,21 @@ class Usage(msgspec.Struct):
 
 class CompletionLogprobs(msgspec.Struct):
     tokens: list[str]
-    token_logprobs: list[float]
-    top_logprobs: list[dict[str, float]]
+    token_logprobs: list[float | None]  # None: the first token of an echoed prompt
+    top_logprobs: list[dict[str, float] | None]
     text_offset: list[int]
+
+
+class PromptLogprob(msgspec.Struct):
+    """vLLM's Logprob: one token of a prompt position (the prompt's own, or an alternative)."""
+
+    logprob: float
+    rank: int | None  # 1 = the likeliest; None: the prompt's token, outside the top alternatives
+    decoded_token: str
+
+
+# vLLM's prompt_logprobs: per prompt position, token id -> its logprob (None at position 0)
+PromptLogprobs = list[dict[int, PromptLogprob] | None]
 
 
 class CompletionChoice(msgspec.Struct):
@@ -161,6 +218,8 @@ class CompletionChoice(msgspec.Struct):
     text: str
     logprobs: CompletionLogprobs | None
     finish_reason: str | None
+    stop_reason: int | str | None = None  # vLLM's: the stop string or stop token id that ended it
+    prompt_logprobs: PromptLogprobs | UnsetType = UNSET  # vLLM's, with prompt_logprobs
 
 
 class TopLogprob(msgspec.Struct):
@@ -191,6 +250,7 @@ class ChatChoice(msgspec.Struct):
     message: AssistantMessage
     logprobs: ChatLogprobs | None
     finish_reason: str | None
+    stop_reason: int | str | None = None  # vLLM's: the stop string or stop token id that ended it
 
 
 class DeltaFunctionCall(msgspec.Struct):
@@ -218,6 +278,7 @@ class ChatChunkChoice(msgspec.Struct):
     delta: ChatDelta
     logprobs: ChatLogprobs | None
     finish_reason: str | None
+    stop_reason: int | str | None = None
 
 
 Choice = CompletionChoice | ChatChoice | ChatChunkChoice
@@ -233,6 +294,7 @@ class Completion(msgspec.Struct):
     model: str
     choices: list[Choice]
     usage: Usage
+    prompt_logprobs: PromptLogprobs | UnsetType = UNSET  # chat, with vLLM's prompt_logprobs
 
 
 class Chunk(msgspec.Struct):
