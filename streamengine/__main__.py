@@ -18,9 +18,14 @@ from typing import Any
 from streamengine.config import FIELD_TYPES, EngineConfig
 from streamengine.server import _run  # the one event-loop runner (uvloop when installed)
 from streamengine.server.state import (
+    DEFAULT_AUTH_TIMEOUT_S,
+    DEFAULT_BODY_TIMEOUT_S,
+    DEFAULT_IDLE_TIMEOUT_S,
     DEFAULT_MAX_CONNECTIONS,
+    DEFAULT_MAX_UNAUTHENTICATED,
     DEFAULT_SHUTDOWN_TIMEOUT_S,
     DEFAULT_STALL_TIMEOUT_S,
+    DEFAULT_WRITE_TIMEOUT_S,
 )
 from streamengine.server.tenants_file import TenantsFile, TenantsFileError, load_tenants_file
 from streamengine.tenants import TenantConfig
@@ -147,7 +152,22 @@ def _serve_args(p: argparse.ArgumentParser) -> None:
                         "<tool_call>{...}</tool_call>, the format tools are rendered in for "
                         "templates that cannot render them)")
     p.add_argument("--max-connections", type=int, default=DEFAULT_MAX_CONNECTIONS,
-                   help=f"open WebSockets at once; more get 503 (default {DEFAULT_MAX_CONNECTIONS})")
+                   help=f"authenticated WebSockets at once; more get 503 (default {DEFAULT_MAX_CONNECTIONS})")
+    p.add_argument("--max-unauthenticated", type=int, default=DEFAULT_MAX_UNAUTHENTICATED, metavar="N",
+                   help="WebSockets still to authenticate at once, apart from --max-connections; more get "
+                        f"503 (default {DEFAULT_MAX_UNAUTHENTICATED})")
+    p.add_argument("--auth-timeout", type=float, default=DEFAULT_AUTH_TIMEOUT_S, metavar="SECONDS",
+                   help="close a WebSocket that has not authenticated this long after its handshake "
+                        f"(default {DEFAULT_AUTH_TIMEOUT_S:g})")
+    p.add_argument("--idle-timeout", type=float, default=DEFAULT_IDLE_TIMEOUT_S, metavar="SECONDS",
+                   help="close an HTTP connection that has not sent a whole request head this long after "
+                        f"opening or after its last response (default {DEFAULT_IDLE_TIMEOUT_S:g})")
+    p.add_argument("--body-timeout", type=float, default=DEFAULT_BODY_TIMEOUT_S, metavar="SECONDS",
+                   help=f"answer 408 to a POST whose body is not whole this long after its head "
+                        f"(default {DEFAULT_BODY_TIMEOUT_S:g})")
+    p.add_argument("--write-timeout", type=float, default=DEFAULT_WRITE_TIMEOUT_S, metavar="SECONDS",
+                   help="drop a streamed response whose client takes no bytes this long, aborting its "
+                        f"request (default {DEFAULT_WRITE_TIMEOUT_S:g})")
     p.add_argument("--request-timeout", type=float, default=None, metavar="SECONDS",
                    help="end a request this long after it arrived (default: no limit)")
     p.add_argument("--stall-timeout", type=float, default=DEFAULT_STALL_TIMEOUT_S, metavar="SECONDS",
@@ -190,7 +210,9 @@ def server_options(a: argparse.Namespace, environ: Mapping[str, str] | None = No
         "max_prompt_tokens": a.max_prompt_tokens, "max_connections": a.max_connections,
         "request_timeout": a.request_timeout, "stall_timeout": a.stall_timeout,
         "shutdown_timeout": a.shutdown_timeout, "tenants": tenants_of(a),
-        "tool_parser": a.tool_parser,
+        "tool_parser": a.tool_parser, "max_unauthenticated": a.max_unauthenticated,
+        "auth_timeout": a.auth_timeout, "idle_timeout": a.idle_timeout, "body_timeout": a.body_timeout,
+        "write_timeout": a.write_timeout,
     }
 
 
@@ -235,7 +257,8 @@ def _serve_cluster(a: argparse.Namespace) -> None:
 
 _APP_OPTION_KEYS = (
     "api_key", "admin_keys", "allowed_origins", "allowed_hosts", "max_prompt_tokens", "stall_timeout",
-    "request_timeout", "max_connections", "tenants", "tool_parser",
+    "request_timeout", "max_connections", "tenants", "tool_parser", "max_unauthenticated", "auth_timeout",
+    "idle_timeout", "body_timeout", "write_timeout",
 )
 
 

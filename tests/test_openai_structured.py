@@ -141,6 +141,7 @@ async def test_required_tool_call_whole_and_streamed(engine):
         assert finish == "tool_calls" and content == ""
         assert list(calls) == [0] and calls[0]["id"].startswith("call_")
         assert (calls[0]["name"], json.loads(calls[0]["arguments"])) == (call.function.name, arguments)
+        assert calls[0]["arguments"] == call.function.arguments  # the same text, streamed or not
 
 
 async def test_named_tool_choice_then_the_tool_result(engine):
@@ -207,7 +208,8 @@ async def test_bad_requests_are_400s_with_a_clear_message(engine):
 
 
 async def _ws_generate(ws, requests: list[dict]) -> dict[str, tuple[str, list[dict], dict]]:
-    """Sends the requests at once; per id the text, the tool calls and the `done` message."""
+    """Sends the requests at once; per id the text, the tool calls (their parts put together)
+    and the `done` message."""
     for request in requests:
         await ws.send_json({"type": "generate", **request})
     out: dict[str, list] = {r["id"]: ["", [], None] for r in requests}
@@ -217,9 +219,14 @@ async def _ws_generate(ws, requests: list[dict]) -> dict[str, tuple[str, list[di
         entry = out[msg["id"]]
         if msg["type"] == "done":
             entry[2] = msg
-        else:
-            entry[0] += msg["text"]
-            entry[1] += msg.get("tool_calls", [])
+            continue
+        entry[0] += msg["text"]
+        for part in msg.get("tool_calls", []):
+            if "id" in part:  # a call opens, with its name (and the arguments that came with it)
+                assert part["index"] == len(entry[1]) and part["type"] == "function", part
+                entry[1].append(part)
+            else:
+                entry[1][part["index"]]["function"]["arguments"] += part["function"]["arguments"]
     return {key: tuple(entry) for key, entry in out.items()}
 
 

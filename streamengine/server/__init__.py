@@ -14,10 +14,15 @@ from streamengine.config import EngineConfig
 from streamengine.server.app import create_app, drain
 from streamengine.server.security import check_exposure, hosts_for_bind
 from streamengine.server.state import (
+    DEFAULT_AUTH_TIMEOUT_S,
+    DEFAULT_BODY_TIMEOUT_S,
+    DEFAULT_IDLE_TIMEOUT_S,
     DEFAULT_MAX_CONNECTIONS,
+    DEFAULT_MAX_UNAUTHENTICATED,
     DEFAULT_SHUTDOWN_TIMEOUT_S,
     DEFAULT_STALL_TIMEOUT_S,
     DEFAULT_TOOL_PARSER,
+    DEFAULT_WRITE_TIMEOUT_S,
 )
 from streamengine.server.tenancy import file_pins
 from streamengine.server.tenants_file import TenantsFile, TenantsFileError
@@ -45,6 +50,11 @@ def run_server(
     max_connections: int = DEFAULT_MAX_CONNECTIONS,
     tenants: TenantsFile | None = None,
     tool_parser: str = DEFAULT_TOOL_PARSER,
+    max_unauthenticated: int = DEFAULT_MAX_UNAUTHENTICATED,
+    auth_timeout: float = DEFAULT_AUTH_TIMEOUT_S,
+    idle_timeout: float = DEFAULT_IDLE_TIMEOUT_S,
+    body_timeout: float = DEFAULT_BODY_TIMEOUT_S,
+    write_timeout: float = DEFAULT_WRITE_TIMEOUT_S,
 ) -> None:
     """Loads the model, serves until SIGINT/SIGTERM, drains, then shuts down.
 
@@ -54,7 +64,8 @@ def run_server(
     `allowed_hosts`; on a wildcard address with no `allowed_hosts`, any. Runs on uvloop when
     it is installed. `tenants` (a parsed `--tenants` file): keys that run requests as their
     tenant, registered with the engine and their prompts pinned before serving. `tool_parser`
-    reads tool calls out of outputs with tool_choice "auto" (tool_calls.TOOL_PARSERS).
+    reads tool calls out of outputs with tool_choice "auto" (tool_calls.TOOL_PARSERS). The
+    connection bounds and timeouts are create_app's (see docs/operations.md).
     """
     has_keys = bool(api_key) or bool(admin_keys) or bool(tenants is not None and tenants.keys)
     check_exposure(host, has_keys=has_keys, allow_unauthenticated=allow_unauthenticated)
@@ -70,7 +81,8 @@ def run_server(
         host, api_key=api_key, admin_keys=admin_keys, allowed_origins=allowed_origins,
         allowed_hosts=allowed_hosts, max_prompt_tokens=max_prompt_tokens, stall_timeout=stall_timeout,
         request_timeout=request_timeout, max_connections=max_connections, tenants=tenants,
-        tool_parser=tool_parser,
+        tool_parser=tool_parser, max_unauthenticated=max_unauthenticated, auth_timeout=auth_timeout,
+        idle_timeout=idle_timeout, body_timeout=body_timeout, write_timeout=write_timeout,
     ))
     _run(_serve(app, host, port, engine.model_name, shutdown_timeout))
 
@@ -97,7 +109,9 @@ def app_options(
     host: str, *, api_key: str | Sequence[str] | None, admin_keys: Sequence[str],
     allowed_origins: Sequence[str], allowed_hosts: Sequence[str], max_prompt_tokens: int | None,
     stall_timeout: float, request_timeout: float | None, max_connections: int,
-    tenants: TenantsFile | None, tool_parser: str,
+    tenants: TenantsFile | None, tool_parser: str, max_unauthenticated: int = DEFAULT_MAX_UNAUTHENTICATED,
+    auth_timeout: float = DEFAULT_AUTH_TIMEOUT_S, idle_timeout: float = DEFAULT_IDLE_TIMEOUT_S,
+    body_timeout: float = DEFAULT_BODY_TIMEOUT_S, write_timeout: float = DEFAULT_WRITE_TIMEOUT_S,
 ) -> dict[str, Any]:
     """`create_app`'s keyword arguments for a server bound to `host` (the Host names it
     answers follow from the bind address): shared by this server and the Ray ingress."""
@@ -106,6 +120,8 @@ def app_options(
         "allowed_hosts": hosts_for_bind(host, list(allowed_hosts)), "max_prompt_tokens": max_prompt_tokens,
         "stall_timeout": stall_timeout, "request_timeout": request_timeout,
         "max_connections": max_connections, "tenants": tenants, "tool_parser": tool_parser,
+        "max_unauthenticated": max_unauthenticated, "auth_timeout": auth_timeout, "idle_timeout": idle_timeout,
+        "body_timeout": body_timeout, "write_timeout": write_timeout,
     }
 
 

@@ -2,8 +2,8 @@
 liveness and readiness; engine lifespan; the graceful drain and the shutdown behind it.
 
 Middlewares, outermost first: the Host check (DNS rebinding), the Origin check and CORS
-preflights, errors in OpenAI's shape, admission (refused while draining; counts requests in
-flight), then the API key and admin check. CORS response headers are added just before any
+preflights, errors in OpenAI's shape, the API key and admin check, then admission (refused
+while draining; reads the body within the body timeout, then counts the request in flight). CORS response headers are added just before any
 response is sent (`on_response_prepare`), so streamed and error responses carry them too.
 """
 
@@ -18,19 +18,25 @@ from typing import TYPE_CHECKING, Any
 
 import msgspec
 from aiohttp import WSCloseCode, web
+from aiohttp.web_protocol import RequestPayloadError
 from prometheus_client import CONTENT_TYPE_LATEST
 
 from streamengine.server import openai, protocol
 from streamengine.server.metrics import ServerMetrics
 from streamengine.server.security import HostPolicy, KeyRing, OriginPolicy, is_same_origin
 from streamengine.server.state import (
+    DEFAULT_AUTH_TIMEOUT_S,
+    DEFAULT_BODY_TIMEOUT_S,
     DEFAULT_HEARTBEAT_S,
+    DEFAULT_IDLE_TIMEOUT_S,
     DEFAULT_MAX_BODY_BYTES,
     DEFAULT_MAX_CONNECTIONS,
     DEFAULT_MAX_MESSAGE_BYTES,
     DEFAULT_MAX_PENDING_BYTES,
+    DEFAULT_MAX_UNAUTHENTICATED,
     DEFAULT_STALL_TIMEOUT_S,
     DEFAULT_TOOL_PARSER,
+    DEFAULT_WRITE_TIMEOUT_S,
     DRAIN_RETRY_AFTER_S,
     STATE_KEY,
     TENANT_KEY,
@@ -90,6 +96,11 @@ def create_app(
     web_dir: Path | str | None = None,
     tenants: TenantsFile | None = None,
     tool_parser: str = DEFAULT_TOOL_PARSER,
+    max_unauthenticated: int = DEFAULT_MAX_UNAUTHENTICATED,
+    auth_timeout: float = DEFAULT_AUTH_TIMEOUT_S,
+    idle_timeout: float = DEFAULT_IDLE_TIMEOUT_S,
+    body_timeout: float = DEFAULT_BODY_TIMEOUT_S,
+    write_timeout: float = DEFAULT_WRITE_TIMEOUT_S,
 ) -> web.Application:
     """The server for `engine`, started and stopped with the app (unless already running).
 
@@ -104,9 +115,18 @@ def create_app(
     requests; default `engine.model_name`. `tenants`: a parsed tenants file: its keys run
     requests as their tenant, and its tenants are registered and their prompts pinned when
     the engine starts (see tenants_file.py). `tool_parser`: how calls are read out of outputs
-    with tool_choice "auto" (a name in tool_calls.TOOL_PARSERS).
+    with tool_choice "auto" (a name in tool_calls.TOOL_PARSERS). `max_connections`: authenticated
+    WebSockets at once; `max_unauthenticated`: WebSockets still to authenticate, apart from them,
+    each closed `auth_timeout` seconds after its handshake unless it authenticates.
+    `idle_timeout`: an HTTP connection that has not sent a whole request head this long after
+    opening or after its previous response is closed; `body_timeout`: a POST body not whole this
+    long after its head gets 408; `write_timeout`: a streamed response whose client takes no bytes
+    this long is dropped and its request aborted (see docs/operations.md).
     """
     _check_options(max_prompt_tokens, max_message_bytes, max_body_bytes, stall_timeout)
+    _check_bounds(max_connections=max_connections, max_unauthenticated=max_unauthenticated,
+                  auth_timeout=auth_timeout, idle_timeout=idle_timeout, body_timeout=body_timeout,
+                  write_timeout=write_timeout)
     get_tool_parser(tool_parser)  # an unknown name fails here, not in the first request
     state = ServerState(
         engine=engine,
@@ -118,6 +138,10 @@ def create_app(
         max_message_bytes=max_message_bytes,
         max_pending_bytes=max_pending_bytes,
         max_connections=max_connections,
+        max_unauthenticated=max_unauthenticated,
+        auth_timeout=auth_timeout,
+        body_timeout=body_timeout,
+        write_timeout=write_timeout,
         heartbeat_s=heartbeat_s,
         request_timeout=request_timeout,
         hosts=HostPolicy(allowed_hosts or ()),
@@ -125,7 +149,7 @@ def create_app(
         tenants=tenants,
         tool_parser=tool_parser,
     )
-    return _build_app(state, max_body_bytes, Path(web_dir) if web_dir is not None else WEB_DIR)
+    return _build_app(state, max_body_bytes, Path(web_dir) if web_dir is not None else WEB_DIR, idle_timeout)
 
 
 def _check_options(max_prompt_tokens: int | None, max_message_bytes: int, max_body_bytes: int,
@@ -138,9 +162,21 @@ def _check_options(max_prompt_tokens: int | None, max_message_bytes: int, max_bo
         raise ValueError(f"stall_timeout must be > 0 seconds, got {stall_timeout}")
 
 
-def _build_app(state: ServerState, max_body_bytes: int, web_dir: Path) -> web.Application:
+def _check_bounds(*, max_connections: int, max_unauthenticated: int, **timeouts: float) -> None:
+    if max_connections < 1 or max_unauthenticated < 0:
+        raise ValueError("max_connections must be >= 1 and max_unauthenticated >= 0")
+    for name, seconds in timeouts.items():
+        if not seconds > 0:
+            raise ValueError(f"{name} must be > 0 seconds, got {seconds}")
+
+
+def _build_app(state: ServerState, max_body_bytes: int, web_dir: Path, idle_timeout: float) -> web.Application:
     app = web.Application(
-        middlewares=[_hosts, _origins, _errors, _admission, _auth], client_max_size=max_body_bytes
+        middlewares=[_hosts, _origins, _errors, _auth, _admission], client_max_size=max_body_bytes,
+        # aiohttp closes a connection whose handler waits for a request head past its keep-alive
+        # timeout, counted from the connection's opening and from each response: the bound on
+        # idle connections and on heads sent a byte at a time (slowloris) alike.
+        handler_args={"keepalive_timeout": idle_timeout},
     )
     app[STATE_KEY] = state
     app.cleanup_ctx.append(_engine_lifespan)
@@ -257,11 +293,14 @@ async def _wait_quiet(state: ServerState, timeout: float, hurry: asyncio.Event |
 
 
 async def _abort_all(state: ServerState) -> None:
-    # An aborted HTTP request ends with finish_reason "abort"; a WebSocket is closed with
-    # 1001 "server shutting down" after its requests are aborted and their blocks freed.
+    # An aborted HTTP request ends with finish_reason "abort"; a WebSocket gets a
+    # `shutting_down` error for each of its requests, aborted and their blocks freed, then is
+    # closed with 1001 "server shutting down".
     for request_id in list(state.http_requests):
         await state.engine.abort(request_id)
-    closing = [c.close(WSCloseCode.GOING_AWAY, "server shutting down") for c in list(state.connections)]
+    cut = (protocol.SHUTTING_DOWN, "the server is shutting down: this request was aborted")
+    closing = [c.close(WSCloseCode.GOING_AWAY, "server shutting down", request_error=cut)
+               for c in list(state.connections)]
     await asyncio.gather(*closing, return_exceptions=True)
 
 
@@ -343,20 +382,58 @@ async def _cors_headers(request: web.Request, response: web.StreamResponse) -> N
 
 @web.middleware
 async def _admission(request: web.Request, handler: Handler) -> web.StreamResponse:
-    """Refuses new work while draining; counts the work in flight that a drain waits for."""
+    """Refuses new work while draining; reads the body within the body timeout, and only then
+    counts the request as work in flight that a drain waits for: a body sent slowly, or never
+    finished, holds no drain up."""
     if request.method != "POST" or not request.path.startswith("/v1/"):
         return await handler(request)
     state = get_state(request)
     if state.shutting_down:
-        return openai.error_response(
-            503, "server shutting down: not accepting new requests", type_="server_error",
-            code="shutting_down", headers={"Retry-After": str(DRAIN_RETRY_AFTER_S)},
-        )
+        return _draining()
+    try:
+        await read_body(request, state.body_timeout)  # kept by aiohttp: the handler's read() returns it
+    except openai.OpenAIError as exc:
+        return await _refuse_body(request, exc)
+    if state.shutting_down:  # the drain began while the body came in
+        return _draining()
     state.http_in_flight += 1
     try:
         return await handler(request)
     finally:
         state.http_in_flight -= 1
+
+
+async def _refuse_body(request: web.Request, error: openai.OpenAIError) -> web.Response:
+    """Sends `error` and closes the connection: what is left of a body that cannot be used is
+    not worth waiting for (aiohttp would otherwise read on for its lingering time, and log a
+    body that failed to decode as an unhandled error)."""
+    response = error.response()
+    response.force_close()
+    await response.prepare(request)
+    await response.write_eof()
+    request.protocol.force_close()  # the bytes written are flushed before the socket closes
+    return response
+
+
+def _draining() -> web.Response:
+    return openai.error_response(
+        503, "server shutting down: not accepting new requests", type_="server_error",
+        code="shutting_down", headers={"Retry-After": str(DRAIN_RETRY_AFTER_S)},
+    )
+
+
+async def read_body(request: web.Request, timeout: float) -> bytes:
+    """The whole body, within `timeout` seconds (408 past it, and the connection is closed);
+    a body its Content-Encoding cannot decode is the client's error (400), not the server's."""
+    try:
+        async with asyncio.timeout(timeout):
+            return await request.read()
+    except TimeoutError:
+        raise openai.OpenAIError(408, f"the request body did not arrive within {timeout:g} s",
+                                 code="body_timeout") from None
+    except RequestPayloadError as exc:  # a body marked gzip or deflate that is not
+        why = getattr(exc.__cause__, "message", None) or "it is not what its headers say"
+        raise openai.OpenAIError(400, f"cannot read the request body: {why}", code="invalid_body") from None
 
 
 @web.middleware

@@ -17,15 +17,17 @@ slow"). So the output one socket holds is at most max_pending_bytes (as estimate
 objects behind it take a small multiple) + the one message being written (no larger than the
 estimate let it grow, give or take JSON escapes) + WRITE_BUFFER_HIGH + KERNEL_UNSENT_BYTES:
 about 2 x 8 MiB + 128 KiB with the defaults. Its input is one frame of at most 4 x
-max_message_bytes. The server holds at most `state.max_connections` (1024) sockets:
-handshakes beyond that are answered 503. Request ids are capped at 256 characters
+max_message_bytes. The server holds at most `state.max_connections` (1024) authenticated
+sockets, and apart from them at most `state.max_unauthenticated` (64) still to authenticate:
+handshakes beyond either are answered 503, and a socket that authenticates by message while
+the authenticated ones are at their limit is closed with 1013 (try again later). Request ids are capped at 256 characters
 (protocol.MAX_ID_CHARS) and error texts at `MAX_ERROR_CHARS`, so no input is multiplied into
 what a socket holds.
 
 Security. Browser handshakes from a disallowed Origin get HTTP 403. With API keys, a client
 authenticates by `Authorization: Bearer` on the handshake, by offering the subprotocol
 `bearer.<key>` (next to `streamengine.v1`), or by an `auth` message first; anything else first,
-a wrong key, or silence for `AUTH_TIMEOUT_S` closes the socket with 4001. `kv_state` (the
+a wrong key, or silence for `state.auth_timeout` (10 s) closes the socket with 4001. `kv_state` (the
 global block map) needs an admin tenant; without keys everyone is one.
 """
 
@@ -61,9 +63,9 @@ from streamengine.tool_calls import ParsedDelta
 
 log = logging.getLogger(__name__)
 
-AUTH_TIMEOUT_S = 10.0
 MAX_LIVE_REQUESTS = 256
 CLOSE_TOO_SLOW = WSCloseCode.POLICY_VIOLATION  # 1008
+CLOSE_TRY_AGAIN = WSCloseCode.TRY_AGAIN_LATER  # 1013: authenticated, but no room for another socket
 CLOSE_TIMEOUT_S = 10.0  # a peer that takes no close frame in this long has its transport aborted
 WRITE_BUFFER_HIGH = 64 * 1024  # transport bytes above which the writer leaves messages merging
 KERNEL_UNSENT_BYTES = 64 * 1024  # TCP_NOTSENT_LOWAT: unsent bytes the kernel may hold
@@ -233,17 +235,35 @@ class Connection:
         finally:
             await self._teardown()
 
-    async def close(self, code: int, reason: str) -> None:
-        """Aborts every request of this socket, then closes it (server shutdown, too slow)."""
+    async def close(self, code: int, reason: str, *, request_error: tuple[str, str] | None = None) -> None:
+        """Aborts every request of this socket, then closes it (server shutdown, too slow).
+        `request_error` (code, message): sent for each request aborted, after what was queued
+        for it and before the close frame, so a client learns why each one ended."""
+        cut = list(self.live)
         await self._cancel_requests()
         try:
             # A peer that reads nothing never takes the close frame: give up and drop it.
             async with asyncio.timeout(CLOSE_TIMEOUT_S):
+                if request_error is not None and not self.outbox.overflowed:
+                    for client_id in cut:
+                        self._error(client_id, *request_error)
+                    await self._flush()
                 await self.ws.close(code=code, message=reason.encode())
         except TimeoutError:
             self._abort_transport()
         except Exception:  # noqa: BLE001 - the socket is going away either way
             log.debug("closing a WebSocket failed", exc_info=True)
+
+    async def _flush(self) -> None:
+        """Sends everything queued, in order, in place of the writer task (ended first, so the
+        close frame that follows cannot overtake a message the writer still held)."""
+        if self._writer is not None:
+            self._writer.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await self._writer
+        while len(self.outbox):
+            await self._transport_drained()
+            await self.ws.send_str(await self.outbox.get())
 
     async def _teardown(self) -> None:
         # try/finally: when aiohttp cancels this handler (client gone, shutdown timeout) the
@@ -305,7 +325,7 @@ class Connection:
 
     async def _authenticate(self) -> bool:
         try:
-            msg = await self.ws.receive(timeout=AUTH_TIMEOUT_S)
+            msg = await self.ws.receive(timeout=self.state.auth_timeout)
         except TimeoutError:
             await self._refuse("authentication timeout: send {\"type\": \"auth\", \"key\": ...} first")
             return False
@@ -321,6 +341,13 @@ class Connection:
         tenant = self.state.keys.lookup(message.key)
         if tenant is None:
             await self._refuse("invalid API key")
+            return False
+        state = self.state
+        state.unauthenticated.discard(self)
+        if len(state.connections) - len(state.unauthenticated) > state.max_connections:
+            state.unauthenticated.add(self)  # uncounted again: it is closing
+            await self.ws.close(code=CLOSE_TRY_AGAIN,
+                                message=f"at most {state.max_connections} WebSocket connections".encode())
             return False
         self.tenant = tenant
         return True
@@ -542,32 +569,48 @@ async def stream_handler(request: web.Request) -> web.StreamResponse:
         raise web.HTTPForbidden(text="WebSocket origin not allowed (see --allowed-origin)\n")
     if state.shutting_down:
         raise web.HTTPServiceUnavailable(text="server shutting down\n")
-    if len(state.connections) >= state.max_connections:
-        raise web.HTTPServiceUnavailable(text=f"at most {state.max_connections} WebSocket connections\n",
-                                         headers={"Retry-After": "1"})
     tenant, offered_key = _handshake_tenant(state, request)
     if offered_key and tenant is None:
         raise web.HTTPUnauthorized(text="invalid API key\n")
+    _check_room(state, authenticated=tenant is not None)
     ws = web.WebSocketResponse(
         protocols=(p.PROTOCOL_NAME,),
         max_msg_size=state.max_message_bytes * HARD_LIMIT_FACTOR,
         heartbeat=state.heartbeat_s or None,
     )
     conn = Connection(state, ws, tenant, request.transport)
-    state.connections.add(conn)  # before the handshake's await, so concurrent ones count too
+    # before the handshake's await, so concurrent ones count too
+    state.connections.add(conn)
+    if tenant is None:
+        state.unauthenticated.add(conn)
     try:
         await ws.prepare(request)
-        _limit_kernel_unsent(request.transport)
+        limit_kernel_unsent(request.transport)
         await conn.serve()
     finally:
         state.connections.discard(conn)
+        state.unauthenticated.discard(conn)
     return ws
 
 
-def _limit_kernel_unsent(transport: asyncio.BaseTransport | None) -> None:
+def _check_room(state: ServerState, *, authenticated: bool) -> None:
+    """503 past the limit of the handshake's kind: sockets that proved a key count against
+    `max_connections`, the others against `max_unauthenticated` until they authenticate."""
+    waiting = len(state.unauthenticated)
+    if authenticated and len(state.connections) - waiting >= state.max_connections:
+        limit = f"at most {state.max_connections} WebSocket connections"
+    elif not authenticated and waiting >= state.max_unauthenticated:
+        limit = f"at most {state.max_unauthenticated} WebSocket connections waiting to authenticate"
+    else:
+        return
+    raise web.HTTPServiceUnavailable(text=limit + "\n", headers={"Retry-After": "1"})
+
+
+def limit_kernel_unsent(transport: asyncio.BaseTransport | None) -> None:
     """Caps what the kernel keeps unsent for this socket (TCP_NOTSENT_LOWAT). Without it the
     kernel takes megabytes from a peer with a small window (about 3 MB on loopback), and every
-    heartbeat ping queues behind them; data in flight is not limited, so throughput is kept."""
+    heartbeat ping queues behind them (and a streamed response's writes never wait, so a reader
+    that stalled goes unnoticed); data in flight is not limited, so throughput is kept."""
     option = getattr(socket, "TCP_NOTSENT_LOWAT", None)
     sock = transport.get_extra_info("socket") if transport is not None else None
     if option is None or sock is None or sock.family not in (socket.AF_INET, socket.AF_INET6):
