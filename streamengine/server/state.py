@@ -70,6 +70,59 @@ class PromptTooLong(ValueError):
     """The prompt has more tokens than the server's `max_prompt_tokens`."""
 
 
+# Arguments of transformers' apply_chat_template that are not template variables: a client's
+# chat_template_kwargs may not set them (they would change what the call returns, or replace
+# what the server renders).
+_RESERVED_TEMPLATE_KWARGS = frozenset({
+    "conversation", "messages", "tools", "documents", "chat_template", "add_generation_prompt",
+    "continue_final_message", "tokenize", "padding", "truncation", "max_length", "return_tensors",
+    "return_dict", "return_assistant_tokens_mask", "tokenizer_kwargs",
+})
+
+
+class BadTemplateOptions(ValueError):
+    """Chat template options that contradict each other; `param` names the field."""
+
+    def __init__(self, message: str, param: str) -> None:
+        super().__init__(message)
+        self.param = param
+
+
+@dataclass(frozen=True, slots=True)
+class ChatTemplateOptions:
+    """How a conversation is rendered (vLLM's chat request fields): a generation prompt after
+    it, or its last message left open for the model to continue, and variables for the
+    template (`chat_template_kwargs`, `documents`)."""
+
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    template_kwargs: dict[str, Any] = field(default_factory=dict)
+    documents: list[dict[str, Any]] | None = None
+
+    def __post_init__(self) -> None:
+        if self.add_generation_prompt and self.continue_final_message:
+            raise BadTemplateOptions("continue_final_message needs add_generation_prompt false: the model "
+                                     "continues the last message instead of starting a new one",
+                                     "continue_final_message")
+        reserved = sorted(_RESERVED_TEMPLATE_KWARGS & self.template_kwargs.keys())
+        if reserved:
+            raise BadTemplateOptions(f"chat_template_kwargs may not set {', '.join(reserved)}",
+                                     "chat_template_kwargs")
+
+    def call_kwargs(self) -> dict[str, Any]:
+        """apply_chat_template's keyword arguments; only what differs from its defaults beyond
+        add_generation_prompt, so stand-in tokenizers with fewer arguments keep working."""
+        kwargs: dict[str, Any] = {**self.template_kwargs, "add_generation_prompt": self.add_generation_prompt}
+        if self.continue_final_message:
+            kwargs["continue_final_message"] = True
+        if self.documents is not None:
+            kwargs["documents"] = self.documents
+        return kwargs
+
+
+DEFAULT_CHAT_TEMPLATE = ChatTemplateOptions()
+
+
 @dataclass(slots=True, eq=False)
 class ServerState:
     engine: AsyncEngine  # tests may pass a stand-in with the same methods
@@ -102,24 +155,26 @@ class ServerState:
     http_in_flight: int = 0
     _tokenizer_pool: ThreadPoolExecutor | None = None
 
-    async def tokenize_async(self, prompt: str | list[int], *, chat: bool = False) -> list[int]:
+    async def tokenize_async(self, prompt: str | list[int], *, chat: bool = False,
+                             check_limit: bool = True) -> list[int]:
         """`tokenize`, off the event loop for long prompts so other streams keep flowing."""
         if not isinstance(prompt, str) or len(prompt) <= INLINE_TOKENIZE_CHARS:
-            return self.tokenize(prompt, chat=chat)
+            return self.tokenize(prompt, chat=chat, check_limit=check_limit)
         if self._tokenizer_pool is None:
             # one worker: the tokenizer is never used by two of our threads at once
             self._tokenizer_pool = ThreadPoolExecutor(1, thread_name_prefix="streamengine-tokenize")
         return await asyncio.get_running_loop().run_in_executor(
-            self._tokenizer_pool, functools.partial(self.tokenize, prompt, chat=chat))
+            self._tokenizer_pool, functools.partial(self.tokenize, prompt, chat=chat, check_limit=check_limit))
 
     def close(self) -> None:
         if self._tokenizer_pool is not None:
             self._tokenizer_pool.shutdown(wait=False, cancel_futures=True)
             self._tokenizer_pool = None
 
-    def tokenize(self, prompt: str | list[int], *, chat: bool = False) -> list[int]:
+    def tokenize(self, prompt: str | list[int], *, chat: bool = False, check_limit: bool = True) -> list[int]:
         """The prompt's token ids (intake.encode_prompt, the engine's own rule), checked against
-        the server limit.
+        the server limit (unless `check_limit` is false: `check_length` then, on the ids the
+        request keeps).
 
         The server tokenizes once and hands the ids to the engine, so the limit is enforced
         before any work is queued and the prompt is not tokenized twice. `chat`: the prompt
@@ -133,33 +188,43 @@ class ServerState:
             ids = encode_prompt(self.engine.tokenizer, prompt, chat=chat)
         else:
             ids = list(prompt)
+        if check_limit:
+            self.check_length(ids)
+        return ids
+
+    def check_length(self, ids: list[int]) -> None:
+        """PromptTooLong past the server's `max_prompt_tokens`."""
         if self.max_prompt_tokens is not None and len(ids) > self.max_prompt_tokens:
             raise PromptTooLong(
                 f"prompt has {len(ids)} tokens, more than this server's limit of "
                 f"{self.max_prompt_tokens} (--max-prompt-tokens)"
             )
-        return ids
 
-    def chat_prompt(self, messages: Sequence[dict[str, Any]], functions: list[dict[str, Any]] | None = None) -> str:
+    def chat_prompt(self, messages: Sequence[dict[str, Any]], functions: list[dict[str, Any]] | None = None,
+                    options: ChatTemplateOptions = DEFAULT_CHAT_TEMPLATE) -> str:
         """The prompt of chat `messages` (OpenAI's shapes, content as text), with `functions`
-        (the tools' function definitions) when the request offers tools (see tool_prompt.py)."""
+        (the tools' function definitions) when the request offers tools (see tool_prompt.py),
+        rendered as `options` say."""
         if not messages:
             raise ValueError("messages must not be empty")
         messages = list(messages)
         template = getattr(self.engine.tokenizer, "chat_template", None)
         if template_renders_tools(template) and needs_tools_template(messages, functions):
-            return self._template_with_tools(messages, functions)
+            return self._template_with_tools(messages, functions, options)
         rendered = render_messages(messages, functions)
         try:
-            return self.engine.apply_chat_template(rendered)
+            if options == DEFAULT_CHAT_TEMPLATE:
+                return self.engine.apply_chat_template(rendered)
+            return self.engine.tokenizer.apply_chat_template(rendered, tokenize=False, **options.call_kwargs())
         except TemplateError as exc:  # the template refusing the conversation (see below)
             raise _template_refused(exc) from None
 
-    def _template_with_tools(self, messages: list[dict[str, Any]], functions: list[dict[str, Any]] | None) -> str:
+    def _template_with_tools(self, messages: list[dict[str, Any]], functions: list[dict[str, Any]] | None,
+                             options: ChatTemplateOptions) -> str:
         tools = [{"type": "function", "function": f} for f in functions] if functions else None
         try:
             return self.engine.tokenizer.apply_chat_template(
-                template_messages(messages), tools=tools, tokenize=False, add_generation_prompt=True)
+                template_messages(messages), tools=tools, tokenize=False, **options.call_kwargs())
         except Exception as exc:  # noqa: BLE001 - a template's own error (jinja raises its own types)
             raise _template_refused(exc) from None
 
