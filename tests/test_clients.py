@@ -280,8 +280,10 @@ async def test_openai_forced_tool_calls_whole_and_streamed(client, tool_choice):
 async def test_openai_forced_call_cut_by_max_tokens_is_a_partial_call(client):
     """max_tokens ends the arguments: the call still comes back as tool_calls (partial arguments),
     finish_reason "length", never as markup in content; streamed alike."""
+    # 21 tokens: `<tool_call>\n{"name": "get_weather", "arguments": {` takes 18 written the
+    # tokenizer's way, so the cut falls inside the arguments, before any city's name ends
     request = dict(model="tiny", messages=ASK_WEATHER, tools=TOOLS, tool_choice="required",
-                   n=2, temperature=1.0, seed=SEEDS[2], max_tokens=8)
+                   n=2, temperature=1.0, seed=SEEDS[2], max_tokens=21)
     whole = await client.chat.completions.create(**request)
     streamed = await _assemble(await client.chat.completions.create(**request, stream=True))
     for choice in whole.choices:
@@ -289,7 +291,9 @@ async def test_openai_forced_call_cut_by_max_tokens_is_a_partial_call(client):
         assert not choice.message.content, choice  # no "<tool_call>" text
         (call,) = choice.message.tool_calls
         assert call.function.name in ("get_weather", "get_time")
-        assert call.function.arguments and call.function.arguments.startswith("{"), call
+        assert call.function.arguments.startswith("{"), call
+        with pytest.raises(json.JSONDecodeError):  # cut: not yet a whole object
+            json.loads(call.function.arguments)
         got = streamed[choice.index]
         assert got["finish"] == "length" and got["content"] == "", got
         assert [(c["name"], c["arguments"]) for c in got["calls"].values()] == _whole_calls(choice)
