@@ -7,8 +7,9 @@ Sampling parameters travel as a plain object and are converted into the engine's
 `SamplingParams`, so every knob the engine accepts is available here with its own validation
 (structured outputs too: `params.structured`, e.g. `{"type": "json_schema", "schema": {...}}`).
 `generate` with `messages` may offer `tools` and a `tool_choice` as OpenAI's chat does
-(server/tools.py); calls then come in `delta.tool_calls`, each whole, and are left out of
-`delta.text`, and a sample that made calls finishes with "tool_calls".
+(server/tools.py); calls then come in `delta.tool_calls` as they are written (an entry with
+`id` opens call `index` with its name, later entries add to its arguments), left out of
+`delta.text`, and a sample whose calls are complete finishes with "tool_calls".
 Request ids are at most `MAX_ID_CHARS` characters: errors echo them, so a long id must not be
 able to multiply what the server holds for a client.
 
@@ -66,6 +67,21 @@ class ToolCall(msgspec.Struct, forbid_unknown_fields=True):
     id: str
     function: FunctionCall
     type: str = "function"
+
+
+class DeltaFunctionCall(msgspec.Struct, kw_only=True, omit_defaults=True):
+    name: str | None = None  # with the call's id, in the entry that opens it
+    arguments: str  # arguments text written since the last entry of this call
+
+
+class DeltaToolCall(msgspec.Struct, kw_only=True, omit_defaults=True):
+    """A part of call `index` of a sample (OpenAI's streamed shape): the entry with `id` (and
+    `type`, `function.name`) opens the call, the others add to its `function.arguments`."""
+
+    index: int
+    id: str | None = None
+    type: str | None = None
+    function: DeltaFunctionCall
 
 
 class ChatMessage(msgspec.Struct, forbid_unknown_fields=True):
@@ -151,8 +167,9 @@ class Delta(msgspec.Struct, tag="delta", tag_field="type", omit_defaults=True):
     token_ids: list[int]
     # One dict per new token: token id -> logprob (the sampled token plus the top-k).
     logprobs: list[dict[int, float]] | None = None
-    # With tools: the calls completed since the last delta (their text is not in `text`).
-    tool_calls: list[ToolCall] | None = None
+    # With tools: what the sample's calls gained since the last delta (not in `text`); the
+    # parts of one call that arrive together are merged into one entry.
+    tool_calls: list[DeltaToolCall] | None = None
 
 
 class Usage(msgspec.Struct):

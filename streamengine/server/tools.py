@@ -9,7 +9,8 @@
 A forced call is one call; several only when the client sets parallel_tool_calls true itself
 (OpenAI's default is true, but a small model forced into calls tends to repeat them until
 max_tokens). The forced call is written Hermes-style (`<tool_call>{...}</tool_call>`), so it is read back
-with the "hermes" parser whatever the server's parser for free-form outputs is.
+with the "hermes" parser in its forced form whatever the server's parser for free-form outputs
+is: its markup is never content, and a call cut by max_tokens comes back partial.
 """
 
 from __future__ import annotations
@@ -18,7 +19,14 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from streamengine.tool_calls import ParsedDelta, StreamingToolParser, ToolParser, get_tool_parser
+from streamengine.tool_calls import (
+    CallsEnding,
+    HermesParser,
+    ParsedDelta,
+    StreamingToolParser,
+    ToolParser,
+    get_tool_parser,
+)
 from streamengine.tool_prompt import tool_call_lark
 
 CHOICES = ("none", "auto", "required")
@@ -48,7 +56,7 @@ def plan_tools(tools: Sequence[Any], choice: Any, *, parallel: bool, parser_name
         chosen = [f for f in functions if f["name"] == named]
         if not chosen:
             raise ValueError(f"tool_choice names function {named!r}, which is not among the tools")
-        return ToolPlan(functions, _forcing(chosen, parallel=False), get_tool_parser("hermes"))
+        return ToolPlan(functions, _forcing(chosen, parallel=False), HermesParser(forced=True))
     choice = choice or ("auto" if functions else "none")
     if choice not in CHOICES:
         raise ValueError(f"tool_choice must be one of {', '.join(CHOICES)} or a named function, got {choice!r}")
@@ -57,7 +65,7 @@ def plan_tools(tools: Sequence[Any], choice: Any, *, parallel: bool, parser_name
     if choice == "required":
         if not functions:
             raise ValueError('tool_choice "required" needs at least one tool')
-        return ToolPlan(functions, _forcing(functions, parallel=parallel), get_tool_parser("hermes"))
+        return ToolPlan(functions, _forcing(functions, parallel=parallel), HermesParser(forced=True))
     return ToolPlan(functions, None, get_tool_parser(parser_name))
 
 
@@ -72,10 +80,15 @@ def _forcing(functions: list[dict[str, Any]], *, parallel: bool) -> dict[str, An
     return {"type": "grammar", "grammar": tool_call_lark(functions, parallel=parallel), "syntax": "lark"}
 
 
-def finish_reason(reason: str | None, called: bool) -> str | None:
-    """A sample's finish reason once its output is parsed: "tool_calls" for one that made calls
-    and ended normally; an output cut short ("length", "abort") says so even with a call in it."""
-    return TOOL_CALLS if called and reason == "stop" else reason
+def finish_reason(reason: str | None, ending: CallsEnding) -> str | None:
+    """A sample's finish reason once its output is parsed: "tool_calls" for one whose calls are
+    all complete and that ended normally, or was cut by max_tokens only inside a call's closing
+    markup (after its arguments); a call whose arguments were cut keeps "length" (as OpenAI)."""
+    if ending.num_calls == 0 or not ending.all_complete:
+        return reason
+    if reason == "stop" or (reason == "length" and ending.in_call):
+        return TOOL_CALLS
+    return reason
 
 
 class ToolStreams:
@@ -94,8 +107,7 @@ class ToolStreams:
         parsed = stream.feed(text)
         if last:
             self._finished.add(index)
-            rest = stream.finish()
-            parsed = ParsedDelta(parsed.content + rest.content, parsed.calls + rest.calls)
+            parsed.extend(stream.finish())
         return parsed
 
     def flush(self) -> dict[int, ParsedDelta]:
@@ -103,6 +115,7 @@ class ToolStreams:
         its last output: an abort); each is finished then."""
         return {index: self.feed(index, "", last=True) for index in self._streams if index not in self._finished}
 
-    def called(self, index: int) -> bool:
+    def finish_reason(self, index: int, reason: str | None) -> str | None:
+        """Sample `index`'s finish reason, given how its calls ended (see `finish_reason`)."""
         stream = self._streams.get(index)
-        return stream is not None and stream.num_calls > 0
+        return finish_reason(reason, stream.ending() if stream is not None else CallsEnding())

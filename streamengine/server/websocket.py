@@ -57,7 +57,7 @@ from streamengine.server.state import (
     new_request_id,
 )
 from streamengine.server.streaming import SampleDelta, StepUpdate, stream_request
-from streamengine.server.tools import NO_TOOLS, ToolPlan, ToolStreams, finish_reason, plan_tools
+from streamengine.server.tools import NO_TOOLS, ToolPlan, ToolStreams, plan_tools
 from streamengine.tenants import DEFAULT_TENANT
 from streamengine.tool_calls import ParsedDelta
 
@@ -86,10 +86,10 @@ class _PendingDelta:
     token_ids: list[int]
     logprobs: list[dict[int, float]] | None
     nbytes: int = ITEM_OVERHEAD
-    tool_calls: list[p.ToolCall] | None = None
+    tool_calls: list[p.DeltaToolCall] | None = None
 
-    def merge(self, delta: SampleDelta, tool_calls: list[p.ToolCall] | None = None) -> int:
-        """Appends `delta` (and calls completed with it); returns the bytes it adds to the estimate."""
+    def merge(self, delta: SampleDelta, tool_calls: list[p.DeltaToolCall] | None = None) -> int:
+        """Appends `delta` (and what it adds to the calls); returns the bytes it adds to the estimate."""
         self.text.append(delta.text)
         self.token_ids.extend(delta.token_ids)
         if delta.logprobs is not None:
@@ -97,11 +97,21 @@ class _PendingDelta:
                 self.logprobs = []
             self.logprobs.extend(delta.logprobs)
         added = _delta_bytes(delta)
-        if tool_calls:
-            self.tool_calls = (self.tool_calls or []) + tool_calls
-            added += sum(ITEM_OVERHEAD + len(c.function.name) + len(c.function.arguments) for c in tool_calls)
+        for call in tool_calls or ():
+            added += self._merge_call(call)
         self.nbytes += added
         return added
+
+    def _merge_call(self, call: p.DeltaToolCall) -> int:
+        """Adds one call part: arguments join the unsent entry of the same call."""
+        if self.tool_calls is None:
+            self.tool_calls = []
+        last = self.tool_calls[-1] if self.tool_calls else None
+        if last is not None and last.index == call.index and call.id is None:
+            last.function.arguments += call.function.arguments
+            return len(call.function.arguments)
+        self.tool_calls.append(call)
+        return ITEM_OVERHEAD + len(call.function.name or "") + len(call.function.arguments)
 
     def message(self) -> p.Delta:
         return p.Delta(self.request_id, self.index, "".join(self.text), self.token_ids, self.logprobs,
@@ -134,7 +144,7 @@ class Outbox:
         self.overflowed = False
         self.num_coalesced = 0  # deltas merged into an unsent one (observable by tests)
 
-    def push_delta(self, request_id: str, delta: SampleDelta, tool_calls: list[p.ToolCall] | None = None,
+    def push_delta(self, request_id: str, delta: SampleDelta, tool_calls: list[p.DeltaToolCall] | None = None,
                    *, run: str) -> None:
         """Queues `delta` of sample `delta.index` of request `request_id`, merged into an unsent
         delta of the same run. `run` (the engine's request id) differs between two requests
@@ -490,7 +500,9 @@ class Connection:
                                                                  last=delta.finish_reason is not None))
 
     def _push_tool_delta(self, client_id: str, live: _Live, delta: SampleDelta, parsed: ParsedDelta) -> None:
-        calls = [p.ToolCall(c.id, p.FunctionCall(c.name, c.arguments)) for c in parsed.calls]
+        calls = [p.DeltaToolCall(index=c.index, id=c.id, type="function" if c.id is not None else None,
+                                 function=p.DeltaFunctionCall(name=c.name, arguments=c.arguments))
+                 for c in parsed.calls]
         if delta.token_ids or parsed.content or calls:
             self.outbox.push_delta(client_id, dataclasses.replace(delta, text=parsed.content), calls or None,
                                    run=live.engine_id)
@@ -538,7 +550,7 @@ def _done(client_id: str, last: StepUpdate | None, num_samples: int, tools: Tool
     if last is None:
         return p.Done(client_id, "abort", p.Usage(0, 0, 0), ["abort"] * num_samples)
     # A stream that ended without a finish reason was cut short by an abort.
-    reasons = [finish_reason(r, tools is not None and tools.called(i)) or "abort"
+    reasons = [(tools.finish_reason(i, r) if tools is not None else r) or "abort"
                for i, r in enumerate(last.finish_reasons)]
     reasons += ["abort"] * (num_samples - len(reasons))
     usage = p.Usage(last.prompt_tokens, last.completion_tokens, last.cached_tokens)

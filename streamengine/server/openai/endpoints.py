@@ -229,7 +229,9 @@ class ChatCompletions(Endpoint[s.ChatCompletionRequest]):
 
     def delta_choice(self, index: int, text: str, logprobs: s.Logprobs | None, finish_reason: str | None,
                      tool_calls: list[ToolCallDelta] | None = None) -> s.ChatChunkChoice:
-        calls = [s.DeltaToolCall(c.index, c.id, s.DeltaFunctionCall(c.name, c.arguments)) for c in tool_calls or ()]
+        calls = [s.DeltaToolCall(index=c.index, id=c.id, type="function" if c.id is not None else None,
+                                 function=s.DeltaFunctionCall(name=c.name, arguments=c.arguments))
+                 for c in tool_calls or ()]
         return s.ChatChunkChoice(index, s.ChatDelta(content=text or None, tool_calls=calls or None), logprobs,
                                  finish_reason)
 

@@ -188,24 +188,29 @@ class ResponseFormat:
         text: str | None = "".join(choice.text)
         if self.job.tool_parser is None:
             return self.job.endpoint.choice(index, text, logprobs, choice.finish_reason)
-        text, calls = self.job.tool_parser.parse(text or "")
-        return self.job.endpoint.choice(index, text, logprobs, finish_reason(choice.finish_reason, bool(calls)),
-                                        calls)
+        parsed = self.job.tool_parser.parse(text or "")
+        return self.job.endpoint.choice(index, parsed.content, logprobs,
+                                        finish_reason(choice.finish_reason, parsed.ending), parsed.calls)
 
-    def _delta_choice(self, delta: SampleDelta) -> s.Choice:
+    def _delta_choice(self, delta: SampleDelta) -> s.Choice | None:
+        """What `delta` adds to its choice; None when that is nothing (no text, calls, logprobs
+        or finish reason: a parser or the detokenizer holding text back)."""
         start = self._streamed_chars.get(delta.index, 0)
         logprobs = None
         if self.job.top_logprobs is not None and delta.logprobs:
             logprobs = self._logprobs(delta.token_ids, delta.logprobs, start)
         self._streamed_chars[delta.index] = start + len(delta.text)
         # "abort"/"error" (not OpenAI's) only reach a client on shutdown or failure
-        if self.job.tool_parser is None:
-            return self.job.endpoint.delta_choice(delta.index, delta.text, logprobs, delta.finish_reason)
-        if self._tool_streams is None:
-            self._tool_streams = ToolStreams(self.job.tool_parser)
-        parsed = self._tool_streams.feed(delta.index, delta.text, last=delta.finish_reason is not None)
-        reason = finish_reason(delta.finish_reason, self._tool_streams.called(delta.index))
-        return self.job.endpoint.delta_choice(delta.index, parsed.content, logprobs, reason, parsed.calls)
+        text, calls, reason = delta.text, None, delta.finish_reason
+        if self.job.tool_parser is not None:
+            if self._tool_streams is None:
+                self._tool_streams = ToolStreams(self.job.tool_parser)
+            parsed = self._tool_streams.feed(delta.index, delta.text, last=delta.finish_reason is not None)
+            text, calls = parsed.content, parsed.calls
+            reason = self._tool_streams.finish_reason(delta.index, delta.finish_reason)
+        if not (text or calls or logprobs is not None or reason is not None):
+            return None
+        return self.job.endpoint.delta_choice(delta.index, text, logprobs, reason, calls)
 
     def _logprobs(self, token_ids: list[int], logprobs: list[dict[int, float]], offset: int) -> s.Logprobs:
         k = self.job.top_logprobs or 0

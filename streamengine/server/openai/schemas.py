@@ -253,18 +253,20 @@ class ChatChoice(msgspec.Struct):
     stop_reason: int | str | None = None  # vLLM's: the stop string or stop token id that ended it
 
 
-class DeltaFunctionCall(msgspec.Struct):
-    name: str
-    arguments: str
+class DeltaFunctionCall(msgspec.Struct, kw_only=True, omit_defaults=True):
+    name: str | None = None  # in a call's first chunk only
+    arguments: str  # always sent, "" in the first chunk
 
 
-class DeltaToolCall(msgspec.Struct):
-    """One call in a stream: it comes whole, in one chunk, once the model has finished it."""
+class DeltaToolCall(msgspec.Struct, kw_only=True, omit_defaults=True):
+    """A part of call `index` in a stream, as OpenAI sends them: the first has the call's id,
+    type and name (arguments ""), the later ones only `index` and arguments text."""
 
     index: int
-    id: str
+    id: str | None = None
+    type: str | None = None
     function: DeltaFunctionCall
-    type: str = "function"
+
 
 
 class ChatDelta(msgspec.Struct, omit_defaults=True):
