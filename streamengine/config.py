@@ -13,6 +13,8 @@ from streamengine.tenants import TenantConfig
 
 DEFAULT_KV_CACHE_BYTES = 512 * 1024 * 1024
 """Default KV budget: about 11.6k tokens of SmolLM2-135M in float32 (45 KiB per token)."""
+DEFAULT_GRAMMAR_CACHE_BYTES = 256 * 1024 * 1024
+"""Default memory for compiled grammars: one hostile regex can keep about 180 MB."""
 DEFAULT_MAX_PREFILL_CHUNK = 64
 """Default prefill tokens per sequence and step: the largest value that kept decode streams'
 inter-token gaps short while a long prompt prefilled, at little cost to that prompt's time to
@@ -139,12 +141,29 @@ class EngineConfig:
         0.5, "largest fraction of the KV pool pinned prefixes may hold", minimum=0.0, maximum=1.0)
     grammar_compile_timeout_s: float = _option(
         10.0,
-        "Longest wait for a structured-output spec to compile; past it the request fails with "
-        "GrammarError (a hostile schema cannot hold the engine); the compile finishes in its thread.",
+        "Longest a structured-output spec may compile, counted from when a compile thread starts it "
+        "(time waiting behind other specs is not counted); past it the request fails with GrammarError "
+        "(400 invalid_grammar) and the compile, which cannot be interrupted, finishes in its thread "
+        "unkept.",
         minimum=0.001)
-    grammar_cache_size: int = _option(
-        256, "compiled structured-output specs (and failures) kept, least recently used dropped first",
+    grammar_cache_bytes: int = _option(
+        DEFAULT_GRAMMAR_CACHE_BYTES,
+        "Memory for compiled structured-output specs, each counted at its measured size and kept per "
+        "tenant (a tenant's spec never hits another's cache entry); least recently used dropped first, "
+        "a grammar larger than the whole budget not kept. 0: no cache.",
+        minimum=0)
+    grammar_max_queued_per_tenant: int = _option(
+        16,
+        "Structured-output specs of one tenant that may wait to compile; one more fails with "
+        "EngineOverloadedError (429 with Retry-After). The compile threads serve tenants round robin.",
         minimum=1)
+    grammar_max_queued: int = _option(
+        256, "structured-output specs of all tenants that may wait to compile; past it, as above", minimum=1)
+    grammar_queue_timeout_s: float = _option(
+        30.0,
+        "Longest a structured-output spec waits for a compile thread; past it the request fails with "
+        "EngineOverloadedError (429 with Retry-After).",
+        minimum=0.001)
 
     def __post_init__(self) -> None:
         for f in fields(self):

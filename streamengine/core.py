@@ -22,6 +22,7 @@ from streamengine.beam_search import BeamSearch, BeamSearchState
 from streamengine.block_manager import BlockManager, prompt_block_hashes
 from streamengine.config import EngineConfig
 from streamengine.detokenizer import IncrementalDetokenizer
+from streamengine.errors import GrammarError
 from streamengine.grammar import CompiledGrammar, GrammarCompiler, GrammarMatcher
 from streamengine.intake import Intake
 from streamengine.kv_cache import plan_kv_cache
@@ -86,7 +87,9 @@ class EngineCore:
         self.intake = Intake(self.tokenizer, self.vocab_size, self.max_model_len, config.max_tokens_cap, pool)
         self.stop_rules = StopRules(frozenset(self.eos_token_ids), self.max_model_len)
         self.grammars = GrammarCompiler(
-            self.tokenizer, self.vocab_size, config.grammar_compile_timeout_s, config.grammar_cache_size
+            self.tokenizer, self.vocab_size, config.grammar_compile_timeout_s, config.grammar_cache_bytes,
+            max_queued_per_tenant=config.grammar_max_queued_per_tenant, max_queued=config.grammar_max_queued,
+            queue_timeout_s=config.grammar_queue_timeout_s,
         )
         self.pins = Pins(config.block_size)
         self.requests: dict[str, Request] = {}
@@ -94,8 +97,9 @@ class EngineCore:
         self._owner: dict[int, tuple[Request, Sample | None]] = {}
         self._seq_ids = itertools.count()
         # Requests ended by a fault in their own processing, with why; the engine takes them
-        # (take_failures) and ends their streams with RequestFailedError.
-        self.failures: dict[str, str] = {}
+        # (take_failures) and ends their streams with RequestFailedError, or with the error
+        # itself when it is the request's own (a grammar that gave out while decoding).
+        self.failures: dict[str, str | GrammarError] = {}
 
     def _fresh_bookkeeping(self) -> tuple[BlockManager, Scheduler]:
         """An empty block manager (no cached prefixes) and scheduler over the KV pool."""
@@ -176,7 +180,7 @@ class EngineCore:
                                            explicit=params.max_tokens is not None,
                                            reads_cache=params.prompt_logprobs is None)
         if params.structured is not None and grammar is None:
-            grammar = self.grammars.compile(params.structured)
+            grammar = self.grammars.compile(params.structured, tenant)
         req = Request(
             request_id, prompt_ids, params, samples=[], arrival_time=time.monotonic(), max_tokens=max_tokens,
             stop_ids=stop_ids, tenant=tenant, pin=pin, salt_segments=segments,
@@ -311,7 +315,7 @@ class EngineCore:
         self._release(req)
         return make_output(req)
 
-    def fail_request(self, request_id: str, why: str) -> None:
+    def fail_request(self, request_id: str, why: str | GrammarError) -> None:
         """Ends a request after a fault in its own processing (postprocess, abort), even one
         that left it half released. Gives back whatever blocks it can; audit() then tells
         whether the bookkeeping survived."""
@@ -337,7 +341,7 @@ class EngineCore:
         sched = self.scheduler
         return itertools.chain(sched.running, sched.swapped, sched.waiting)
 
-    def take_failures(self) -> dict[str, str]:
+    def take_failures(self) -> dict[str, str | GrammarError]:
         failures, self.failures = self.failures, {}
         return failures
 
@@ -428,7 +432,7 @@ class EngineCore:
         A fault in one request's postprocessing fails that request alone (see `failures`);
         raises EngineStateError when the bookkeeping did not survive such a fault."""
         sampler_out, beam_logprobs, prompt_logprobs = result
-        faults: dict[str, str] = {}
+        faults: dict[str, str | GrammarError] = {}
         touched: dict[str, Request] = {}
         draws = iter(zip(sampler_out.token_ids, sampler_out.logprobs, strict=True))
         beam_rows = iter(beam_logprobs if beam_logprobs is not None else ())
@@ -566,16 +570,25 @@ class EngineCore:
             self._release(req)
         return output
 
-    def _guarded(self, faults: dict[str, str], req: Request, fn: Callable[..., T], *args) -> T | None:
+    def _guarded(self, faults: dict[str, str | GrammarError], req: Request, fn: Callable[..., T], *args) -> T | None:
         """Runs one request's postprocessing; a fault is logged and recorded for that request."""
         try:
             return fn(*args)
+        except GrammarError as exc:
+            # Its grammar refused a token its own mask allowed: the spec went past llguidance's
+            # limits while decoding. The client's error, not an engine fault to log a trace for;
+            # its cached grammar goes too (a spec that fails requests is not worth its memory).
+            log.info("request %s failed by its grammar: %s", req.request_id, exc)
+            if req.params.structured is not None:
+                self.grammars.forget(req.params.structured, req.tenant)
+            faults.setdefault(req.request_id, exc)
+            return None
         except Exception as exc:
             log.exception("postprocessing request %s failed", req.request_id)
             faults.setdefault(req.request_id, f"{type(exc).__name__}: {exc}")
             return None
 
-    def _fail_all(self, faults: dict[str, str]) -> None:
+    def _fail_all(self, faults: dict[str, str | GrammarError]) -> None:
         for request_id, why in faults.items():
             self.fail_request(request_id, why)
         if faults:

@@ -30,6 +30,7 @@ from streamengine.cpu_threads import thread_governor
 from streamengine.errors import (
     EngineDeadError,
     EngineOverloadedError,
+    GrammarError,
     LimitExceededError,
     RequestFailedError,
 )
@@ -207,10 +208,12 @@ class AsyncEngine:
         `tenant` (None: "default") is whose share the request counts against and whose cache
         blocks it may share; `cache_salt` is a per-user salt for what follows the tenant's
         pinned prefixes. `params.structured` is compiled first, in the engine's compile threads
-        (the loop keeps serving), within `EngineConfig.grammar_compile_timeout_s`.
-        Raises ValueError for a bad request (GrammarError for a spec that does not compile or
-        times out), EngineOverloadedError when
-        `max_waiting` requests already wait (TenantRateLimitError past the tenant's tokens per
+        (the loop keeps serving), queued per tenant and served round robin, within
+        `EngineConfig.grammar_compile_timeout_s` of its compile's start.
+        Raises ValueError for a bad request (GrammarError for a spec that does not compile,
+        times out, or gives out while decoding), EngineOverloadedError when
+        `max_waiting` requests already wait or the tenant's compile queue is full
+        (GrammarOverloadedError; TenantRateLimitError past the tenant's tokens per
         minute), RequestFailedError if the engine fails it, EngineDeadError if it stops."""
         grammar = await self._compile(params, tenant)
         request_id, stream = self._submit(prompt, params, request_id, cache_salt, tenant, grammar=grammar)
@@ -234,14 +237,10 @@ class AsyncEngine:
         # No compile for a request the engine or the tenant's rate would refuse anyway.
         self._check_admission()
         self.core.tenants.check_rate(tenant if tenant is not None else DEFAULT_TENANT)
-        try:
-            grammar = await self.core.grammars.compile_async(params.structured)
-        except asyncio.CancelledError:
-            if _cancelling():
-                raise  # our caller was cancelled
-            # stop() shut the compile threads down and dropped this compile: that is the engine
-            # stopping under an admitted request, not a cancellation of the caller's task.
-            raise EngineDeadError("engine stopped while compiling the structured-output spec") from None
+        # Queued and cached per tenant: one tenant's flood of specs waits behind itself, and no
+        # tenant can time whether another sent a spec. stop() fails a spec still waiting with
+        # EngineDeadError.
+        grammar = await self.core.grammars.compile_async(params.structured, tenant)
         if not self.is_running:  # stopped while compiling: as for a stream open at shutdown
             raise EngineDeadError("engine stopped while compiling the structured-output spec")
         return grammar
@@ -541,11 +540,9 @@ class AsyncEngine:
     def _deliver_failures(self) -> None:
         for request_id, why in self.core.take_failures().items():
             stream = self._streams.get(request_id)
-            if stream is not None:
+            if stream is None:
+                continue
+            if isinstance(why, GrammarError):  # the request's own spec gave out: a client error
+                stream.put_error(why)
+            else:
                 stream.put_error(RequestFailedError(f"request {request_id!r} failed inside the engine: {why}"))
-
-
-def _cancelling() -> bool:
-    """Whether the current task has been asked to cancel (beyond a CancelledError it caught)."""
-    task = asyncio.current_task()
-    return task is not None and task.cancelling() > 0

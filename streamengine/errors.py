@@ -22,7 +22,9 @@ class LimitExceededError(ValueError):
 class GrammarError(ValueError):
     """A structured-output spec that cannot be used: it does not compile, it did not compile
     within the engine's timeout (the message names it), or the model's vocabulary cannot carry
-    it. Also raised for a sampled token its grammar refuses (a bug: it fails that request)."""
+    it. Also raised when a request's grammar refuses a token its own mask allowed: the spec
+    went past llguidance's limits while decoding (a schema no finite value matches, a regex
+    whose lexer outgrows them), which fails that request alone as the client's error."""
 
 
 class EngineError(RuntimeError):
@@ -44,3 +46,12 @@ class EngineOverloadedError(EngineError):
     def __init__(self, message: str, retry_after: float = 1.0) -> None:
         super().__init__(message)
         self.retry_after = retry_after
+
+
+class GrammarOverloadedError(EngineOverloadedError):
+    """A structured-output spec was not compiled because the compile queue is full (for its
+    tenant, or in all), or it waited there past its bound. `limit` names the EngineConfig field."""
+
+    def __init__(self, limit: str, message: str, retry_after: float = 1.0) -> None:
+        super().__init__(message, retry_after)
+        self.limit = limit

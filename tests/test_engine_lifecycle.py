@@ -357,14 +357,14 @@ async def test_stop_while_compiling_fails_requests_with_engine_dead(tiny_llama_d
             eng.generate([5, 6], SamplingParams(max_tokens=1, structured=Regex("b+")))
         )  # tokenizer ready
         compiler = eng.core.grammars
-        build = compiler._build_and_store
+        build = compiler._build
 
-        def held_build(key, spec):
+        def held_build(spec):
             entered.release()
             release.wait(30)
-            return build(key, spec)
+            return build(spec)
 
-        monkeypatch.setattr(compiler, "_build_and_store", held_build)
+        monkeypatch.setattr(compiler, "_build", held_build)
         params = [SamplingParams(max_tokens=3, structured=Regex(f"a{i}+")) for i in range(3)]
         tasks = [asyncio.create_task(drain(eng.generate([5, 6], p))) for p in params]
         for _ in range(2):  # both compile threads busy, the third compile queued

@@ -41,14 +41,14 @@ def tokenizer(smollm_dir):
 @pytest.fixture(scope="module")
 def shared(tokenizer):
     """One compiler for the tests that neither patch it nor depend on its cache's contents."""
-    compiler = GrammarCompiler(tokenizer, VOCAB, timeout_s=30.0, cache_size=64)
+    compiler = GrammarCompiler(tokenizer, VOCAB, timeout_s=30.0, cache_bytes=64 * 2**20)
     yield compiler
     compiler.shutdown()
 
 
 def fresh(shared, **kw) -> GrammarCompiler:
     """A compiler with an empty cache that reuses `shared`'s llguidance tokenizer."""
-    compiler = GrammarCompiler(shared.tokenizer, VOCAB, **{"timeout_s": 30.0, "cache_size": 64, **kw})
+    compiler = GrammarCompiler(shared.tokenizer, VOCAB, **{"timeout_s": 30.0, "cache_bytes": 64 * 2**20, **kw})
     compiler._lltok = shared._tokenizer()
     return compiler
 
@@ -163,27 +163,29 @@ def test_bad_specs_raise_grammar_error_and_fail_fast_from_the_cache(shared, spec
         compiler.compile(spec)
 
 
-def test_cache_returns_the_same_grammar_and_drops_the_least_recent(shared, monkeypatch):
-    compiler = fresh(shared, cache_size=2)
+def test_cache_returns_the_same_grammar(shared):
+    compiler = fresh(shared)
     a, b = compiler.compile(Regex("a")), compiler.compile(Regex("b"))
-    assert compiler.compile(Regex("a")) is a  # a is now the most recent
-    compiler.compile(Regex("c"))  # evicts b
-    assert compiler.compile(Regex("a")) is a
-    assert compiler.compile(Regex("b")) is not b
+    assert compiler.compile(Regex("a")) is a and compiler.compile(Regex("b")) is b
+    assert compiler.stats()["grammar_cache_entries"] == 2
 
 
-async def test_a_compile_past_the_timeout_fails_then_caches_its_result(shared, monkeypatch):
-    """The caller gets GrammarError at the timeout; the compile goes on in its thread and
-    caches what it found, so the same spec sent again does not compile again."""
+async def test_a_compile_past_the_timeout_fails_and_is_not_kept(shared, monkeypatch):
+    """The caller gets GrammarError at the timeout; the compile goes on in its thread (it
+    cannot be interrupted), the same spec sent meanwhile fails at once instead of starting a
+    second compile, and what the late compile found is dropped: the spec compiles anew."""
     compiler = fresh(shared, timeout_s=0.05)
-    release = threading.Event()
+    release, finished = threading.Event(), threading.Event()
     build = compiler._build
     calls = []
 
     def slow_build(spec):
         calls.append(spec)
         release.wait(30)
-        return build(spec)
+        try:
+            return build(spec)
+        finally:
+            finished.set()
 
     monkeypatch.setattr(compiler, "_build", slow_build)
     spec = Regex("[0-9]+")
@@ -192,14 +194,17 @@ async def test_a_compile_past_the_timeout_fails_then_caches_its_result(shared, m
             await compiler.compile_async(spec)
         with pytest.raises(GrammarError, match="did not compile within"):
             compiler.compile(spec)
+        assert len(calls) == 1  # joined the compile still running, which is past its time
     finally:
         release.set()
     deadline = time.monotonic() + 30
-    while compiler._lookup(structured_key(spec)) is None:  # the background compiles finish
+    while compiler.stats()["grammar_compiles_running"]:  # until the late compile has ended
         assert time.monotonic() < deadline, "a timed-out compile never finished"
         await asyncio.sleep(0.01)
+    assert finished.is_set() and compiler.stats()["grammar_cache_entries"] == 0
+    monkeypatch.setattr(compiler, "timeout_s", 30.0)
     grammar = await compiler.compile_async(spec)
-    assert grammar.matcher() is not None and len(calls) == 2  # a cache hit: no third compile
+    assert grammar.matcher() is not None and len(calls) == 2  # compiled again: nothing was kept
     compiler.shutdown()
 
 
@@ -234,7 +239,7 @@ async def test_building_the_tokenizer_view_is_outside_the_timeout(tokenizer, mon
 
     monkeypatch.setattr(llguidance.hf, "from_tokenizer", slow)
     for compile_with in ("sync", "async"):
-        compiler = GrammarCompiler(tokenizer, 49152, timeout_s=1.0, cache_size=4)
+        compiler = GrammarCompiler(tokenizer, 49152, timeout_s=1.0, cache_bytes=2**20)
         spec = Regex(pattern="[0-9]+")
         grammar = compiler.compile(spec) if compile_with == "sync" else await compiler.compile_async(spec)
         assert grammar.matcher().is_accepting is False
@@ -242,7 +247,7 @@ async def test_building_the_tokenizer_view_is_outside_the_timeout(tokenizer, mon
 
 
 def test_logits_narrower_than_the_tokenizer_are_refused(tokenizer):
-    compiler = GrammarCompiler(tokenizer, len(tokenizer) - 1, timeout_s=30.0, cache_size=4)
+    compiler = GrammarCompiler(tokenizer, len(tokenizer) - 1, timeout_s=30.0, cache_bytes=2**20)
     with pytest.raises(GrammarError, match="narrower"):
         compiler.compile(Regex("a"))
     compiler.shutdown()

@@ -190,10 +190,10 @@ async def test_the_drain_aborts_a_request_that_reaches_the_engine_after_the_cut(
     compiling, release = asyncio.Event(), asyncio.Event()
     compile_async = engine.core.grammars.compile_async
 
-    async def held_compile(spec):
+    async def held_compile(spec, tenant=None):
         compiling.set()
         await release.wait()
-        return await compile_async(spec)
+        return await compile_async(spec, tenant)
 
     monkeypatch.setattr(engine.core.grammars, "compile_async", held_compile)
     aborted: list[str] = []

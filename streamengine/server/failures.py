@@ -9,7 +9,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from streamengine.errors import EngineError, EngineOverloadedError, GrammarError, LimitExceededError
+from streamengine.errors import (
+    EngineError,
+    EngineOverloadedError,
+    GrammarError,
+    GrammarOverloadedError,
+    LimitExceededError,
+)
 from streamengine.server import protocol as p
 from streamengine.server.state import PromptTooLong
 from streamengine.server.streaming import RequestTimeoutError
@@ -22,12 +28,14 @@ class Failure:
     status: int  # the HTTP status
     openai_code: str | None  # OpenAI's `error.code`
     message: str
-    limit: str | None = None  # with LIMIT_EXCEEDED, or OVERLOADED by a tenant's rate: which limit
+    limit: str | None = None  # with LIMIT_EXCEEDED, or OVERLOADED by a tenant's rate or grammar queue: which limit
     retry_after: float | None = None  # with OVERLOADED: seconds to wait before retrying
 
 
 # First match wins: subclasses before their bases (PromptTooLong, LimitExceededError and
-# GrammarError are ValueErrors, the "your request is wrong" family; the others are the engine's).
+# GrammarError are ValueErrors, the "your request is wrong" family, GrammarError also when a
+# grammar gives out while decoding; the others are the engine's, GrammarOverloadedError an
+# EngineOverloadedError: a full compile queue is a 429, never a 500).
 _RULES: tuple[tuple[type[Exception], str, int, str | None], ...] = (
     (PromptTooLong, p.PROMPT_TOO_LONG, 400, "context_length_exceeded"),
     (LimitExceededError, p.LIMIT_EXCEEDED, 400, "limit_exceeded"),
@@ -51,6 +59,6 @@ def classify(exc: BaseException) -> Failure | None:
         openai_code = "context_length_exceeded"  # the engine's own prompt-length check
     return Failure(
         code, status, openai_code, message,
-        limit=exc.limit if isinstance(exc, LimitExceededError | TenantRateLimitError) else None,
+        limit=exc.limit if isinstance(exc, LimitExceededError | TenantRateLimitError | GrammarOverloadedError) else None,
         retry_after=float(exc.retry_after) if isinstance(exc, EngineOverloadedError) else None,
     )
