@@ -233,8 +233,8 @@ _HERMES_KEYS = ("arguments",)
 class _Hermes(Enum):
     TEXT = "text"  # content, watching for an opening tag
     BLOCK = "block"  # inside a block: its call object is being read
-    TAIL = "tail"  # a call's object ended: skipping to the closing tag
-    NOT_A_CALL = "not a call"  # a block that is content: passing it on up to its closing tag
+    TAIL = "tail"  # a call's object ended: skipping to the closing tag (or the next block)
+    NOT_A_CALL = "not a call"  # a block that is content: passed on up to its closing tag (or the next block)
 
 
 class _HermesStream(StreamingToolParser):
@@ -258,22 +258,23 @@ class _HermesStream(StreamingToolParser):
         if self._mode is _Hermes.BLOCK:
             return self._read_block(text, out)
         buffer, self._buffer = self._buffer + text, ""
-        marker = HERMES_OPEN if self._mode is _Hermes.TEXT else HERMES_CLOSE
-        found = buffer.find(marker)
+        # after a block, a new opening tag before the closing one starts the next block (a
+        # model that left out a closing tag)
+        markers = (HERMES_OPEN,) if self._mode is _Hermes.TEXT else (HERMES_CLOSE, HERMES_OPEN)
+        found, marker = min(((buffer.find(m), m) for m in markers if m in buffer), default=(-1, ""))
         if found < 0:
-            held = held_prefix(buffer, marker)
+            held = max(held_prefix(buffer, m) for m in markers)
             self._pass(buffer[:len(buffer) - held], out)
             self._buffer = buffer[len(buffer) - held:]
             return ""
-        after = found + len(marker)
-        if self._mode is _Hermes.TEXT:
+        if marker == HERMES_OPEN:
             self._pass(buffer[:found], out)
-            self._mode, self._block = _Hermes.BLOCK, ""
+            self._mode, self._block, self._in_call = _Hermes.BLOCK, "", False
             self._call = self._new_call(_HERMES_KEYS, needs_arguments=False)
-        else:
-            self._pass(buffer[:after], out)
+        else:  # the closing tag of a block: content if the block was, else skipped with its tail
+            self._pass(buffer[:found + len(marker)], out)
             self._mode, self._in_call = _Hermes.TEXT, False
-        return buffer[after:]
+        return buffer[found + len(marker):]
 
     def _pass(self, text: str, out: ParsedDelta) -> None:
         """Text outside calls: content, unless skipped (a call's tail) or forced output."""

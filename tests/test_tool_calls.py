@@ -65,6 +65,12 @@ HERMES_CASES = [
     ('<tool_call>{"name": "x", "arguments": {"a": "\\q"}}</tool_call>', None, [("x", '{"a": "\\')],
      CallsEnding(1, False, False)),  # an invalid escape ends the arguments before it
     ('<tool_call>{"name": "x", "arguments": [1, 2]}</tool_call>', None, [("x", "[1, 2]")], ONE),
+    # a block that leaves out its closing tag ends where the next one opens
+    ('<tool_call>{"name": "a", "arguments": {}} <tool_call>{"name": "b", "arguments": {}}</tool_call>', None,
+     [("a", "{}"), ("b", "{}")], CallsEnding(2)),
+    ("<tool_call>oops <tool_call>" + WEATHER + "</tool_call>", "<tool_call>oops", [("get_weather", WEATHER_ARGS)],
+     ONE),
+    ('<tool_call>{"name": "a", "arguments": {}} <tool_call>{"na', '<tool_call>{"na', [("a", "{}")], ONE),
     ("1 < 2 and <tool <tool_ca", "1 < 2 and <tool <tool_ca", [], DONE),
     ("  \n ", None, [], DONE),
 ]
