@@ -352,18 +352,48 @@ async def test_beam_search_truncation_request_id_and_cache_salt(engine):
         assert cached[1] > 0 and cached[2] == 0
 
 
-async def test_chat_template_kwargs_reach_the_template(engine, monkeypatch):
-    template = "{% for m in messages %}{{ m['content'] }}{% endfor %}{{ greeting | default('none') }}"
+async def test_chat_template_kwargs_and_documents_reach_the_template(engine, monkeypatch):
+    template = ("{% for m in messages %}{{ m['content'] }}{% endfor %}{{ greeting | default('none') }}"
+                "{% for d in documents or [] %} [{{ d['title'] }}]{% endfor %}")
     monkeypatch.setattr(engine.tokenizer, "chat_template", template)
     async with live_server(engine) as (client, base):
         r = await client.chat.completions.create(model="tiny", messages=CHAT, max_tokens=1,
                                                  extra_body={"chat_template_kwargs": {"greeting": " Ahoy"}})
         assert r.usage.prompt_tokens == len(engine.tokenizer.encode("Say something. Ahoy", add_special_tokens=False))
+        r = await client.chat.completions.create(model="tiny", messages=CHAT, max_tokens=1,
+                                                 extra_body={"documents": [{"title": "Moby Dick", "text": "..."}]})
+        assert r.usage.prompt_tokens == len(engine.tokenizer.encode("Say something.none [Moby Dick]",
+                                                                    add_special_tokens=False))
         status, body = await _post(base, "/tokenize", {"messages": CHAT, "chat_template_kwargs": {"greeting": "!"}})
         assert engine.tokenizer.decode(body["tokens"]) == "Say something.!"
         status, body = await _post(base, "/v1/chat/completions", {"messages": CHAT, "chat_template_kwargs":
                                                                   {"tokenize": True}})
         assert status == 400 and body["error"]["param"] == "chat_template_kwargs"
+
+
+async def test_add_special_tokens_decides_whether_the_tokenizer_adds_its_own(engine, monkeypatch):
+    # SmolLM2's tokenizer adds nothing itself: this one is made to add a BOS, as Llama's does
+    tokenizer = engine.tokenizer
+    plain_encode, bos = tokenizer.encode, tokenizer.bos_token_id
+
+    def encode_adding_bos(text, add_special_tokens=True, **kwargs):
+        return ([bos] if add_special_tokens else []) + plain_encode(text, add_special_tokens=False, **kwargs)
+
+    monkeypatch.setattr(tokenizer, "encode", encode_adding_bos)
+    # a template that writes no BOS itself (SmolLM2's starts with it, and a second is never added)
+    monkeypatch.setattr(tokenizer, "chat_template", "{% for m in messages %}{{ m['content'] }}{% endfor %}")
+    words = len(plain_encode("The cat sat", add_special_tokens=False))
+    async with live_server(engine) as (client, _):
+        counts = {}
+        for endpoint, kwargs in (("completions", {"prompt": "The cat sat"}), ("chat", {"messages": CHAT})):
+            create = client.completions.create if endpoint == "completions" else client.chat.completions.create
+            for special in (None, True, False):
+                extra = {} if special is None else {"add_special_tokens": special}
+                r = await create(model="tiny", max_tokens=1, extra_body=extra, **kwargs)
+                counts[endpoint, special] = r.usage.prompt_tokens
+        assert counts["completions", None] == counts["completions", True] == words + 1  # the default: add
+        assert counts["completions", False] == words
+        assert counts["chat", None] == counts["chat", False] == counts["chat", True] - 1  # the default: the template's
 
 
 async def test_continuous_usage_stats_put_usage_in_every_chunk(engine):
