@@ -1,8 +1,11 @@
-"""OpenAI-compatible HTTP: `/v1/models`, `/v1/completions`, `/v1/chat/completions`.
+"""OpenAI-compatible HTTP: `/v1/models` (and `/v1/models/{id}`), `/v1/completions`,
+`/v1/chat/completions`, and vLLM's `/tokenize`, `/detokenize` and `/version`.
 
-Request bodies are decoded with msgspec (unknown fields ignored, as OpenAI clients send many),
-mapped onto the engine's SamplingParams, and streamed as server-sent events ending with
-`data: [DONE]` when `stream` is true. Streaming responses start once the first output exists,
+Request bodies are decoded with msgspec into the fields each endpoint implements (OpenAI's and
+vLLM's); any other field OpenAI or vLLM defines is refused by name (fields.py), and only fields
+neither defines pass unread. They are mapped onto the engine's SamplingParams (a list of
+completion prompts onto one engine request each, batch.py), and streamed as server-sent
+events ending with `data: [DONE]` when `stream` is true. Streaming responses start once the first output exists,
 so a request the engine refuses still gets a plain status: 400 for bad params, a context too
 long or an engine limit (`param` names the limit, code `limit_exceeded`), 429 with Retry-After
 when the engine's queue is full, 500 with the engine's message when it fails the request, 504
@@ -22,8 +25,11 @@ output (400 `invalid_grammar` for a spec that does not compile); `tools` / `tool
 planned in server/tools.py, rendered by tool_prompt.py and read back by tool_calls.py into
 `message.tool_calls` / `delta.tool_calls` with finish_reason "tool_calls".
 
-schemas.py holds the bodies, endpoints.py what differs between the two endpoints (one object
-each), format.py builds response bodies from stream updates, routes.py the handlers.
+schemas.py holds the bodies, fields.py the table of every field, endpoints.py what differs
+between the two endpoints (one object each), prompts.py the prompts' forms, truncation and echo,
+guided.py vLLM's structured-output spellings, format.py builds response bodies from stream
+updates, batch.py runs a request's engine streams side by side, routes.py the handlers,
+tokenize.py the tokenizer routes.
 """
 
 from streamengine.server.openai.errors import OpenAIError, error_response, http_exception_response
