@@ -108,7 +108,7 @@ class Endpoint(ABC, Generic[Body]):
     async def job(self, state: ServerState, raw: bytes) -> Job:
         """Decodes and checks the body and tokenizes its prompts; OpenAIError if it is wrong."""
         body = decode_body(raw, self.body_type)
-        check_refused(self.name, raw, body)
+        check_refused(self.name, raw)
         if body.stream_options is not None and body.stream_options.include_obfuscation:
             raise unsupported("stream_options.include_obfuscation", "streams are not padded")
         check_model(state, body.model)

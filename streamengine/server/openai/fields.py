@@ -23,17 +23,17 @@ from streamengine.server.openai.errors import OpenAIError
 EndpointName = Literal["chat", "completions"]
 ENDPOINT_PATHS: dict[EndpointName, str] = {"chat": "/v1/chat/completions", "completions": "/v1/completions"}
 
-Inert = Callable[[Any, Any], bool]
-"""(value, decoded body) -> whether the value asks for nothing."""
+Inert = Callable[[Any], bool]
+"""Whether a field's value asks for nothing."""
 
 
-def _null(value: Any, body: Any) -> bool:
+def _null(value: Any) -> bool:
     return value is None
 
 
 def _allowing(*values: Any) -> Inert:
     """null, or one of `values` (a field's default, or what this server does anyway)."""
-    def inert(value: Any, body: Any) -> bool:
+    def inert(value: Any) -> bool:
         return value is None or any(value == v and type(value) is type(v) for v in values)
     return inert
 
@@ -228,17 +228,17 @@ def implemented(endpoint: EndpointName) -> frozenset[str]:
     return frozenset(r.name for r in RULES if isinstance(r.status(endpoint), Implemented))
 
 
-def check_refused(endpoint: EndpointName, raw: bytes, body: Any) -> None:
+def check_refused(endpoint: EndpointName, raw: bytes) -> None:
     """400 for the first refused field the body gives a value that asks for something.
 
-    `raw`: the body as sent (already decoded once into `body`, so it is a JSON object)."""
+    `raw`: the body as sent, already known to be a JSON object (decoded into its Struct)."""
     fields = msgspec.json.decode(raw, type=dict[str, msgspec.Raw])
     for name, value in fields.items():
         rule = RULES_BY_NAME.get(name)
         if rule is None:
             continue  # nobody defines it
         status = rule.status(endpoint)
-        if isinstance(status, Refused) and not status.inert(msgspec.json.decode(value), body):
+        if isinstance(status, Refused) and not status.inert(msgspec.json.decode(value)):
             raise unsupported(name, status.reason)
 
 
