@@ -209,14 +209,15 @@ async def test_every_bad_message_gets_an_error_and_the_socket_keeps_working(engi
 
 async def test_long_prompts_are_tokenized_off_loop_and_limited(engine):
     long_prompt = "word " * 3000  # beyond INLINE_TOKENIZE_CHARS: tokenized in a worker thread
-    async with serve(engine, max_prompt_tokens=100) as client:
+    # (200 tokens: 15,000 characters could fit them, so the prompt is tokenized, then refused)
+    async with serve(engine, max_prompt_tokens=200) as client:
         ws = await connect(client)
         await ws.send_json({"type": "generate", "id": "long", "prompt": long_prompt, "params": SHORT})
         msg = await recv(ws)
         assert (msg["type"], msg["id"], msg["code"]) == ("error", "long", "prompt_too_long")
-        assert "limit of 100" in msg["message"]
+        assert "has 3001 tokens" in msg["message"] and "limit of 200" in msg["message"]
         await ws.send_json({"type": "generate", "id": "ok", "prompt": "word " * 50, "params": SHORT})
-        assert (await collect(ws, {"ok"}))["ok"]["done"]["usage"]["prompt_tokens"] <= 100
+        assert (await collect(ws, {"ok"}))["ok"]["done"]["usage"]["prompt_tokens"] <= 200
 
 
 async def test_frame_over_the_hard_limit_closes_with_1009(engine):

@@ -248,3 +248,119 @@ async def test_health_answers_while_a_large_response_is_built(engine, monkeypatc
     assert waited == [True]
     assert len(choices) == 4 and all(len(c["logprobs"]["content"]) == 16 for c in choices)
     assert all(len(entry["top_logprobs"]) == 5 for c in choices for entry in c["logprobs"]["content"])
+
+
+# ---- prompts too long to be worth tokenizing, and a tokenizer no client can monopolize -----------
+
+
+class Tenanted(ScriptedEngine):
+    """The scripted engine, taking the `tenant` argument that keyed requests may carry."""
+
+    def health(self) -> dict:
+        return {"state": "ready"}
+
+    async def generate(self, prompt, params, request_id=None, cache_salt=None, tenant=None):
+        async for out in super().generate(prompt, params, request_id, cache_salt):
+            yield out
+
+
+@pytest.fixture
+def encoded(monkeypatch):
+    """The texts the server tokenizes, in order; `hold` makes the first one wait until set."""
+    from streamengine.server import state as state_module
+
+    record = {"texts": [], "hold": None, "entered": threading.Event()}
+    encode = state_module.encode_prompt
+
+    def watched(tokenizer, text, *, chat=False):
+        record["texts"].append(text)
+        record["entered"].set()
+        if record["hold"] is not None and len(record["texts"]) == 1:
+            assert record["hold"].wait(20)
+        return encode(tokenizer, text, chat=chat)
+
+    monkeypatch.setattr(state_module, "encode_prompt", watched)
+    return record
+
+
+async def test_a_prompt_longer_than_any_that_fits_is_refused_without_tokenizing(engine, encoded):
+    # Before: every prompt was tokenized first (seconds for megabytes), then refused.
+    from streamengine.server.state import longest_token_chars
+
+    per_token = longest_token_chars(engine.tokenizer)
+    context = engine.stats()["max_model_len"]
+    async with serve(engine, max_prompt_tokens=10) as client:
+        # more characters than the context's tokens could hold at the longest token's length
+        resp = await client.post("/v1/completions", json={"prompt": "a" * (context * per_token + 1), "max_tokens": 1})
+        error = (await resp.json())["error"]
+        assert resp.status == 400 and error["code"] == "context_length_exceeded" and error["param"] == "prompt"
+        assert "without tokenizing" in error["message"]
+        # the WebSocket applies --max-prompt-tokens before tokenizing too
+        ws = await connect(client)
+        await ws.send_json({"type": "generate", "id": "w", "prompt": "a" * (10 * per_token + 1),
+                            "params": {"max_tokens": 1}})
+        error = await recv(ws)
+        assert error["code"] == "prompt_too_long" and "without tokenizing" in error["message"]
+        assert encoded["texts"] == []
+        # at the bound it may still fit, so it is tokenized (and refused by its count of tokens)
+        await ws.send_json({"type": "generate", "id": "w", "prompt": "a" * (10 * per_token),
+                            "params": {"max_tokens": 1}})
+        error = await recv(ws)
+        assert error["code"] == "prompt_too_long" and "without tokenizing" not in error["message"]
+        assert len(encoded["texts"]) == 1
+
+
+async def test_one_clients_backlog_of_long_prompts_does_not_hold_up_another_client(engine, encoded):
+    # Before: one tokenizer thread, first come first served: B's prompt waited for all of A's.
+    fake = Tenanted(engine)
+    keys = {"A": "key-a", "B": "key-b"}
+    long = 9000  # past INLINE_TOKENIZE_CHARS: tokenized in the worker thread
+    encoded["hold"] = threading.Event()
+    async with serve(fake, api_key=list(keys.values())) as client:
+        state = client.app[STATE_KEY]
+
+        async def post(who: str, i: int):
+            return await client.post("/v1/completions", headers={"Authorization": f"Bearer {keys[who]}"},
+                                     json={"prompt": f"{who}{i} " + "x" * long, "max_tokens": 1})
+
+        flood = [asyncio.ensure_future(post("A", i)) for i in range(5)]
+        assert await asyncio.to_thread(encoded["entered"].wait, 20)
+        await wait_for(lambda: state._tokenizer_pool.pending() == 4, "A's backlog to queue")
+        other = asyncio.ensure_future(post("B", 0))
+        await wait_for(lambda: state._tokenizer_pool.pending() == 5, "B's prompt to queue")
+        encoded["hold"].set()
+        responses = await asyncio.wait_for(asyncio.gather(other, *flood), 30)
+        assert [r.status for r in responses] == [200] * 6
+    order = [text.split(" ", 1)[0] for text in encoded["texts"]]
+    # B's one prompt came right after the A prompt being tokenized, ahead of A's backlog
+    assert order[1] == "B0" and sorted(order[:1] + order[2:]) == ["A0", "A1", "A2", "A3", "A4"], order
+
+
+async def test_the_fair_pool_takes_clients_in_turn_and_drops_cancelled_jobs():
+    from streamengine.server.fair_pool import FairPool
+
+    pool = FairPool(1, "test-pool")
+    gate, ran = threading.Event(), []
+
+    def job(name: str):
+        def run() -> str:
+            if name == "a0":
+                gate.wait(20)
+            ran.append(name)
+            return name
+        return run
+
+    try:
+        first = asyncio.ensure_future(pool.run("a", job("a0")))
+        await asyncio.sleep(0)
+        queued = {name: asyncio.ensure_future(pool.run(name[0], job(name))) for name in ("a1", "a2", "a3", "b0", "c0", "b1")}
+        await wait_for(lambda: pool.pending() == 6, "the jobs to queue")
+        queued["a2"].cancel()
+        gate.set()
+        assert await first == "a0"
+        results = await asyncio.gather(*queued.values(), return_exceptions=True)
+        assert [r for r in results if isinstance(r, str)] == ["a1", "a3", "b0", "c0", "b1"]
+        # round robin, a running client's next job behind the others'; the cancelled a2 never ran
+        assert ran == ["a0", "b0", "c0", "a1", "b1", "a3"]
+    finally:
+        pool.close()

@@ -25,6 +25,7 @@ from streamengine.server import openai, protocol
 from streamengine.server.metrics import ServerMetrics
 from streamengine.server.security import HostPolicy, KeyRing, OriginPolicy, is_same_origin
 from streamengine.server.state import (
+    CLIENT,
     DEFAULT_AUTH_TIMEOUT_S,
     DEFAULT_BODY_TIMEOUT_S,
     DEFAULT_HEARTBEAT_S,
@@ -41,6 +42,7 @@ from streamengine.server.state import (
     STATE_KEY,
     TENANT_KEY,
     ServerState,
+    client_key,
     get_state,
 )
 from streamengine.server.tenancy import apply_tenants_file, tenants_route
@@ -467,6 +469,7 @@ async def _auth(request: web.Request, handler: Handler) -> web.StreamResponse:
             headers={"WWW-Authenticate": "Bearer"},
         )
     request[TENANT_KEY] = tenant
+    CLIENT.set(client_key(tenant, request.remote))  # this request's task only
     if request.path in _ADMIN_PATHS and not tenant.is_admin:
         return _admin_required(state, request.path)
     return await handler(request)

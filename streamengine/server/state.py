@@ -2,12 +2,11 @@
 
 from __future__ import annotations
 
-import asyncio
 import functools
 import time
 import uuid
 from collections.abc import Callable, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from contextvars import ContextVar
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -15,8 +14,9 @@ from aiohttp import web
 from jinja2 import TemplateError
 
 from streamengine.intake import encode_prompt
+from streamengine.server.fair_pool import FairPool
 from streamengine.server.metrics import ServerMetrics
-from streamengine.server.security import HostPolicy, KeyRing, OriginPolicy, Tenant
+from streamengine.server.security import ANONYMOUS, HostPolicy, KeyRing, OriginPolicy, Tenant
 from streamengine.server.tenants_file import TenantsFile
 from streamengine.tool_prompt import (
     needs_tools_template,
@@ -33,6 +33,25 @@ DEFAULT_MAX_MESSAGE_BYTES = 1 << 20
 """WebSocket messages above this get a `message_too_large` error (the socket stays open)."""
 INLINE_TOKENIZE_CHARS = 8192
 """Longer prompts are tokenized in a worker thread rather than on the event loop."""
+TOKENIZER_THREADS = 1
+"""Prompts are tokenized by one thread, the tokenizer never by two of ours at once; clients
+take turns in its queue (FairPool), so one client's huge prompts cannot hold up another's."""
+CLIENT: ContextVar[str] = ContextVar("streamengine_client", default="")
+"""Who the request being handled comes from (`client_key`): whose turn its jobs wait for in
+queues shared by every client. Set by the auth middleware and by each WebSocket request task."""
+
+
+def client_key(tenant: Tenant, remote: str | None) -> str:
+    """A client for fair turns: its tenant, or its peer address on a server without keys
+    (where everyone is the same anonymous tenant)."""
+    return f"address {remote}" if tenant is ANONYMOUS else f"tenant {tenant.name}"
+
+
+def longest_token_chars(tokenizer: Any) -> int:
+    """The most characters of text one token stands for: the longest entry of the vocabulary.
+    A byte-level BPE entry has one character per byte (at least as many as the text it decodes
+    to); a SentencePiece entry one per character (byte fallbacks, like <0x0A>, more)."""
+    return max((len(token) for token in tokenizer.get_vocab()), default=1)
 HARD_LIMIT_FACTOR = 4
 """aiohttp closes the socket (1009) above this multiple, so no frame can balloon memory."""
 DEFAULT_MAX_BODY_BYTES = 4 << 20
@@ -153,22 +172,47 @@ class ServerState:
     shutting_down: bool = False  # True from the start of a drain: no new requests are admitted
     # OpenAI POSTs being handled (tokenizing, generating or writing): a drain waits for these.
     http_in_flight: int = 0
-    _tokenizer_pool: ThreadPoolExecutor | None = None
+    _tokenizer_pool: FairPool | None = None
+    _token_chars: int = 0  # longest_token_chars of the engine's tokenizer, once known
+    _context_tokens: int | None = None  # the engine's max_model_len, once known
 
     async def tokenize_async(self, prompt: str | list[int], *, chat: bool = False,
                              check_limit: bool = True) -> list[int]:
-        """`tokenize`, off the event loop for long prompts so other streams keep flowing."""
+        """`tokenize`, off the event loop for long prompts so other streams keep flowing, in
+        the turn of the request's client (CLIENT); a prompt too long in characters to fit is
+        refused first, without tokenizing (`check_chars`)."""
+        if isinstance(prompt, str):
+            self.check_chars(prompt, check_limit=check_limit)
         if not isinstance(prompt, str) or len(prompt) <= INLINE_TOKENIZE_CHARS:
             return self.tokenize(prompt, chat=chat, check_limit=check_limit)
         if self._tokenizer_pool is None:
-            # one worker: the tokenizer is never used by two of our threads at once
-            self._tokenizer_pool = ThreadPoolExecutor(1, thread_name_prefix="streamengine-tokenize")
-        return await asyncio.get_running_loop().run_in_executor(
-            self._tokenizer_pool, functools.partial(self.tokenize, prompt, chat=chat, check_limit=check_limit))
+            self._tokenizer_pool = FairPool(TOKENIZER_THREADS, "streamengine-tokenize")
+        job = functools.partial(self.tokenize, prompt, chat=chat, check_limit=check_limit)
+        return await self._tokenizer_pool.run(CLIENT.get(), job)
+
+    def check_chars(self, prompt: str, *, check_limit: bool = True) -> None:
+        """PromptTooLong for a prompt of more characters than the most tokens it may have
+        (the context, or `max_prompt_tokens` when `check_limit`) could spell at the longest
+        token's length: it cannot fit, so it is not worth tokenizing (megabytes take seconds)."""
+        if self._context_tokens is None:
+            self._context_tokens = int(self.engine.stats().get("max_model_len") or 0)
+        limits = [(self._context_tokens, "the model's context of {} tokens")]
+        if check_limit and self.max_prompt_tokens is not None:
+            limits.append((self.max_prompt_tokens, "this server's limit of {} tokens (--max-prompt-tokens)"))
+        tokens, limit = min(((n, what) for n, what in limits if n), default=(0, ""))
+        if not tokens or len(prompt) <= tokens:  # one character per token at least: fits
+            return
+        if not self._token_chars:
+            self._token_chars = longest_token_chars(self.engine.tokenizer)
+        if len(prompt) > tokens * self._token_chars:
+            raise PromptTooLong(
+                f"prompt has {len(prompt)} characters, more than {limit.format(tokens)} can hold at "
+                f"{self._token_chars} characters per token (the longest token of this tokenizer): "
+                "refused without tokenizing")
 
     def close(self) -> None:
         if self._tokenizer_pool is not None:
-            self._tokenizer_pool.shutdown(wait=False, cancel_futures=True)
+            self._tokenizer_pool.close()
             self._tokenizer_pool = None
 
     def tokenize(self, prompt: str | list[int], *, chat: bool = False, check_limit: bool = True) -> list[int]:

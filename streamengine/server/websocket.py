@@ -50,9 +50,11 @@ from streamengine.server import protocol as p
 from streamengine.server.failures import classify
 from streamengine.server.security import Tenant, bearer_token
 from streamengine.server.state import (
+    CLIENT,
     DEFAULT_MAX_PENDING_BYTES,
     HARD_LIMIT_FACTOR,
     ServerState,
+    client_key,
     get_state,
     new_request_id,
 )
@@ -218,10 +220,11 @@ class Connection:
     """One WebSocket: a reader loop (this handler), a writer task, one task per request."""
 
     def __init__(self, state: ServerState, ws: web.WebSocketResponse, tenant: Tenant | None,
-                 transport: asyncio.BaseTransport | None = None) -> None:
+                 transport: asyncio.BaseTransport | None = None, remote: str | None = None) -> None:
         self.state = state
         self.ws = ws
         self.tenant = tenant  # None until authenticated
+        self.remote = remote  # the peer's address: whose turn its jobs wait for without keys
         self.codec = p.Codec()
         self.outbox = Outbox(self._too_slow, state.max_pending_bytes, self.codec)
         self.live: dict[str, _Live] = {}
@@ -452,6 +455,8 @@ class Connection:
         client_id = msg.id
         last: StepUpdate | None = None
         tools = ToolStreams(plan.parser) if plan.parser is not None else None
+        if self.tenant is not None:  # (this task's own context: the socket's other tasks keep theirs)
+            CLIENT.set(client_key(self.tenant, self.remote))
         try:
             prompt_ids = await self._prompt_ids(msg, plan)
             if not live.aborted:  # an abort may arrive before generation starts
@@ -590,7 +595,7 @@ async def stream_handler(request: web.Request) -> web.StreamResponse:
         max_msg_size=state.max_message_bytes * HARD_LIMIT_FACTOR,
         heartbeat=state.heartbeat_s or None,
     )
-    conn = Connection(state, ws, tenant, request.transport)
+    conn = Connection(state, ws, tenant, request.transport, request.remote)
     # before the handshake's await, so concurrent ones count too
     state.connections.add(conn)
     if tenant is None:
