@@ -170,6 +170,7 @@ class EngineCore:
             raise ValueError(f"request_id {request_id!r} is already in use")
         params = params.clone()  # the caller may edit or reuse its object while this runs
         tenant = tenant if tenant is not None else DEFAULT_TENANT
+        self.tenants.check_width(tenant, params.n, params.beam_width)
         self.tenants.check_rate(tenant)
         prompt_ids = self.intake.prompt_ids(prompt)
         self.intake.check_length(len(prompt_ids), params)

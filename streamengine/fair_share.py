@@ -284,6 +284,19 @@ class FairShare:
         return {name for name, (num_seqs, num_blocks) in held.items()
                 if num_seqs > 1 and num_blocks > pool_size * self.tenants.get(name).weight / total}
 
+    def over_slot_share(self, running: list[Sequence], waiting: Iterable[Sequence], num_slots: int) -> set[str]:
+        """Tenants running two or more sequences, more than their weight's share of the
+        `num_slots` running slots (max_num_seqs) among the tenants with sequences in the
+        scheduler: one request of n samples (or beams) can take every slot while holding
+        little of the pool, and a tenant arriving then must get one of them back."""
+        counts: dict[str, int] = {}
+        for seq in running:
+            counts[seq.tenant] = counts.get(seq.tenant, 0) + 1
+        active = {seq.tenant for seq in waiting} | counts.keys()
+        total = sum(self.tenants.get(name).weight for name in active)
+        return {name for name, num_seqs in counts.items()
+                if num_seqs > 1 and num_seqs > num_slots * self.tenants.get(name).weight / total}
+
     # -- quotas ---------------------------------------------------------------------------
 
     def within_quota(self, seq: Sequence, running: list[Sequence], new_block_ids: Iterable[int],
@@ -299,7 +312,7 @@ class FairShare:
         if all(s.request_id == seq.request_id for s in mine):
             return True
         admitting = all(s is not seq for s in mine)
-        if admitting and config.max_running is not None and len(mine) + _width(seq, mine) > config.max_running:
+        if admitting and config.max_running is not None and _num_committed(mine) + _width(seq, mine) > config.max_running:
             return False
         if config.max_kv_fraction is None:
             return True
@@ -320,6 +333,20 @@ class FairShare:
         for name, held in blocks.items():
             out[name]["num_blocks"] = len(held)
         return out
+
+
+def _num_committed(running: list[Sequence]) -> int:
+    """The sequences `running` runs or is about to: a request whose first sequence has not
+    sampled yet counts as its whole group (its samples or beams fork from it then), not as
+    the one sequence it runs now (counted so, a tenant under max_running=4 started two
+    requests of 3 beams together, then ran 6 sequences)."""
+    counts: dict[str, int] = {}
+    groups: dict[str, int] = {}
+    for seq in running:
+        counts[seq.request_id] = counts.get(seq.request_id, 0) + 1
+        if seq.group_size > 1 and seq.num_output_tokens == 0:
+            groups[seq.request_id] = seq.group_size
+    return sum(max(n, groups.get(request_id, 0)) for request_id, n in counts.items())
 
 
 def _width(seq: Sequence, running: list[Sequence]) -> int:

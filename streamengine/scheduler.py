@@ -516,7 +516,9 @@ class Scheduler:
         in_flight: set[bytes] | None = None  # hashed only when some tenant needs room
         yields_left, scheduled = MAX_YIELDS_PER_STEP, 0
         committed = self.share.committed(self.running)
-        while queues and scheduled < self.max_num_batched_tokens and len(self.running) < self.max_num_seqs:
+        # No check for a free running slot here: _give_way makes one too (a tenant holding
+        # every slot, with one wide request, gives way like one holding the pool).
+        while queues and scheduled < self.max_num_batched_tokens:
             tenant = self.share.first_to_serve(queues, running, committed)
             queue, idle = queues.pop(tenant), tenant not in running
             if not self._owed_room_of(tenant, out.preempted):
@@ -619,22 +621,24 @@ class Scheduler:
         return n
 
     def _owing(self, tenant: str) -> list[Sequence]:
-        """The running sequences (no beams or samples of a group) that owe `tenant` room: of
-        tenants more than FAIRNESS_SLACK ahead of it, and, when it runs nothing, of tenants
-        over their share of the pool that are served at least as much as it is (a tenant
-        owed more service than the one arriving does not give way to it: with the slack
-        there too, the least-served bot of a busy trace still yielded, mid-prompt, to quiet
-        ones)."""
+        """The running sequences (samples and beams of a wide request too) that owe `tenant`
+        room: of tenants more than FAIRNESS_SLACK ahead of it, and, when it runs nothing, of
+        tenants over their share of the pool, or of the running slots while every slot is
+        taken, that are served at least as much as it is (a tenant owed more service than the
+        one arriving does not give way to it: with the slack there too, the least-served bot
+        of a busy trace still yielded, mid-prompt, to quiet ones)."""
         served = self.share.usage_of(tenant).virtual_time
         over_share = set()
         if all(s.tenant != tenant for s in self.running):
             over_share = self._over_block_share()
+            if len(self.running) >= self.max_num_seqs:
+                over_share |= self.share.over_slot_share(self.running, self.waiting, self.max_num_seqs)
 
         def owes(other: str) -> bool:
             vt = self.share.usage_of(other).virtual_time
             return vt > served + FAIRNESS_SLACK or (other in over_share and vt >= served)
 
-        return [s for s in self.running if s.group_size == 1 and owes(s.tenant)]
+        return [s for s in self.running if owes(s.tenant)]
 
     def _head_need(self, seq: Sequence) -> int:
         return self._blocks_to_start(seq, self.block_manager.find_cached_blocks(seq))

@@ -8,11 +8,12 @@ The registry is owned by one engine (two engines never share tenants) and grows 
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections import deque
 from dataclasses import dataclass, field
 
-from streamengine.errors import EngineOverloadedError
+from streamengine.errors import EngineOverloadedError, LimitExceededError
 
 DEFAULT_TENANT = "default"
 """The tenant of requests that name none."""
@@ -39,6 +40,8 @@ class TenantConfig:
     max_kv_fraction: float | None = None  # of the KV pool this tenant's running sequences may hold
     tokens_per_minute: int | None = None  # prompt + generated tokens over the last minute
     cache_salt: str | None = field(default=None, repr=False)  # None: derived from the name; kept out of logs
+    max_n: int | None = None  # samples one request may ask for (n); None: the engine's MAX_N
+    max_best_of: int | None = None  # beams one request may ask for (beam_width); None: MAX_BEAM_WIDTH
 
     def __post_init__(self) -> None:
         if not isinstance(self.name, str) or not self.name:
@@ -59,9 +62,9 @@ class TenantConfig:
         _check(self, "max_kv_fraction",
                self.max_kv_fraction is None or (_is_number(self.max_kv_fraction) and 0 < self.max_kv_fraction <= 1),
                "must be a number in (0, 1] or None")
-        _check(self, "tokens_per_minute",
-               self.tokens_per_minute is None or (_is_int(self.tokens_per_minute) and self.tokens_per_minute >= 1),
-               "must be an integer >= 1 or None")
+        for name in ("tokens_per_minute", "max_n", "max_best_of"):
+            value = getattr(self, name)
+            _check(self, name, value is None or (_is_int(value) and value >= 1), "must be an integer >= 1 or None")
         if self.cache_salt is not None and not isinstance(self.cache_salt, str):  # the value is secret: not shown
             raise ValueError(f"TenantConfig.cache_salt must be a string or None (tenant {self.name!r}), "
                              f"got {type(self.cache_salt).__name__}")
@@ -132,9 +135,14 @@ class Tenants:
         self._usage.setdefault(config.name, TokenWindow())
 
     def get(self, name: str) -> TenantConfig:
+        """`name`'s settings; a name seen for the first time is registered with those of the
+        default tenant, if one was configured (its own salt, though): the server's --api-key
+        keys are each a tenant of their own, and a `default` entry sets their share and limits,
+        each key's apart."""
         config = self._configs.get(name)
         if config is None:
-            config = TenantConfig(name)
+            template = self._configs.get(DEFAULT_TENANT)
+            config = TenantConfig(name) if template is None else dataclasses.replace(template, name=name, cache_salt=None)
             self.add(config)
         return config
 
@@ -154,6 +162,21 @@ class Tenants:
         if window.used(now) >= limit:
             self.num_rejected[name] = self.num_rejected.get(name, 0) + 1
             raise TenantRateLimitError(name, limit, max(0.1, window.retry_after(now, limit)))
+
+    def check_width(self, name: str, n: int, beam_width: int) -> None:
+        """Raises LimitExceededError, naming the limit, when a request of `n` samples (or
+        `beam_width` beams) asks for more than the tenant's max_n or max_best_of, or needs more
+        sequences at once than its max_running: such a request would hold every running slot
+        its tenant may have (or more), beside whatever else it runs."""
+        config = self.get(name)
+        for limit, value, what in (("max_n", n, "n"), ("max_best_of", beam_width, "best_of (beam_width)")):
+            cap = getattr(config, limit)
+            if cap is not None and value > cap:
+                raise LimitExceededError(limit, f"{what}={value} is past tenant {name!r}'s {limit} ({cap})")
+        width = max(n, beam_width)  # the sequences it runs at once: its samples, or its beams
+        if config.max_running is not None and width > config.max_running:
+            raise LimitExceededError("max_running", f"the request runs {width} sequences at once (n or beam_width); "
+                                                    f"tenant {name!r} may run at most {config.max_running} (max_running)")
 
     def record(self, name: str, tokens: int, now: float | None = None) -> None:
         """Counts tokens (prompt tokens at intake, generated ones as they come) against the rate."""

@@ -40,7 +40,7 @@ EOS = 2  # the tiny models' eos_token_id
 VOCAB = 49152
 TENANTS = (
     TenantConfig("a", weight=1.0), TenantConfig("b", weight=3.0, max_kv_fraction=0.6),
-    TenantConfig("c", weight=0.5, max_running=2),
+    TenantConfig("c", weight=0.5, max_running=3),  # a request runs up to 3 sequences (n, beams)
 )
 SCENARIO_TIMEOUT_S = 120.0  # only turns a hang into a failure
 NUM_SCENARIOS = 16  # about 2 s each on an idle 2-core machine

@@ -235,6 +235,19 @@ def test_max_running_holds_and_does_not_hold_back_other_tenants() -> None:
     assert all(s.is_finished for s in a_seqs + b_seqs)
 
 
+def test_max_running_counts_a_wide_request_as_its_whole_group_before_it_forks() -> None:
+    """Under max_running=4, a request of 3 samples runs one sequence until its prompt is
+    computed, then forks the other two: it counts as 3 from the start, so a second such
+    request waits. Before the fix it counted as 1, the second started beside it in the same
+    step, and the tenant ran 6 sequences once both forked."""
+    sim = Sim(64, tenants=[TenantConfig("a", max_running=4)])
+    first = sim.add("a", tokens(8), max_tokens=4)
+    second = sim.add("a", tokens(8, 50), max_tokens=4)
+    first.group_size = second.group_size = 3
+    out = sim.step()
+    assert [i.seq for i in out.scheduled] == [first] and second.status is SequenceStatus.WAITING
+
+
 def test_max_kv_fraction_holds_at_admission_and_while_growing() -> None:
     """A may hold 4 of 16 blocks: it admits what fits and, when its sequences grow, yields its
     own newest; B is never preempted for A's quota."""
@@ -396,6 +409,64 @@ def test_a_tenant_over_its_pool_share_gives_way_to_one_with_nothing_running() ->
     sim.run()
     assert a[0].num_preemptions == 0 and a[1].num_preemptions == 1
     assert all(s.num_output_tokens == 10 for s in a)
+
+
+def wide_request(sim: Sim, tenant: str, prompt: list[int], n: int, max_tokens: int) -> list[Sequence]:
+    """A request of `n` samples as the core runs it: sample 0 computes the prompt, then the
+    others fork its blocks, each with a first token of its own."""
+    first = sim.add(tenant, prompt, max_tokens)
+    first.group_size = n
+    while first.num_output_tokens == 0:
+        sim.step()
+    samples = [first]
+    for i in range(1, n):
+        child = Sequence(1000 + sim.next_id + i, first.request_id, list(prompt), arrival_time=first.arrival_time,
+                         token_ids=list(prompt), group_size=n, tenant=tenant, cache_salt=first.cache_salt)
+        sim.bm.fork(first, child)
+        child.token_ids.append(7000 + i)
+        sim.max_tokens[child.seq_id] = max_tokens
+        sim.sched.add_running(child)
+        samples.append(child)
+    return samples
+
+
+def test_a_wide_request_holding_every_slot_gives_way_to_a_tenant_with_nothing_running() -> None:
+    """A's one request of 8 samples holds all 8 running slots and little of the pool; B's
+    8-token request arrives: the next step A's newest sample yields its slot (recompute: its
+    prompt stays cached) and B starts in that step. Before the fix samples never yielded and
+    the rule ran only while a slot was free: B waited for all of A's samples to end."""
+    sim = Sim(128, tenants=[TenantConfig("a"), TenantConfig("b")], max_num_seqs=8)
+    a = wide_request(sim, "a", tokens(8), n=8, max_tokens=40)
+    sim.step()
+    assert len(sim.sched.running) == 8 and sim.bm.num_free_blocks >= 96
+    b0 = sim.add("b", tokens(8, 900), max_tokens=2)
+    out = sim.step()
+    assert out.preempted == [a[-1]] and b0 in [i.seq for i in out.scheduled]
+    assert a[-1].status is SequenceStatus.WAITING and len(sim.sched.running) == 8
+    sim.run()
+    assert b0.is_finished and all(s.num_output_tokens == 40 for s in a)
+    assert a[-1].num_preemptions == 1 and sum(s.num_preemptions for s in a) == 1  # no thrash
+
+
+def test_a_wide_request_far_ahead_in_service_gives_way_to_a_running_tenant() -> None:
+    """B runs one long request and waits with a second; A's 8 samples hold the other slots.
+    Once A is FAIRNESS_SLACK ahead of B (its 8 samples are charged 8 tokens a step, B's one
+    stream 1), A's newest sample yields and B's second request starts, long before A's
+    samples end. Before the fix a sample never owed anyone room."""
+    sim = Sim(256, tenants=[TenantConfig("a"), TenantConfig("b")], max_num_seqs=9)
+    b = sim.add("b", tokens(8, 500), max_tokens=300)
+    a = wide_request(sim, "a", tokens(8), n=8, max_tokens=300)
+    b1 = sim.add("b", tokens(8, 900), max_tokens=2)
+    steps = 0
+    while b1.status is SequenceStatus.WAITING:
+        lead = sim.stat("a", "virtual_time") - sim.stat("b", "virtual_time")
+        out = sim.step()
+        steps += 1
+        assert len(sim.sched.running) == 9 and steps < 200
+    assert lead > FAIRNESS_SLACK and out.preempted == [a[-1]]
+    assert all(not s.is_finished for s in a) and not b.is_finished
+    sim.run()
+    assert b1.is_finished and all(s.num_output_tokens == 300 for s in a)
 
 
 def test_on_a_tie_the_tenant_with_nothing_running_is_made_room_for() -> None:

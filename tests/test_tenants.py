@@ -19,7 +19,8 @@ BS = 16
 
 
 def test_tenant_config_is_validated():
-    for bad in (dict(weight=0), dict(max_running=0), dict(max_kv_fraction=1.5), dict(tokens_per_minute=0)):
+    for bad in (dict(weight=0), dict(max_running=0), dict(max_kv_fraction=1.5), dict(tokens_per_minute=0),
+                dict(max_n=0), dict(max_best_of=1.5), dict(max_n="4")):
         with pytest.raises(ValueError, match=f"TenantConfig.{next(iter(bad))}"):
             TenantConfig("a", **bad)
     with pytest.raises(ValueError, match="name"):
@@ -46,6 +47,33 @@ def test_rate_limit_counts_the_last_minute():
     assert tenants.num_rejected["a"] == 1
     tenants.check_rate("a", now=RATE_WINDOW_S + 0.5)
     tenants.check_rate("unlimited", now=0.0)
+
+
+def test_a_request_wider_than_its_tenants_caps_is_refused_by_name():
+    tenants = Tenants([TenantConfig("a", max_n=4, max_best_of=2), TenantConfig("b", max_running=3)])
+    tenants.check_width("a", n=4, beam_width=1)
+    tenants.check_width("a", n=2, beam_width=2)
+    for n, beam_width, limit in ((5, 1, "max_n"), (2, 3, "max_best_of")):
+        with pytest.raises(LimitExceededError, match=f"past tenant 'a'.s {limit}") as err:
+            tenants.check_width("a", n=n, beam_width=beam_width)
+        assert err.value.limit == limit
+    # max_running bounds the sequences a request runs at once too, samples or beams
+    tenants.check_width("b", n=3, beam_width=1)
+    for n, beam_width in ((4, 1), (1, 4)):
+        with pytest.raises(LimitExceededError, match="may run at most 3") as err:
+            tenants.check_width("b", n=n, beam_width=beam_width)
+        assert err.value.limit == "max_running"
+    tenants.check_width("unlimited", n=128, beam_width=32)
+
+
+def test_a_new_tenant_takes_the_default_tenants_settings_but_its_own_salt():
+    """What makes each of the server's --api-key keys a tenant of its own with the tenants
+    file's `default` entry as its share and limits (apart from every other key's)."""
+    tenants = Tenants([TenantConfig("default", weight=0.5, max_running=4, max_n=2, cache_salt="secret")])
+    key = tenants.get("tenant-0123456789abcdef")
+    assert (key.weight, key.max_running, key.max_n) == (0.5, 4, 2)
+    assert key.salt == "tenant:tenant-0123456789abcdef" != tenants.get("default").salt
+    assert Tenants().get("x") == TenantConfig("x")
 
 
 # -- salt segments (no model) -------------------------------------------------------------------
@@ -219,10 +247,44 @@ WIDE = {"samples": SamplingParams(temperature=1.0, n=3, max_tokens=40, ignore_eo
 
 @pytest.mark.parametrize("kind", sorted(WIDE))
 async def test_max_running_counts_the_sequences_a_request_forks(tiny_llama_dir, kind):
-    """n=3 samples (or 3 beams) run 3 sequences: under max_running=2 one such request runs at
-    a time (alone, a request wider than the quota still runs)."""
-    peaks = await _peaks_of_a(tiny_llama_dir, TenantConfig("a", max_running=2), WIDE[kind])
+    """n=3 samples (or 3 beams) run 3 sequences: under max_running=4 one such request runs at
+    a time."""
+    peaks = await _peaks_of_a(tiny_llama_dir, TenantConfig("a", max_running=4), WIDE[kind])
     assert max(n for n, _ in peaks) == 1, peaks
+
+
+@pytest.mark.parametrize("kind", sorted(WIDE))
+async def test_a_request_wider_than_max_running_is_refused(tiny_llama_dir, kind):
+    """Before the fix a tenant with nothing else running ran one request however wide: under
+    max_running=2 an n=3 request ran 3 sequences (n=128 took every running slot)."""
+    config = EngineConfig(model=str(tiny_llama_dir), num_gpu_blocks=64, tenants=(TenantConfig("a", max_running=2),))
+    async with AsyncEngine(config) as engine:
+        with pytest.raises(LimitExceededError, match="may run at most 2") as err:
+            await anext(engine.generate([5, 6, 7], WIDE[kind], tenant="a"))
+        assert err.value.limit == "max_running"
+        assert engine.stats()["num_requests"] == 0
+
+
+async def test_a_wide_request_gives_way_to_another_tenants_short_one(tiny_llama_dir):
+    """A's one request of n=8 samples holds all 8 running slots; B's 8-token request arrives
+    and finishes while A's samples still run (one of them yields its slot). Before the fix B
+    waited until every sample of A's request had ended."""
+    config = EngineConfig(model=str(tiny_llama_dir), num_gpu_blocks=128, max_num_seqs=8,
+                          tenants=(TenantConfig("a"), TenantConfig("b")))
+    wide = SamplingParams(n=8, temperature=1.0, seed=3, max_tokens=200, ignore_eos=True, output_kind="delta")
+    short = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    async with AsyncEngine(config) as engine:
+        a_tokens = 0
+        stream = engine.generate(list(range(100, 120)), wide, tenant="a")
+        while a_tokens < 8 * 8:  # every sample is running
+            a_tokens += sum(len(c.token_ids) for c in (await anext(stream)).outputs)
+        assert engine.stats()["num_running"] == 8
+        b = [o async for o in engine.generate([5, 6, 7], short, tenant="b")][-1]
+        assert b.finished and len(b.outputs[0].token_ids) == 8
+        assert engine.stats()["num_requests"] == 1  # A's samples are still running
+        async for out in stream:
+            a_tokens += sum(len(c.token_ids) for c in out.outputs)
+    assert a_tokens == 8 * 200
 
 
 @pytest.mark.parametrize("kind", sorted(WIDE))
