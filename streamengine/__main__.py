@@ -62,7 +62,7 @@ _PARSERS: dict[Any, Any] = {
 _METAVARS: dict[Any, str] = {int: "N", int | None: "N", float: "X", tuple[TenantConfig, ...]: "FILE"}
 _MORE_HELP = {
     "tenants": "; FILE is TOML: [[tenants]] tables of name, api_key or api_key_sha256, weight, max_running, "
-               "max_kv_fraction, tokens_per_minute, system_prompt (pinned at start), and an optional "
+               "max_kv_fraction, tokens_per_minute, max_n, max_best_of, system_prompt (pinned at start), and an optional "
                "top-level shared_prefix (pinned for every tenant)",
 }
 

@@ -188,14 +188,49 @@ async def test_two_tenants_from_a_file_run_as_their_tenant(tokenizer):
         assert (await complete(client, LEGACY))[0] == 200
         assert (await ws_generate(client, KEY_B))["type"] == "done"
         assert (await complete(client, {"Authorization": "Bearer key-c"}))[0] == 401
-    assert [c["tenant"] for c in engine.calls] == ["bot-a", "bot-b", None, "bot-b"]
+    legacy = key_tenant("legacy-key")
+    assert [c["tenant"] for c in engine.calls] == ["bot-a", "bot-b", legacy, "bot-b"]
     # a file tenant's private blocks take the tenant's own salt (None here: the engine's);
-    # an --api-key key keeps its own salt in the default tenant, as before tenants existed
+    # an --api-key key, a tenant of its own, keeps a secret salt of its own too
     salts = [c["cache_salt"] for c in engine.calls]
     assert salts[0] is None and salts[1] is None and salts[3] is None
-    assert salts[2] is not None
-    # the file's tenants were registered at start; the legacy key's request ran as the default
-    assert {t.name: t.weight for t in engine.tenants} == {"bot-a": 2.0, "bot-b": 1.0, DEFAULT_TENANT: 1.0}
+    assert salts[2] is not None and salts[2] not in legacy
+    # the file's tenants were registered at start; the legacy key's request ran as its own
+    assert {t.name: t.weight for t in engine.tenants} == {"bot-a": 2.0, "bot-b": 1.0, legacy: 1.0}
+
+
+def test_a_tenants_file_sets_the_n_and_best_of_caps():
+    parsed = parse_tenants({"tenants": [{"name": "bot-a", "api_key": "key-a", "max_n": 4, "max_best_of": 2}]})
+    assert (parsed.tenants[0].max_n, parsed.tenants[0].max_best_of) == (4, 2)
+    with pytest.raises(TenantsFileError, match=r"tenants\[0\] \('bot-a'\): max_n must be an integer"):
+        parse_tenants({"tenants": [{"name": "bot-a", "api_key": "key-a", "max_n": "4"}]})
+
+
+def key_tenant(key: str, admin: bool = False) -> str:
+    """The engine tenant an --api-key (or --admin-key) key runs as."""
+    digest = hashlib.sha256(b"streamengine-tenant\0" + key.encode()).hexdigest()
+    return f"{'admin' if admin else 'key'}-{digest[:16]}"
+
+
+async def test_each_api_key_is_a_tenant_of_its_own_with_the_default_entrys_limits(tokenizer):
+    """Two --api-key keys: each runs as its own engine tenant, so each has its own rate (the
+    tenants file's `default` entry: 5 tokens a minute, per key) and its own fair share.
+    Before the fix every --api-key key ran as the one `default` tenant: the first key's
+    traffic used up the second's rate, and one key could take every key's share."""
+    engine = TenantEngine(tokenizer)
+    tenants = parse_tenants({"tenants": [
+        {"name": "bot-a", "api_key": "key-a"}, {"name": DEFAULT_TENANT, "tokens_per_minute": 5}]})
+    one, two = {"Authorization": "Bearer key-one"}, {"Authorization": "Bearer key-two"}
+    async with serve(engine, tenants=tenants, api_key=["key-one", "key-two"]) as client:
+        assert (await complete(client, one))[0] == 200  # its prompt and 2 tokens: under 5
+        assert (await complete(client, one))[0] == 200
+        assert (await complete(client, one))[0] == 429  # key-one's minute is used up
+        assert (await complete(client, two))[0] == 200  # key-two's is its own
+        assert (await complete(client, ADMIN))[0] == 200
+    assert [c["tenant"] for c in engine.calls] == [key_tenant("key-one")] * 2 + [
+        key_tenant("key-two"), key_tenant("admin-key", admin=True)]
+    configs = {t.name: t for t in engine.tenants}
+    assert configs[key_tenant("key-two")].tokens_per_minute == 5
 
 
 async def test_the_user_field_salts_per_user_and_per_tenant(tokenizer):
@@ -294,7 +329,7 @@ async def test_per_tenant_metrics_parse(tokenizer):
     assert got[(p + "num_rejected_total", "bot-b")] == 1 and got[(p + "num_rejected_total", "bot-a")] == 0
     assert got[(p + "time_to_first_token_seconds_count", "bot-a")] == 2
     assert got[(p + "time_to_first_token_seconds_count", "bot-b")] == 1  # the refused one has no first token
-    assert got[(p + "time_to_first_token_seconds_count", "default")] == 1
+    assert got[(p + "time_to_first_token_seconds_count", key_tenant("legacy-key"))] == 1
     assert got[(p + "pinned_blocks", "bot-a")] >= 1 and got[(p + "virtual_time", "bot-a")] == 3.0
     for name in ("num_requests_running", "num_requests_waiting", "prefix_cache_queries_total",
                  "prefix_cache_hits_total", "kv_blocks"):

@@ -22,7 +22,7 @@ from streamengine.server.tenants_file import TenantKey
 class Tenant:
     """Who sent a request: the engine tenant it runs as and the salt of its private blocks."""
 
-    name: str  # for logs: "tenant-<8 hex>" for an --api-key key (reveals nothing usable), else the tenant's
+    name: str  # the engine tenant's name: "key-<16 hex>" for an --api-key key (a hash: reveals nothing usable)
     cache_salt: str | None  # of requests that name no user; None: the engine tenant's own salt
     # May read the global views (/metrics, /v1/kv_state, /v1/tenants, WebSocket kv_state): with
     # no keys configured everyone may; with keys, only the holder of an admin key.
@@ -44,10 +44,13 @@ ANONYMOUS = Tenant("anonymous", None, is_admin=True, user_salt_key="anonymous")
 
 
 class KeyRing:
-    """The accepted API keys. Each --api-key key has its own prefix-cache salt (in the engine's
-    default tenant), so one key's prompts can never produce prefix-cache hits (a timing side
-    channel) for another; an admin key is such a key too, one that may also read the global
-    views. A tenants file's keys run as their tenant, with that tenant's salt."""
+    """The accepted API keys. Each --api-key key is an engine tenant of its own (named
+    "key-<16 hex>", from a hash of the key): its own fair share, quotas and rate (a tenants
+    file's `default` entry gives each such tenant its settings), and its own prefix-cache salt,
+    so one key's prompts can never produce prefix-cache hits (a timing side channel) for
+    another, nor one key's traffic take the others' share. An admin key ("admin-<16 hex>") is
+    such a key too, one that may also read the global views. A tenants file's keys run as
+    their tenant, with that tenant's salt."""
 
     def __init__(self, keys: str | Sequence[str] | None, admin_keys: str | Sequence[str] | None = None,
                  tenant_keys: Sequence[TenantKey] = ()) -> None:
@@ -97,9 +100,11 @@ def _digest(key: str) -> bytes:
 
 
 def _tenant_for(key: str, *, is_admin: bool) -> Tenant:
+    """An --api-key (or --admin-key) key's engine tenant. 64 bits of the name: 20,000 keys
+    share a name with odds of about 1 in 10^11 (32 bits made that 1 in 20)."""
     digest = hashlib.sha256(b"streamengine-tenant\0" + key.encode()).hexdigest()
-    prefix = "admin" if is_admin else "tenant"
-    return Tenant(name=f"{prefix}-{digest[:8]}", cache_salt=digest, is_admin=is_admin, user_salt_key=digest)
+    name = f"{'admin' if is_admin else 'key'}-{digest[:16]}"
+    return Tenant(name=name, cache_salt=digest, is_admin=is_admin, engine_tenant=name, user_salt_key=digest)
 
 
 def bearer_token(header: str | None) -> str | None:

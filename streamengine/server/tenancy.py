@@ -22,7 +22,7 @@ _USAGE_KEYS = (
     "num_running", "num_waiting", "num_requests", "prompt_tokens", "output_tokens",
     "prefix_cache_queries", "prefix_cache_hits", "num_blocks", "num_rejected",
 )
-_LIMIT_KEYS = ("max_running", "max_kv_fraction", "tokens_per_minute")
+_LIMIT_KEYS = ("max_running", "max_kv_fraction", "tokens_per_minute", "max_n", "max_best_of")
 _PIN_KEYS = ("pin_id", "tenant", "shared", "num_tokens", "num_blocks")  # PinnedPrefix's fields
 
 

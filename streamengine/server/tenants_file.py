@@ -4,14 +4,15 @@
     [[tenants]]
     name = "bot-a"
     api_key = "sk-a..."            # or api_key_sha256 = "<64 hex digits>" (the key stays out of the file)
-    weight = 2.0                   # and max_running, max_kv_fraction, tokens_per_minute
+    weight = 2.0                   # and max_running, max_kv_fraction, tokens_per_minute, max_n, max_best_of
     system_prompt = "You are bot A."
 
 `system_prompt` is pinned for that tenant when the server starts, rendered as the chat
 template renders a system message, so chat requests that open with it hit its blocks.
 `shared_prefix` is prompt text (template markup included) pinned unsalted: every tenant's
-prompts that start with it share its blocks. A tenant needs a key unless it is `default`,
-the tenant of `--api-key` keys (and of every request on a server without keys).
+prompts that start with it share its blocks. A tenant needs a key unless it is `default`: the
+tenant of every request on a server without keys, and the settings each `--api-key` key's own
+tenant starts with.
 
 A tenant's cache salt is derived here from its key (or the key's SHA-256), so it is as secret
 as the key and is never sent to a client. Every problem is a TenantsFileError that names the
@@ -33,6 +34,7 @@ from streamengine.tenants import DEFAULT_TENANT, TenantConfig
 _SHA256_HEX = re.compile(r"^[0-9a-fA-F]{64}$")
 _LIMITS: dict[str, tuple[type, ...]] = {
     "weight": (int, float), "max_running": (int,), "max_kv_fraction": (int, float), "tokens_per_minute": (int,),
+    "max_n": (int,), "max_best_of": (int,),
 }
 _TEXTS = ("name", "api_key", "api_key_sha256", "system_prompt")
 _TENANT_FIELDS = frozenset((*_TEXTS, *_LIMITS))
@@ -146,8 +148,8 @@ def _key_digest(entry: dict[str, Any], name: str, where: str) -> bytes | None:
             raise TenantsFileError(f"{where}: api_key must not have surrounding spaces")
         return hashlib.sha256(key.encode()).digest()
     if name != DEFAULT_TENANT:
-        raise TenantsFileError(f"{where}: needs api_key or api_key_sha256 (only {DEFAULT_TENANT!r}, the tenant "
-                               "of --api-key keys, may have none)")
+        raise TenantsFileError(f"{where}: needs api_key or api_key_sha256 (only {DEFAULT_TENANT!r}, the settings "
+                               "of --api-key keys' tenants, may have none)")
     return None
 
 
