@@ -164,6 +164,11 @@ class EngineConfig:
         "Longest a structured-output spec waits for a compile thread; past it the request fails with "
         "EngineOverloadedError (429 with Retry-After).",
         minimum=0.001)
+    grammar_mask_budget_ms: float = _option(
+        100.0,
+        "Longest the grammar masks of one request's rows may take within one decode step (the whole "
+        "batch waits for them); past it the request fails alone with GrammarError (400 invalid_grammar).",
+        minimum=0.001)
 
     def __post_init__(self) -> None:
         for f in fields(self):

@@ -24,6 +24,7 @@ from streamengine.config import EngineConfig
 from streamengine.detokenizer import IncrementalDetokenizer
 from streamengine.errors import GrammarError
 from streamengine.grammar import CompiledGrammar, GrammarCompiler, GrammarMatcher
+from streamengine.grammar_mask import MaskAccount
 from streamengine.intake import Intake
 from streamengine.kv_cache import plan_kv_cache
 from streamengine.kv_events import KVCacheEvent
@@ -261,6 +262,7 @@ class EngineCore:
         early_stops: frozenset[int] = frozenset()  # what min_tokens keeps the sampler from drawing
         if params.min_tokens > 0:
             early_stops = req.stop_ids if params.ignore_eos else req.stop_ids | self.eos_token_ids
+        account = self._mask_account(req)  # every sample's masks count against one budget
         for i in range(params.n):
             seq = self._new_seq(req, group_size=params.n)
             sample = Sample(
@@ -270,7 +272,7 @@ class EngineCore:
             # The row reads the sample's own token list, so penalties never need a copy.
             sample.row = SamplingRow(
                 params, sample_generator(params, i, self.device), prompt_ids, sample.token_ids,
-                matcher=grammar.matcher() if grammar is not None else None, min_tokens_stop_ids=early_stops,
+                matcher=grammar.matcher(account) if grammar is not None else None, min_tokens_stop_ids=early_stops,
             )
             req.samples.append(sample)
             self._owner[seq.seq_id] = (req, sample)
@@ -292,8 +294,12 @@ class EngineCore:
             length_penalty=params.length_penalty,
             early_stopping=params.early_stopping,
         )
-        req.beam = BeamSearch(state, first, params.n, grammar.matcher() if grammar is not None else None)
+        matcher = grammar.matcher(self._mask_account(req)) if grammar is not None else None
+        req.beam = BeamSearch(state, first, params.n, matcher)
         self._owner[first.seq_id] = (req, None)
+
+    def _mask_account(self, req: Request) -> MaskAccount:
+        return MaskAccount(req.tenant, self.config.grammar_mask_budget_ms / 1e3)
 
     def _new_seq(self, req: Request, group_size: int, token_ids: list[int] | None = None) -> Sequence:
         segments = req.salt_segments
@@ -626,7 +632,8 @@ class EngineCore:
 
     def tenant_stats(self) -> dict[str, dict[str, int | float]]:
         """Per tenant: the scheduler's share and service figures, plus its weight, requests in
-        flight, pinned blocks and requests refused by its rate limit."""
+        flight, pinned blocks, requests refused by its rate limit and the seconds its grammar
+        masks took."""
         figures = self.scheduler.tenant_stats()
         live: dict[str, int] = {}
         for req in self.requests.values():
@@ -640,6 +647,9 @@ class EngineCore:
             row["num_requests"] = live.get(name, 0)
             row["num_pinned_blocks"] = pinned.get(name, 0)
             row["num_rejected"] = self.tenants.num_rejected.get(name, 0)
+        mask_seconds = self.runner.masker.seconds_by_tenant.copy()  # the step thread adds to it
+        for name, row in figures.items():
+            row["grammar_mask_seconds"] = mask_seconds.get(name, 0.0)
         return figures
 
     def num_tokens_to_compute(self) -> int:

@@ -1,10 +1,9 @@
-"""Grammar-constrained decoding on llguidance: compiling specs, matchers, and the token mask.
+"""Grammar-constrained decoding on llguidance: compiling specs and walking them.
 
-The only module that imports llguidance. `GrammarCompiler` (one per engine) turns a spec of
-structured_params.py into a `CompiledGrammar` in its compile threads, which tenants share
-fairly (a queue per tenant, a cache per tenant bounded in bytes); each sample or beam then walks the grammar with its own `GrammarMatcher`. Each step
-`TokenMasker` fills one bitmask [rows, ceil(vocab / 32)] for the constrained rows (in parallel,
-in Rust) and sets the logits of every token the grammar forbids to -inf.
+`GrammarCompiler` (one per engine) turns a spec of structured_params.py into a
+`CompiledGrammar` in its compile threads, which tenants share fairly (a queue per tenant, a
+cache per tenant bounded in bytes); each sample or beam then walks the grammar with its own
+`GrammarMatcher`. Each step grammar_mask.TokenMasker masks the logits of the constrained rows.
 """
 
 from __future__ import annotations
@@ -13,22 +12,20 @@ import asyncio
 import concurrent.futures
 import contextlib
 import json
-import sys
 import threading
 import time
-from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import llguidance
 import llguidance.hf
 import llguidance.torch
-import numpy as np
 import torch
 from llguidance.gbnf_to_lark import GbnfToLarkError, gbnf_to_lark
 
 from streamengine.errors import EngineDeadError, GrammarError, GrammarOverloadedError
 from streamengine.grammar_cache import ByteLRU, heap_bytes
+from streamengine.grammar_mask import MaskAccount
 from streamengine.grammar_queue import TenantQueues
 from streamengine.json_schema import normalize_schema
 from streamengine.structured_params import (
@@ -55,10 +52,11 @@ _ERROR_CACHE_BYTES = 1024 * 1024  # messages of specs that did not compile, all 
 class GrammarMatcher:
     """Where one sample (or beam) stands in its grammar."""
 
-    __slots__ = ("_ll",)
+    __slots__ = ("_ll", "account")
 
-    def __init__(self, ll: llguidance.LLMatcher) -> None:
+    def __init__(self, ll: llguidance.LLMatcher, account: MaskAccount | None = None) -> None:
         self._ll = ll
+        self.account = account  # the request's mask time (grammar_mask.py); forks share it
 
     def fill_bitmask(self, bitmask: torch.Tensor, row: int) -> None:
         """Writes the tokens allowed next into row `row` of an int32 CPU bitmask."""
@@ -67,7 +65,10 @@ class GrammarMatcher:
     def accept(self, token_id: int) -> None:
         """Advances past `token_id`; GrammarError if the grammar refuses it. A masked draw is
         refused only when the grammar went past llguidance's limits on this step (a schema
-        that no finite value matches, a lexer that outgrows its states): the spec's fault."""
+        that no finite value matches, a lexer that outgrows its states), or when the request's
+        mask went over its time budget (the draw was never masked): the spec's fault."""
+        if self.account is not None and self.account.error is not None:
+            raise self.account.error
         if not self._ll.consume_token(token_id):
             raise GrammarError(
                 f"the structured-output grammar gave out while decoding (token {token_id} refused): "
@@ -76,7 +77,7 @@ class GrammarMatcher:
 
     def fork(self) -> GrammarMatcher:
         """An independent copy in the same state (a beam forked from this one)."""
-        return GrammarMatcher(self._ll.deep_copy())
+        return GrammarMatcher(self._ll.deep_copy(), self.account)
 
     @property
     def is_stopped(self) -> bool:
@@ -97,9 +98,9 @@ class CompiledGrammar:
     def __init__(self, prototype: llguidance.LLMatcher) -> None:
         self._prototype = prototype  # never advanced: only copied
 
-    def matcher(self) -> GrammarMatcher:
-        """A matcher at the start of the grammar."""
-        return GrammarMatcher(self._prototype.deep_copy())
+    def matcher(self, account: MaskAccount | None = None) -> GrammarMatcher:
+        """A matcher at the start of the grammar, charging its masks to `account`."""
+        return GrammarMatcher(self._prototype.deep_copy(), account)
 
 
 class GrammarCompiler:
@@ -481,69 +482,3 @@ def _gbnf_to_lark(gbnf: str) -> str:
         raise
     except Exception as exc:
         raise ValueError(f"the GBNF grammar does not convert: {type(exc).__name__}: {exc}") from None
-
-
-class TokenMasker:
-    """Sets the forbidden tokens' logits to -inf, for the rows that have a matcher.
-
-    One per model runner: it owns llguidance's thread pool for filling many rows at once and
-    a reusable host bitmask."""
-
-    def __init__(self) -> None:
-        self._executor: llguidance.LLExecutor | None = None
-        self._bitmask: torch.Tensor | None = None  # int32 [capacity, words], CPU
-        self._shifts: dict[torch.device, torch.Tensor] = {}
-
-    def apply(self, logits: torch.Tensor, matchers: Sequence[GrammarMatcher | None]) -> torch.Tensor:
-        """`logits` [rows, vocab] float32 with every row that has a matcher masked: a new
-        tensor, or `logits` itself when no row has one (it is never modified)."""
-        constrained = [(m, i) for i, m in enumerate(matchers) if m is not None]
-        if not constrained:
-            return logits
-        bitmask = self._fill(constrained, logits.shape[1])  # [R, words] int32: bit set = allowed
-        rows = [i for _, i in constrained]
-        if logits.device.type == "cpu" and sys.byteorder == "little":
-            return _mask_on_host(logits, rows, bitmask)
-        return self._mask_on_device(logits, rows, bitmask)
-
-    def _mask_on_device(self, logits: torch.Tensor, rows: list[int], bitmask: torch.Tensor) -> torch.Tensor:
-        device, vocab = logits.device, logits.shape[1]
-        shifts = self._shifts.get(device)
-        if shifts is None:
-            shifts = self._shifts[device] = torch.arange(32, dtype=torch.int32, device=device)
-        # Bit b of word w is token 32 w + b (llguidance's layout), unpacked without a loop.
-        bits = (bitmask.to(device).unsqueeze(-1) >> shifts) & 1  # [R, words, 32]
-        forbidden_tokens = bits.view(len(rows), -1)[:, :vocab] == 0  # [R, vocab]
-        out = logits.clone()
-        index = torch.tensor(rows, dtype=torch.long, device=device)
-        out[index] = out[index].masked_fill_(forbidden_tokens, float("-inf"))
-        return out
-
-    def _fill(self, constrained: list[tuple[GrammarMatcher, int]], vocab: int) -> torch.Tensor:
-        """The allowed tokens of each constrained row, as int32 [R, words] on the host."""
-        rows, words = len(constrained), (vocab + 31) // 32
-        if self._bitmask is None or self._bitmask.shape[0] < rows or self._bitmask.shape[1] != words:
-            self._bitmask = llguidance.torch.allocate_token_bitmask(max(rows, 8), vocab)
-        bitmask = self._bitmask[:rows]  # the leading rows of a contiguous tensor: contiguous
-        if rows == 1:
-            constrained[0][0].fill_bitmask(bitmask, 0)
-            return bitmask
-        if self._executor is None:
-            self._executor = llguidance.LLExecutor()
-        llguidance.torch.fill_next_token_bitmask_par(
-            self._executor, [(m._ll, j) for j, (m, _) in enumerate(constrained)], bitmask
-        )
-        return bitmask
-
-
-def _mask_on_host(logits: torch.Tensor, rows: list[int], bitmask: torch.Tensor) -> torch.Tensor:
-    """The CPU form of the mask, in numpy: single-threaded and cheaper than torch's ops on
-    tensors this small. On a little-endian host the int32 words, read as bytes with the low
-    bit first, are the tokens in order."""
-    vocab = logits.shape[1]
-    out = logits.numpy().copy()  # [B, vocab] float32, contiguous
-    forbidden = np.invert(bitmask.numpy()).view(np.uint8)  # [R, 4 * words]
-    forbidden_tokens = np.unpackbits(forbidden, axis=1, count=vocab, bitorder="little")  # [R, vocab]
-    for j, i in enumerate(rows):
-        np.copyto(out[i], -np.inf, where=forbidden_tokens[j].view(bool))
-    return torch.from_numpy(out)

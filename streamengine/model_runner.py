@@ -14,7 +14,8 @@ from dataclasses import dataclass, field
 import torch
 
 from streamengine.config import EngineConfig
-from streamengine.grammar import GrammarMatcher, TokenMasker
+from streamengine.grammar import GrammarMatcher
+from streamengine.grammar_mask import TokenMasker
 from streamengine.kernels import cpu_build, cpu_quant_linear
 from streamengine.kv_cache import AttentionShape, KVCacheSpec
 from streamengine.models.attention import (

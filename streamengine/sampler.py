@@ -15,7 +15,8 @@ from itertools import chain
 import numpy as np
 import torch
 
-from .grammar import GrammarMatcher, TokenMasker
+from .grammar import GrammarMatcher
+from .grammar_mask import TokenMasker
 from .sampling_params import SamplingParams
 
 _UINT64_MASK = 0xFFFF_FFFF_FFFF_FFFF
