@@ -579,6 +579,8 @@ class Scheduler:
         """Up to `limit` running sequences owing `tenant` room (none of `kept`), in the order
         they would yield."""
         owing = [s for s in self._owing(tenant) if s not in kept]
+        if not owing:  # the common case with every slot taken: no scan of the block tables
+            return []
         return [victim for victim, _ in itertools.islice(self._yield_order(owing), limit)]
 
     def _yield_order(self, candidates: list[Sequence]) -> Iterator[tuple[Sequence, int]]:
