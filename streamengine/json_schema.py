@@ -26,12 +26,15 @@ OpenAI's strict mode hold a model to a schema:
 
 Whatever the mode, a `format` that llguidance cannot enforce is dropped (JSON Schema makes
 `format` an annotation: the value is then constrained by its type only; `uuid1`..`uuid8`
-become a pattern), and `oneOf` becomes `anyOf` (llguidance refuses a `oneOf` whose branches it
-cannot prove disjoint; where they are disjoint the two mean the same).
+become a pattern), `oneOf` becomes `anyOf` (llguidance refuses a `oneOf` whose branches it
+cannot prove disjoint; where they are disjoint the two mean the same), and the tag a
+discriminated union names (`discriminator.propertyName`) is required in each of its branches.
 """
 
 from __future__ import annotations
 
+import copy
+import json
 from dataclasses import dataclass
 from typing import Any
 
@@ -61,9 +64,50 @@ def normalize_schema(schema: dict[str, Any] | bool, *, strict: bool = True) -> d
     if not isinstance(schema, dict):
         return schema
     try:
-        return _Normalizer(schema, strict).root()
+        return _Normalizer(_require_discriminators(schema), strict).root()
     except RecursionError:
         raise ValueError("the JSON schema nests too deeply") from None
+
+
+def _require_discriminators(schema: dict[str, Any]) -> dict[str, Any]:
+    """`schema`, copied where it changes, with the tag of every discriminated union required
+    in each of its branches (OpenAPI's `discriminator.propertyName`, which pydantic writes
+    beside a `oneOf`). pydantic leaves a tag that has a default out of `required`, yet refuses
+    a member without it: the output must always carry it. A branch that is a local `$ref` has
+    its definition changed, wherever else it is used (the tag is then merely always written)."""
+    if "discriminator" not in json.dumps(schema):
+        return schema
+    schema = copy.deepcopy(schema)
+    stack: list[Any] = [schema]
+    while stack:
+        node = stack.pop()
+        if isinstance(node, list):
+            stack.extend(node)
+            continue
+        if not isinstance(node, dict):
+            continue
+        stack.extend(node.values())
+        tag = node.get("discriminator", {}).get("propertyName") if isinstance(node.get("discriminator"), dict) else None
+        if not isinstance(tag, str):
+            continue
+        for branch in _alternatives(node):
+            target = _local_target(schema, branch)
+            if isinstance(target, dict) and tag in (target.get("properties") or {}):
+                required = target.setdefault("required", [])
+                if isinstance(required, list) and tag not in required:
+                    required.append(tag)
+    return schema
+
+
+def _local_target(root: dict[str, Any], branch: Any) -> Any:
+    """A branch itself, or the definition its local `$ref` (`#/$defs/name`) names."""
+    ref = branch.get("$ref") if isinstance(branch, dict) else None
+    if not isinstance(ref, str):
+        return branch
+    parts = ref.split("/")
+    if len(parts) != 3 or parts[0] != "#" or parts[1] not in _DEFINITIONS:
+        return None
+    return (root.get(parts[1]) or {}).get(_unescape(parts[2]))
 
 
 def _may_be_object(node: dict[str, Any]) -> bool:

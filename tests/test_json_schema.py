@@ -13,7 +13,7 @@ from __future__ import annotations
 import copy
 import json
 import uuid
-from typing import Literal
+from typing import Annotated, Literal
 
 import jsonschema
 import llguidance
@@ -302,6 +302,33 @@ def test_a_discriminated_union_compiles_and_holds_each_branch():
     assert accepts(spec, '{"pet": {"kind": "dog", "bark": "woof"}}')
     assert not accepts(spec, '{"pet": {"kind": "cat", "bark": "woof"}}')
     assert not accepts(spec, '{"pet": {"kind": "cat", "lives": 9, "bark": "woof"}}')
+
+
+class Circle(BaseModel):
+    shape: Literal["circle"] = "circle"  # a tag with a default: pydantic does not list it as required
+    radius: int
+
+
+class Square(BaseModel):
+    shape: Literal["square"] = "square"
+    side: int
+
+
+class Drawing(BaseModel):
+    shapes: list[Annotated[Circle | Square, Field(discriminator="shape")]]
+
+
+def test_a_discriminated_unions_tag_is_required_in_every_branch():
+    schema = Drawing.model_json_schema()
+    assert all("shape" not in d.get("required", []) for d in schema["$defs"].values())
+    before = copy.deepcopy(schema)
+    normalized = normalize_schema(schema)
+    assert schema == before  # the client's schema is not changed
+    assert all("shape" in normalized["$defs"][name]["required"] for name in ("Circle", "Square"))
+    spec = JsonSchema(schema=schema)
+    assert accepts(spec, '{"shapes": [{"shape": "circle", "radius": 2}]}')
+    assert not accepts(spec, '{"shapes": [{"radius": 2}]}')  # pydantic refuses it: no tag
+    Drawing.model_validate_json('{"shapes": [{"shape": "circle", "radius": 2}]}')
 
 
 def test_an_overlapping_one_of_compiles_as_any_of():
