@@ -180,6 +180,8 @@ async def test_every_bad_message_gets_an_error_and_the_socket_keeps_working(engi
             (json.dumps({"type": "generate", "id": "t", "prompt": "x", "params": {"temperature": -1}}), "t", "invalid_params"),
             (json.dumps({"type": "generate", "id": "k", "prompt": "x", "params": {"max_tokens": "many"}}), "k", "invalid_params"),
             (json.dumps({"type": "generate", "id": "q", "prompt": "x", "params": {"bogus": 1}}), "q", "invalid_params"),
+            # the WebSocket's deltas carry no prompt: refused by name, never silently dropped
+            (json.dumps({"type": "generate", "id": "pl", "prompt": "x", "params": {"prompt_logprobs": 1}}), "pl", "invalid_params"),
             (json.dumps({"type": "generate", "id": "both", "prompt": "x", "messages": [{"role": "user", "content": "y"}]}), "both", "invalid_params"),
             (json.dumps({"type": "generate", "id": "none"}), "none", "invalid_params"),
             (json.dumps({"type": "generate", "id": "empty", "prompt": ""}), "empty", "invalid_params"),

@@ -438,6 +438,9 @@ class Connection:
             raise ValueError("give exactly one of `prompt` and `messages`")
         plan = _tool_plan(msg, self.state.tool_parser)
         fields = dict(msg.params)
+        if fields.get("prompt_logprobs") is not None:
+            raise ValueError("params.prompt_logprobs is not available on the WebSocket (its deltas carry no "
+                             "prompt): use POST /v1/completions")
         if plan.structured is not None:
             if fields.get("structured") is not None:
                 raise ValueError("give either params.structured or a forced tool call (tool_choice required "
