@@ -368,7 +368,7 @@ class PinningMachine(BlockManagerMachine):
     def refcounts_match_tables(self) -> None:
         if self.bm is None:
             return
-        assert refs(self.bm) == table_refs(self.bm, self.live)
+        assert refs(self.bm) == table_refs(self.bm, self.live + self.swapped)  # swapped: their shared head
         assert self.bm.num_pinned_blocks == len(self.pinned_kv)
 
     @invariant()
