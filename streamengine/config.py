@@ -111,10 +111,12 @@ class EngineConfig:
         "recompute", "how a sequence gives up its blocks when the pool runs out", choices=PREEMPTION_MODES)
     swap_space_bytes: int = _option(0, "host memory for KV blocks swapped out by preemption", minimum=0)
     max_waiting: int | None = _option(
-        None,
+        1024,
         "Admission control: with this many sequences already waiting (new requests not yet "
         "running, and preempted ones), generate() raises EngineOverloadedError instead of queuing "
-        "more. None: an unbounded queue.",
+        "more; and a tenant holding max(1, max_waiting // max(2, k)) of them (k: the tenants with "
+        "sequences waiting, itself included) is refused too, so one tenant never fills the queue. "
+        "None: an unbounded queue, no share.",
         minimum=1)
     max_tokens_cap: int | None = _option(
         4096,

@@ -21,7 +21,7 @@ import os
 import time
 import uuid
 from collections import deque
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterable
 from concurrent.futures import ThreadPoolExecutor
 
 from streamengine.config import EngineConfig
@@ -41,6 +41,7 @@ from streamengine.output_stream import RequestStream
 from streamengine.outputs import RequestOutput
 from streamengine.pinning import Pin, PinnedPrefix
 from streamengine.sampling_params import SamplingParams
+from streamengine.sequence import Sequence
 from streamengine.tenants import DEFAULT_TENANT, TenantConfig
 
 log = logging.getLogger(__name__)
@@ -235,7 +236,7 @@ class AsyncEngine:
         if not isinstance(params, SamplingParams) or params.structured is None:
             return None  # _submit refuses what is not SamplingParams
         # No compile for a request the engine or the tenant's rate would refuse anyway.
-        self._check_admission()
+        self._check_admission(tenant)
         self.core.tenants.check_rate(tenant if tenant is not None else DEFAULT_TENANT)
         # Queued and cached per tenant: one tenant's flood of specs waits behind itself, and no
         # tenant can time whether another sent a spec. stop() fails a spec still waiting with
@@ -250,7 +251,7 @@ class AsyncEngine:
         cache_salt: str | None, tenant: str | None, pin: Pin | None = None,
         grammar: CompiledGrammar | None = None,
     ) -> tuple[str, RequestStream]:
-        self._check_admission()
+        self._check_admission(tenant)
         params = params if params is not None else SamplingParams()
         if not isinstance(params, SamplingParams):
             raise TypeError(f"params must be SamplingParams, got {type(params).__name__}")
@@ -345,7 +346,7 @@ class AsyncEngine:
             return
         self.core.unpin(pin_id)
 
-    def _check_admission(self) -> None:
+    def _check_admission(self, tenant: str | None) -> None:
         if not self.is_running:
             if self._state == "stopped" and self._reason == "stopped":  # by stop(): no fault
                 raise EngineDeadError("engine stopped")
@@ -353,10 +354,31 @@ class AsyncEngine:
                 raise EngineDeadError(f"engine stopped: {self._reason}")
             raise RuntimeError("engine is not running: use `async with engine:` or `await engine.start()`")
         limit = self.config.max_waiting
-        waiting = len(self.core.scheduler.waiting)
-        if limit is not None and waiting >= limit:
+        if limit is None:
+            return
+        waiting = self.core.scheduler.waiting
+        if len(waiting) >= limit:
             raise EngineOverloadedError(
-                f"{waiting} requests are already waiting (EngineConfig.max_waiting={limit}); "
+                f"{len(waiting)} requests are already waiting (EngineConfig.max_waiting={limit}); "
+                f"retry in {OVERLOAD_RETRY_AFTER_S:g} s",
+                retry_after=OVERLOAD_RETRY_AFTER_S,
+            )
+        self._check_waiting_share(tenant if tenant is not None else DEFAULT_TENANT, waiting, limit)
+
+    def _check_waiting_share(self, tenant: str, waiting: Iterable[Sequence], limit: int) -> None:
+        """A tenant holds at most max(1, limit // max(2, k)) waiting sequences, k the tenants with
+        sequences waiting, itself included: alone it may fill half the queue, so another tenant
+        always finds room; with more, each an equal share (one above it adds no more until
+        the queue drains below it). Scans the queue, which `limit` bounds."""
+        held, tenants = 0, {tenant}
+        for seq in waiting:
+            tenants.add(seq.tenant)
+            held += seq.tenant == tenant
+        share = max(1, limit // max(2, len(tenants)))
+        if held >= share:
+            raise EngineOverloadedError(
+                f"tenant {tenant!r} already has {held} requests waiting, its share of the queue "
+                f"(EngineConfig.max_waiting={limit} shared by {max(2, len(tenants))}); "
                 f"retry in {OVERLOAD_RETRY_AFTER_S:g} s",
                 retry_after=OVERLOAD_RETRY_AFTER_S,
             )

@@ -364,3 +364,62 @@ async def test_the_fair_pool_takes_clients_in_turn_and_drops_cancelled_jobs():
         assert ran == ["a0", "b0", "c0", "a1", "b1", "a3"]
     finally:
         pool.close()
+
+
+# ---- a queue no tenant can fill -------------------------------------------------------------------
+
+
+async def test_the_waiting_queue_is_bounded_by_default_and_shared_between_tenants(tiny_llama_dir, monkeypatch):
+    # Before: no bound by default, and within a bound one tenant could fill the whole queue.
+    from conftest import slow_down_steps
+
+    from streamengine.errors import EngineOverloadedError
+    from streamengine.sampling_params import SamplingParams
+
+    assert EngineConfig().max_waiting == 1024
+    engine = AsyncEngine(EngineConfig(model=str(tiny_llama_dir), num_gpu_blocks=128, max_num_seqs=1, max_waiting=8))
+    slow_down_steps(monkeypatch, engine)
+    params = SamplingParams(max_tokens=200, ignore_eos=True, temperature=0)
+    streams, tasks = [], []
+
+    async def queue(tenant: str, i: int) -> None:
+        stream = engine.generate(f"{tenant} {i}", params, request_id=f"{tenant}{i}", tenant=tenant)
+        streams.append(stream)
+        tasks.append(asyncio.ensure_future(anext(stream)))
+        await wait_for(lambda: engine.core.requests.get(f"{tenant}{i}") is not None or tasks[-1].done(), "intake")
+        if tasks[-1].done() and tasks[-1].exception() is not None:
+            raise tasks[-1].exception()
+
+    async with engine:
+        await queue("a", 0)  # running: max_num_seqs=1 keeps every later one waiting
+        await wait_for(lambda: engine.stats()["num_running"] == 1, "the first to run")
+        for i in range(1, 5):
+            await queue("a", i)  # alone, a may hold half the queue: 4 of 8
+        with pytest.raises(EngineOverloadedError, match="tenant 'a' already has 4 requests waiting") as refused:
+            await queue("a", 5)
+        assert refused.value.retry_after > 0
+        await queue("b", 0)  # the other half is left for the others
+        await queue("b", 1)
+        await queue("c", 0)  # three tenants waiting: a share of 8 // 3 = 2 each
+        with pytest.raises(EngineOverloadedError, match="its share"):
+            await queue("b", 2)
+        await queue("d", 0)  # a tenant with nothing waiting gets in while there is room
+        assert engine.stats()["num_waiting"] == 8
+        with pytest.raises(EngineOverloadedError, match="max_waiting=8"):
+            await queue("e", 0)  # a full queue refuses anyone
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        for stream in streams:
+            await stream.aclose()
+
+
+async def test_tokenized_prompts_share_one_int_object_per_token_id(engine):
+    # Before: every tokenization made a new 28-byte int object per id above 256, which each
+    # queued request kept (with 8 bytes per reference: about 40% of what a waiting prompt held).
+    async with serve(engine) as client:
+        state = client.app[STATE_KEY]
+        text = "Paged attention keeps every request's cache in blocks anywhere in one shared pool."
+        first, second = state.tokenize(text), state.tokenize(text)
+        assert first == second == engine.tokenizer.encode(text) and any(t > 256 for t in first)
+        assert all(a is b for a, b in zip(first, second, strict=True))
