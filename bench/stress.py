@@ -14,19 +14,28 @@ default model, or `--model PATH`). Phases, in order:
              slow readers (a fixed receive buffer, nothing read for `--slow-stall` seconds),
              malformed messages, OpenAI HTTP requests streamed (SSE) and not, SSE streams and
              plain requests cut mid-way, bad HTTP bodies
+  hostile    on a second server started with two API keys (two tenants): a quiet tenant's
+             trickle of short streamed chat requests alone, then beside a hostile tenant's
+             probes (wide n, slow grammars, grammar masks, keyless sockets, slowloris, huge
+             prompts, a queue burst); bench/hostile.py says what each does and measures
 
-While each phase runs, /health is fetched every 100 ms on its own connection and its latency
+`--phases` chooses among streams, soak (with its warm-up) and hostile. While each phase runs, /health is fetched every 100 ms on its own connection and its latency
 recorded. Afterwards: blocks still in use (/v1/kv_state: used + shared), requests still
 running or waiting (/metrics), TCP connections the server process still holds, and its RSS.
 JSON (`--json`) carries `errors` (unexpected errors, failed streams, failed health checks),
 `leaked_blocks`, `health_p99_ms` (over all phases), `rss_growth_mb` (server RSS after the soak
-minus after the warm-up), then per-phase details; a table is printed.
+minus after the warm-up), then per-phase details; a table is printed. The hostile phase adds
+`hostile_ttft_p99_ratio` and `hostile_gap_p99_ratio` (the quiet tenant's TTFT and inter-chunk
+gap p99 under attack over alone; goal <= 2), `hostile_rss_growth_mb` (against
+`hostile_rss_bound_mb`), `hostile_engine_restarts`, `hostile_health_ok`,
+`hostile_quiet_failures` and `hostile_within_goal`.
 
 MixedTraffic is also the traffic of tests/test_soak.py (against an in-process server there).
 Client and server share the machine's cores, so latencies here include the client's own load.
 
-    python bench/stress.py --quick          # ~2.5 min: 200 and 400 streams, 60 s soak
-    python bench/stress.py                  # ~15 min: 1,000 and 2,000 streams, 600 s soak
+    python bench/stress.py --quick          # ~4.5 min: 200 and 400 streams, 60 s soak, hostile 20 + 40 s
+    python bench/stress.py                  # ~19 min: 1,000 and 2,000 streams, 600 s soak, hostile 60 + 120 s
+    python bench/stress.py --quick --phases hostile --hostile-probes masks   # one probe alone
     python bench/stress.py --quick --model /path/to/hf_folder --streams 50,100 --soak-seconds 10
 
 The server runs with one torch thread unless `--threads` says otherwise (see its help).
@@ -56,6 +65,7 @@ import aiohttp
 HOST = "127.0.0.1"  # loopback only, never another address
 RESULTS = Path(__file__).resolve().parent / "results"
 QUICK = {"streams": (200, 400), "soak_seconds": 60.0, "warmup_seconds": 10.0}
+PHASES = ("streams", "soak", "hostile")
 FULL = {"streams": (1000, 2000), "soak_seconds": 600.0, "warmup_seconds": 60.0}
 HEALTH_INTERVAL_S = 0.1
 HEALTH_TIMEOUT_S = 10.0
@@ -871,10 +881,11 @@ class HealthPoller:
     """GET /health every 100 ms on one kept-alive connection; latencies and failures. With
     `pid`, the server's RSS every RSS_EVERY_S too, so growth can be told from a plateau."""
 
-    def __init__(self, base: str, pid: int | None = None) -> None:
-        self.base, self.pid = base, pid
+    def __init__(self, base: str, pid: int | None = None, rss_every: float = RSS_EVERY_S) -> None:
+        self.base, self.pid, self.rss_every = base, pid, rss_every
         self.latencies: list[float] = []
         self.failures: list[str] = []
+        self.engine_states: Counter = Counter()  # /health's "engine": ready, restarting, stopped
         self.rss: list[tuple[float, float]] = []  # (seconds since start, MB)
         self._task: asyncio.Task | None = None
 
@@ -895,10 +906,12 @@ class HealthPoller:
                 t0 = time.perf_counter()
                 if self.pid is not None and t0 >= next_rss:
                     self.rss.append((round(t0 - start, 1), round(rss_mb(self.pid), 1)))
-                    next_rss += RSS_EVERY_S
+                    next_rss += self.rss_every
                 try:
                     async with session.get(f"{self.base}/health") as r:
-                        await r.read()
+                        body = await r.read()
+                        with contextlib.suppress(ValueError, AttributeError):
+                            self.engine_states[json.loads(body).get("engine")] += 1
                         if r.status != 200:
                             self.failures.append(f"/health answered {r.status}")
                         else:
@@ -948,9 +961,20 @@ LOG_PROBLEMS = ("Traceback", "Task was destroyed", "ERROR", "exception was never
 
 
 def log_problems(path: Path) -> dict:
-    """Lines of the server's log that a clean run would not print (and a few of them)."""
-    lines = [line for line in path.read_text(errors="replace").splitlines() if any(p in line for p in LOG_PROBLEMS)]
-    return {"count": len(lines), "examples": lines[:10]}
+    """Lines of the server's log that a clean run would not print (and a few of them); a
+    traceback is shown by the exception that ends it, its first line says nothing."""
+    text = path.read_text(errors="replace").splitlines()
+    lines = [i for i, line in enumerate(text) if any(p in line for p in LOG_PROBLEMS)]
+    examples = [traceback_end(text, i) if text[i].startswith("Traceback") else text[i] for i in lines]
+    return {"count": len(lines), "examples": list(dict.fromkeys(examples))[:10]}
+
+
+def traceback_end(lines: list[str], start: int) -> str:
+    """The first line after `start` that is not indented: the exception a traceback ends with."""
+    for line in lines[start + 1:start + 200]:
+        if line and not line[0].isspace():
+            return f"Traceback ... {line}"
+    return lines[start]
 
 
 async def server_load(session: aiohttp.ClientSession, base: str) -> dict:
@@ -996,13 +1020,14 @@ class RunTotals:
         self.health_ms += health.latencies
 
 
-def server_process(args):
-    """`python -m streamengine serve` on a free port, with the run's model and torch threads."""
+def server_process(args, flags: tuple[str, ...] = ()):
+    """`python -m streamengine serve` on a free port, with the run's model and torch threads
+    (and `flags`)."""
     sys.path.insert(0, str(Path(__file__).resolve().parent))  # bench/ is not a package
     from serving import ServerProcess, free_port, server_env
 
     port = free_port()
-    cmd = [sys.executable, "-m", "streamengine", "serve", "--host", HOST, "--port", str(port)]
+    cmd = [sys.executable, "-m", "streamengine", "serve", "--host", HOST, "--port", str(port), *flags]
     if args.model:
         cmd += ["--model", args.model]
     if args.threads:
@@ -1019,7 +1044,7 @@ def run_config(args) -> dict:
         "sockets": args.sockets, "stream_max_tokens": args.max_tokens, "soak_seconds": args.soak_seconds,
         "warmup_seconds": args.warmup_seconds, "clients": args.clients, "seed": args.seed, "quick": args.quick,
         "threads": args.threads or "torch default", "token_scale": args.token_scale,
-        "slow_stall_s": list(args.slow_stall),
+        "slow_stall_s": list(args.slow_stall), "phases": list(args.phases),
     }
 
 
@@ -1063,11 +1088,11 @@ async def run_phases(session: aiohttp.ClientSession, server, args, report: dict,
     await server.start(session)
     pid = server.proc.pid
     rss["started"] = rss_mb(pid)
-    for n in args.streams:
+    for n in args.streams if "streams" in args.phases else ():
         report["phases"][f"streams_{n}"] = await streams_phase(session, base, n, args, totals)
-    rss["after_streams"] = rss_mb(pid)
+        rss["after_streams"] = rss_mb(pid)
     for name, seconds, seed in (("warmup", args.warmup_seconds, args.seed),
-                                ("soak", args.soak_seconds, args.seed + 1)):
+                                ("soak", args.soak_seconds, args.seed + 1)) if "soak" in args.phases else ():
         report["phases"][name] = await traffic_phase(session, server, name, seconds, seed, args, totals)
         await asyncio.sleep(1.0)  # let the server finish closing what the clients left
         rss[f"after_{name}"] = rss_mb(pid)
@@ -1079,34 +1104,67 @@ async def run_phases(session: aiohttp.ClientSession, server, args, report: dict,
 
 
 def summarize(report: dict, totals: RunTotals, rss: dict[str, float]) -> None:
-    final = report["server"].get("final", {})
+    finals = [s["final"] for s in (report.get("server", {}), report.get("hostile_server", {})) if "final" in s]
     report.update(
         errors=totals.errors,
         error_examples=totals.examples[:20],
-        leaked_blocks=final.get("used_blocks"),
+        leaked_blocks=sum(f["used_blocks"] for f in finals) if finals else None,
         health_p99_ms=percentiles(totals.health_ms)["p99"],
         rss_growth_mb=(rss["after_soak"] - rss["after_warmup"]) if {"after_soak", "after_warmup"} <= rss.keys() else None,
         rss_slope_mb_per_min=report["phases"].get("soak", {}).get("rss_slope_mb_per_min"),
     )
 
 
+async def hostile_run(args, report: dict, totals: RunTotals) -> None:
+    """The hostile-tenant phase on a server of its own, started with the tenants' API keys."""
+    from hostile import ADMIN_KEY, SERVER_FLAGS, hostile_phase, summary_keys
+
+    server = server_process(args, SERVER_FLAGS)
+    headers = {"Authorization": f"Bearer {ADMIN_KEY}"}
+    report["hostile_server"] = {}
+    async with aiohttp.ClientSession(headers=headers) as admin:
+        try:
+            print(f"hostile: starting a server with two tenant keys on {server.base_url} ...", file=sys.stderr)
+            await server.start(admin)
+            print(f"hostile: {args.hostile.baseline_s:g} s of quiet traffic alone, then {args.hostile.hostile_s:g} s "
+                  f"beside {', '.join(args.hostile.probes)} ...", file=sys.stderr)
+            phase = await hostile_phase(admin, server, args.hostile)
+            report["phases"]["hostile"] = phase
+            report.update(summary_keys(phase))
+            report["hostile_server"] = {"final": phase["after"], "alive": phase["server_alive"]}
+            for part in (phase["health"]["baseline"], phase["health"]["hostile"], phase["baseline"], phase["hostile"]):
+                totals.errors += part["failures"]  # /health failures, then the quiet tenant's failed requests
+                totals.examples += part["failure_examples"]
+        except Exception as exc:
+            totals.errors += 1
+            totals.examples.append(f"hostile phase aborted: {type(exc).__name__}: {exc}")
+            report["hostile_server"]["log_tail"] = server.tail()
+        finally:
+            server.stop()
+            report["hostile_server"]["log_problems"] = log_problems(Path(server.log.name))
+            server.close()
+
+
 async def run(args) -> dict:
-    server = server_process(args)
     report: dict = {"phases": {}, "config": run_config(args)}
     totals = RunTotals()
     rss: dict[str, float] = {}
-    async with aiohttp.ClientSession() as session:
-        try:
-            await run_phases(session, server, args, report, totals, rss)
-        except Exception as exc:
-            totals.errors += 1
-            totals.examples.append(f"run aborted: {type(exc).__name__}: {exc}")
-            report["server_log_tail"] = server.tail()
-            report.setdefault("server", {"rss_mb": rss})
-        finally:
-            server.stop()
-            report["server"]["log_problems"] = log_problems(Path(server.log.name))
-            server.close()
+    if {"streams", "soak"} & set(args.phases):
+        server = server_process(args)
+        async with aiohttp.ClientSession() as session:
+            try:
+                await run_phases(session, server, args, report, totals, rss)
+            except Exception as exc:
+                totals.errors += 1
+                totals.examples.append(f"run aborted: {type(exc).__name__}: {exc}")
+                report["server_log_tail"] = server.tail()
+                report.setdefault("server", {"rss_mb": rss})
+            finally:
+                server.stop()
+                report["server"]["log_problems"] = log_problems(Path(server.log.name))
+                server.close()
+    if "hostile" in args.phases:
+        await hostile_run(args, report, totals)
     summarize(report, totals, rss)
     return report
 
@@ -1120,6 +1178,8 @@ def print_table(report: dict) -> None:
         return f"{x:>{width}.{digits}f}" if x is not None else f"{'-':>{width}}"
 
     for name, p in report["phases"].items():
+        if name == "hostile":
+            continue
         h = p["health_ms"]
         if name.startswith("streams_"):
             counts = f"{p['streams']:>9} {p['completed']:>7} {p['failed'] + h['failures']:>6}"
@@ -1138,13 +1198,19 @@ def print_table(report: dict) -> None:
           f"RSS {server.get('rss_mb')}), "
           f"server connections left {server.get('open_connections')}, "
           f"problem lines in the server log {server.get('log_problems', {}).get('count')}")
+    if "hostile" in report["phases"]:
+        from hostile import print_hostile
+
+        print_hostile(report["phases"]["hostile"])
+        problems = report.get("hostile_server", {}).get("log_problems", {})
+        print(f"  problem lines in the hostile server's log {problems.get('count')}: {problems.get('examples', [])[:3]}")
     for e in report["error_examples"][:10]:
         print(f"  error: {e}")
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--quick", action="store_true", help="fewer streams and a 60 s soak (< ~2 min)")
+    p.add_argument("--quick", action="store_true", help="fewer streams, a 60 s soak, a shorter hostile phase")
     p.add_argument("--model", default=None, help="HF model folder (default: SmolLM2-135M-Instruct)")
     p.add_argument("--streams", default=None, help="comma-separated stream counts (default 1000,2000; quick 200,400)")
     p.add_argument("--sockets", type=int, default=16, help="WebSockets the streams are spread over")
@@ -1165,8 +1231,24 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--stream-timeout", type=float, default=600.0, help="bound on one streams phase")
     p.add_argument("--episode-timeout", type=float, default=120.0, help="bound on one soak episode")
-    p.add_argument("--json", type=Path, default=RESULTS / "stress.json")
+    p.add_argument("--phases", default=",".join(PHASES),
+                   help=f"comma-separated phases to run, of {', '.join(PHASES)} (soak includes its warm-up)")
+    p.add_argument("--hostile-seconds", type=float, default=None,
+                   help="the hostile phase's quiet traffic under attack (default 120; quick 40)")
+    p.add_argument("--hostile-baseline-seconds", type=float, default=None,
+                   help="the same quiet traffic alone, before (default 60; quick 20)")
+    p.add_argument("--hostile-warmup-seconds", type=float, default=3.0, help="quiet traffic before the baseline")
+    p.add_argument("--hostile-probes", default=None,
+                   help="comma-separated probes of the hostile phase (default: all), to tell which one hurts")
+    p.add_argument("--hostile-rss-bound-mb", type=float, default=512.0,
+                   help="the stated bound on the server's RSS growth over the hostile phase")
+    p.add_argument("--json", type=Path, default=None, help="default results/stress.json (quick: stress_quick.json)")
     args = p.parse_args(argv)
+    args.phases = tuple(x.strip() for x in args.phases.split(",") if x.strip())
+    if not args.phases or not set(args.phases) <= set(PHASES):
+        p.error(f"--phases must name some of {', '.join(PHASES)}")
+    args.hostile = hostile_config(p, args)
+    args.json = args.json or RESULTS / ("stress_quick.json" if args.quick else "stress.json")
     preset = QUICK if args.quick else FULL
     args.streams = tuple(int(x) for x in args.streams.split(",")) if args.streams else preset["streams"]
     args.soak_seconds = preset["soak_seconds"] if args.soak_seconds is None else args.soak_seconds
@@ -1177,6 +1259,23 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if args.model:
         args.model = str(Path(args.model).resolve())
     return args
+
+
+def hostile_config(p: argparse.ArgumentParser, args: argparse.Namespace):
+    sys.path.insert(0, str(Path(__file__).resolve().parent))  # bench/ is not a package
+    from hostile import PROBES, HostileConfig
+    from hostile import QUICK as HOSTILE_QUICK
+
+    cfg = HostileConfig(**(HOSTILE_QUICK if args.quick else {}))
+    probes = tuple(x.strip() for x in args.hostile_probes.split(",") if x.strip()) if args.hostile_probes else PROBES
+    if not probes or not set(probes) <= set(PROBES):
+        p.error(f"--hostile-probes must name some of {', '.join(PROBES)}")
+    cfg.probes, cfg.warmup_s, cfg.rss_bound_mb = probes, args.hostile_warmup_seconds, args.hostile_rss_bound_mb
+    if args.hostile_seconds is not None:
+        cfg.hostile_s = args.hostile_seconds
+    if args.hostile_baseline_seconds is not None:
+        cfg.baseline_s = args.hostile_baseline_seconds
+    return cfg
 
 
 def main(argv: list[str] | None = None) -> int:
