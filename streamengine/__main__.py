@@ -234,13 +234,15 @@ async def _generate(a: argparse.Namespace) -> None:
 
 def _serve_cluster(a: argparse.Namespace) -> None:
     """`serve --replicas N`: the same server options, on Ray Serve."""
-    from streamengine.server import app_options
+    from streamengine.server import app_options, check_tenant_pins
     from streamengine.server.security import check_exposure
 
     opts = server_options(a)
     tenants = opts["tenants"]
     has_keys = bool(opts["api_key"] or opts["admin_keys"] or (tenants is not None and tenants.keys))
     check_exposure(a.host, has_keys=has_keys, allow_unauthenticated=a.allow_unauthenticated)
+    if tenants is not None:
+        check_tenant_pins(config_from_args(a), tenants)
     try:
         from streamengine.ray.app import ClusterOptions, serve_cluster
     except ImportError as exc:

@@ -440,18 +440,20 @@ def test_an_endless_file_as_tenants_file_is_refused_by_its_size():
         load_tenants_file("/dev/zero")
 
 
+@pytest.mark.parametrize("cluster", [[], ["--replicas", "2"]], ids=["one engine", "ray"])
 def test_a_system_prompt_shorter_than_a_block_is_refused_before_the_model_loads(tiny_llama_dir, tmp_path,
-                                                                                 monkeypatch, capsys):
+                                                                                 monkeypatch, capsys, cluster):
     from streamengine import __main__ as cli
 
     def no_engine(*_a, **_k):
         raise AssertionError("the model must not be loaded")
 
+    monkeypatch.setattr("streamengine.ray.app.serve_cluster", no_engine)  # (imports the engine first)
     monkeypatch.setattr("streamengine.engine.AsyncEngine", no_engine)
     path = tmp_path / "tenants.toml"
     path.write_text(f'[[tenants]]\nname = "bot-a"\napi_key = "key-a"\nsystem_prompt = "Hi."\n'
                     f'[[tenants]]\nname = "bot-b"\napi_key = "key-b"\nsystem_prompt = "{SYSTEM_A}"\n')
-    assert cli.main(["serve", "--tenants", str(path), "--model", str(tiny_llama_dir)]) == 2
+    assert cli.main(["serve", "--tenants", str(path), "--model", str(tiny_llama_dir), *cluster]) == 2
     err = capsys.readouterr().err
     assert "the system_prompt of tenant 'bot-a'" in err and "shorter than one KV block (16 tokens)" in err
 
