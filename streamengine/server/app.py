@@ -3,8 +3,9 @@ liveness and readiness; engine lifespan; the graceful drain and the shutdown beh
 
 Middlewares, outermost first: the Host check (DNS rebinding), the Origin check and CORS
 preflights, errors in OpenAI's shape, the API key and admin check, then admission (refused
-while draining; reads the body within the body timeout, then counts the request in flight). CORS response headers are added just before any
-response is sent (`on_response_prepare`), so streamed and error responses carry them too.
+while draining; reads the body within the body timeout, then counts the request in flight).
+CORS response headers are added just before any response is sent (`on_response_prepare`), so
+streamed and error responses carry them too.
 """
 
 from __future__ import annotations
