@@ -268,7 +268,6 @@ class DeltaToolCall(msgspec.Struct, kw_only=True, omit_defaults=True):
     function: DeltaFunctionCall
 
 
-
 class ChatDelta(msgspec.Struct, omit_defaults=True):
     role: str | None = None
     content: str | None = None
