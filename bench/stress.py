@@ -1169,7 +1169,7 @@ async def run(args) -> dict:
     return report
 
 
-def print_table(report: dict) -> None:
+def print_server_phases(report: dict) -> None:
     head = f"{'phase':<14} {'streams':>9} {'done':>7} {'errors':>6} {'wall s':>7} {'health p50':>10} {'p99':>7} {'max ms':>8}"
     print(head)
     print("-" * len(head))
@@ -1198,6 +1198,13 @@ def print_table(report: dict) -> None:
           f"RSS {server.get('rss_mb')}), "
           f"server connections left {server.get('open_connections')}, "
           f"problem lines in the server log {server.get('log_problems', {}).get('count')}")
+
+
+def print_table(report: dict) -> None:
+    if "server" in report:  # the streams and soak phases ran
+        print_server_phases(report)
+    else:
+        print(f"errors {report['errors']}, leaked blocks {report['leaked_blocks']}")
     if "hostile" in report["phases"]:
         from hostile import print_hostile
 
@@ -1278,6 +1285,17 @@ def hostile_config(p: argparse.ArgumentParser, args: argparse.Namespace):
     return cfg
 
 
+def source_tree() -> dict:
+    """The commit the server ran from, and how many files differed from it (work in progress)."""
+    import subprocess
+
+    def git(*cmd: str) -> str:
+        return subprocess.run(["git", *cmd], capture_output=True, text=True, cwd=RESULTS.parent.parent).stdout
+
+    return {"commit": git("rev-parse", "HEAD").strip() or None,
+            "changed_files": len(git("status", "--porcelain", "--untracked-files=no").splitlines())}
+
+
 def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
@@ -1287,6 +1305,7 @@ def main(argv: list[str] | None = None) -> int:
     from common import software
 
     report["software"] = software()
+    report["tree"] = source_tree()
     args.json.parent.mkdir(parents=True, exist_ok=True)
     args.json.write_text(json.dumps(report, indent=2))
     print_table(report)
