@@ -67,7 +67,7 @@ class HostileConfig:
     slowloris: int = 100
     huge_prompts: int = 12
     huge_prompt_mb: float = 2.5
-    burst: int = 512
+    burst: int = 640  # past a lone tenant's share of the default queue (half of max_waiting 1024)
     burst_max_tokens: int = 16
     rss_bound_mb: float = 512.0
     probes: tuple[str, ...] = PROBES

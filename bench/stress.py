@@ -14,7 +14,7 @@ default model, or `--model PATH`). Phases, in order:
              slow readers (a fixed receive buffer, nothing read for `--slow-stall` seconds),
              malformed messages, OpenAI HTTP requests streamed (SSE) and not, SSE streams and
              plain requests cut mid-way, bad HTTP bodies
-  hostile    on a second server started with two API keys (two tenants): a quiet tenant's
+  hostile    on a server of its own, started with two API keys (two tenants): a quiet tenant's
              trickle of short streamed chat requests alone, then beside a hostile tenant's
              probes (wide n, slow grammars, grammar masks, keyless sockets, slowloris, huge
              prompts, a queue burst); bench/hostile.py says what each does and measures
