@@ -155,7 +155,7 @@ class EngineConfig:
         "a grammar larger than the whole budget not kept. 0: no cache.",
         minimum=0)
     grammar_max_queued_per_tenant: int = _option(
-        16,
+        64,
         "Structured-output specs of one tenant that may wait to compile; one more fails with "
         "EngineOverloadedError (429 with Retry-After). The compile threads serve tenants round robin.",
         minimum=1)

@@ -134,7 +134,7 @@ class GrammarCompiler:
 
     def __init__(
         self, tokenizer: Any, vocab_size: int, timeout_s: float, cache_bytes: int,
-        *, max_queued_per_tenant: int = 16, max_queued: int = 256, queue_timeout_s: float = 30.0,
+        *, max_queued_per_tenant: int = 64, max_queued: int = 256, queue_timeout_s: float = 30.0,
         threads: int = _COMPILE_THREADS,
     ) -> None:
         self.tokenizer = tokenizer

@@ -427,6 +427,7 @@ async def test_one_tenants_flood_of_slow_specs_delays_only_that_tenant(engine, m
         return build(spec)
 
     monkeypatch.setattr(grammars, "_build", slow_for_a)
+    monkeypatch.setattr(grammars, "_max_queued", (16, 256))  # a queue of 16 per tenant: 20 overflow it
     flood = [Regex(f"flood{i}[a-z]+") for i in range(20)]
     a_tasks = [asyncio.create_task(final_text(engine, SamplingParams(max_tokens=4, structured=spec), tenant="A"))
                for spec in flood]
