@@ -207,7 +207,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--worker", choices=SYSTEMS, default=None, help=argparse.SUPPRESS)
     p.add_argument("--batches", default=None, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
-    args.seconds = args.seconds if args.seconds is not None else (2.5 if args.quick else 8.0)
+    args.seconds = args.seconds if args.seconds is not None else (2.0 if args.quick else 8.0)
     args.max_tokens = args.max_tokens if args.max_tokens is not None else (48 if args.quick else 96)
     suffix = "_quick" if args.quick else ""
     args.json = args.json or RESULTS / f"contention{suffix}.json"

@@ -24,7 +24,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 USER_HZ = 100  # /proc/stat counts in 1/100 s on every Linux architecture
-WINDOW_S = 0.5  # stepping time between two decisions: long enough to average many steps
+WINDOW_S = 0.25  # stepping time between two decisions: tens of steps, and a quick reaction
 DELAY_DOWN = 0.15  # run delay per thread, as a share of the window, that takes one thread away
 IDLE_UP = 0.75  # idle CPUs seen during the steps that give one thread back
 
