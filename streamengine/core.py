@@ -24,6 +24,7 @@ from streamengine.config import EngineConfig
 from streamengine.detokenizer import IncrementalDetokenizer
 from streamengine.errors import GrammarError
 from streamengine.grammar import CompiledGrammar, GrammarCompiler, GrammarMatcher
+from streamengine.grammar_cache import HeapTrim
 from streamengine.grammar_mask import MaskAccount
 from streamengine.intake import Intake
 from streamengine.kv_cache import plan_kv_cache
@@ -101,6 +102,8 @@ class EngineCore:
         # (take_failures) and ends their streams with RequestFailedError, or with the error
         # itself when it is the request's own (a grammar that gave out while decoding).
         self.failures: dict[str, str | GrammarError] = {}
+        self._heap_trim = HeapTrim()
+        self._grammar_freed = False  # a request with a grammar ended since the last trim
 
     def _fresh_bookkeeping(self) -> tuple[BlockManager, Scheduler]:
         """An empty block manager (no cached prefixes) and scheduler over the KV pool."""
@@ -328,6 +331,7 @@ class EngineCore:
         whether the bookkeeping survived."""
         req = self.requests.pop(request_id, None)
         self.failures[request_id] = why  # its stream ends with the error either way
+        self._grammar_freed |= req is not None and req.params.structured is not None
         for seq in self._request_seqs(request_id, req):
             try:
                 self.scheduler.remove(seq)  # idempotent: a freed sequence holds no blocks
@@ -375,11 +379,18 @@ class EngineCore:
             raise EngineStateError("host swap blocks are lost or held twice")
 
     def _release(self, req: Request) -> None:
+        self._grammar_freed |= req.params.structured is not None
         for seq in req.seqs:
             if not seq.is_finished:
                 self.scheduler.remove(seq)
             self._owner.pop(seq.seq_id, None)
         self.requests.pop(req.request_id, None)
+
+    def trim_heap(self) -> None:
+        """Once requests with grammars have ended (their matchers' lexer states freed), hands
+        the C heap's free pages back to the system (grammar_cache.HeapTrim, at most every 2 s)."""
+        if self._grammar_freed and self._heap_trim.maybe():
+            self._grammar_freed = False
 
     def fail(self, step: StepPlan) -> list[RequestOutput]:
         """A step raised: end the requests it touched with "error", keep the engine going.

@@ -508,6 +508,7 @@ class AsyncEngine:
         self._deliver_failures()
         for request_id in self._take_pending_aborts():
             self._abort(request_id)
+        self.core.trim_heap()
 
     def _execute(self, step: StepPlan) -> StepResult:
         """The forward pass, on the step thread, with the thread count the governor chose."""

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import ctypes
 import os
+import time
 from collections import OrderedDict
 from collections.abc import Callable, Hashable
 from typing import Generic, TypeVar
@@ -102,3 +103,41 @@ def heap_bytes() -> int | None:
             return int(statm.read().split()[1]) * _PAGE_BYTES
     except (OSError, ValueError, IndexError):
         return None
+
+
+def _find_malloc_trim() -> Callable[[int], int] | None:
+    try:
+        fn = ctypes.CDLL(None).malloc_trim  # glibc
+    except (OSError, AttributeError):
+        return None
+    fn.restype = ctypes.c_int
+    fn.argtypes = [ctypes.c_size_t]
+    return fn
+
+
+_MALLOC_TRIM = _find_malloc_trim()  # looked up once, never changed
+
+
+class HeapTrim:
+    """Hands the C heap's free pages back to the system, at most every `interval_s`.
+
+    A hostile grammar's lexer states take hundreds of megabytes of malloc'd memory in the compile
+    and step threads; glibc keeps what is freed in each thread's arena for reuse, so the process
+    would stay as large as its worst moment. Trimming after such memory is freed returns it.
+    Does nothing where malloc_trim is not glibc's."""
+
+    def __init__(self, interval_s: float = 2.0, clock: Callable[[], float] = time.monotonic) -> None:
+        self.interval_s = interval_s
+        self._clock = clock
+        self._last = -interval_s
+        self.num_trims = 0
+
+    def maybe(self) -> bool:
+        """Trims unless it did within `interval_s`; True when it trimmed."""
+        now = self._clock()
+        if _MALLOC_TRIM is None or now - self._last < self.interval_s:
+            return False
+        self._last = now
+        _MALLOC_TRIM(0)
+        self.num_trims += 1
+        return True

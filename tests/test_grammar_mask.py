@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from streamengine.errors import GrammarError
+from streamengine.grammar_cache import _MALLOC_TRIM, HeapTrim
 from streamengine.grammar_mask import MaskAccount, TokenMasker
 
 VOCAB = 64
@@ -98,3 +99,16 @@ async def test_a_slow_grammar_fails_alone_and_its_batch_mate_finishes(tiny_llama
         tenants = engine.stats()["tenants"]
         assert tenants["hostile"]["grammar_mask_seconds"] > 0.001
         assert engine.stats()["num_requests"] == 0
+        # The failed request's lexer states are freed and the heap handed back once.
+        assert engine.core._heap_trim.num_trims >= 1
+
+
+@pytest.mark.skipif(_MALLOC_TRIM is None, reason="needs glibc's malloc_trim")
+def test_heap_trim_runs_at_most_once_per_interval():
+    clock = [10.0]
+    trim = HeapTrim(interval_s=2.0, clock=lambda: clock[0])
+    assert trim.maybe() and not trim.maybe()
+    clock[0] += 1.9
+    assert not trim.maybe()
+    clock[0] += 0.2
+    assert trim.maybe() and trim.num_trims == 2
