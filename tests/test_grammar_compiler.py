@@ -113,11 +113,17 @@ def test_byte_lru_evicts_the_least_recent_until_the_new_entry_fits():
 def test_heap_bytes_sees_what_native_code_allocates():
     import ctypes
 
-    before = heap_bytes()
-    block = ctypes.create_string_buffer(8 * MiB)  # malloc'd, as llguidance's Rust allocations are
-    after = heap_bytes()
-    assert before is not None and after - before >= 8 * MiB
-    del block
+    # The heap is process-wide: threads left by other tests may free memory meanwhile, so the
+    # growth is read three times and one reading must show (nearly) the whole block.
+    growth = []
+    for _ in range(3):
+        before = heap_bytes()
+        block = ctypes.create_string_buffer(64 * MiB)  # malloc'd, as llguidance's Rust allocations are
+        after = heap_bytes()
+        del block
+        assert before is not None and after is not None
+        growth.append(after - before)
+    assert max(growth) >= 60 * MiB, growth
 
 
 # ---------------------------------------------------------------- the queue itself

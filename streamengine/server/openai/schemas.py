@@ -53,7 +53,7 @@ class FunctionDefinition(msgspec.Struct):
     name: str
     description: str | None = None
     parameters: dict[str, Any] | None = None  # a JSON schema of the arguments object
-    strict: bool | None = None  # accepted; arguments are always held to the schema when forced
+    strict: bool | None = None  # true or absent: unnamed keys refused in forced calls; false: JSON Schema's defaults
 
 
 class Tool(msgspec.Struct):
@@ -76,7 +76,7 @@ ToolChoice = Literal["none", "auto", "required"] | NamedToolChoice
 class JsonSchemaFormat(msgspec.Struct):
     name: str | None = None
     schema: dict[str, Any] | bool | None = None
-    strict: bool | None = None  # accepted; the output always follows the schema
+    strict: bool | None = None  # true or absent: unnamed keys refused (json_schema.py); false: JSON Schema's defaults
     description: str | None = None
 
 
