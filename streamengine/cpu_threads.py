@@ -27,6 +27,7 @@ USER_HZ = 100  # /proc/stat counts in 1/100 s on every Linux architecture
 WINDOW_S = 0.25  # stepping time between two decisions: tens of steps, and a quick reaction
 DELAY_DOWN = 0.15  # run delay per thread, as a share of the window, that takes one thread away
 IDLE_UP = 0.75  # idle CPUs seen during the steps that give one thread back
+MAX_UP_AFTER = 32  # most windows in a row (8 s of steps) a raise may have to wait for
 
 
 @dataclass(slots=True)
@@ -103,6 +104,9 @@ class ThreadGovernor:
         self._applied = 0  # the count last set in the step thread
         self._window = Window()
         self._window_delay0: float | None = None  # run delay at the window's start
+        self._raised = False  # the last decision added a thread
+        self._idle_windows = 0  # windows in a row that asked for one more thread
+        self._up_after = 1  # how many such windows it takes: doubles when a raise fails
         self._step_start = 0.0
         self._idle_start = 0.0
 
@@ -129,8 +133,31 @@ class ThreadGovernor:
         if self._window.step_s < WINDOW_S:
             return
         self._window.run_delay_s = self._proc.run_delay_s() - self._window_delay0
-        self.threads = decide(self.threads, self.max_threads, self._window)
+        self.threads = self._next(decide(self.threads, self.max_threads, self._window))
         self._window, self._window_delay0 = Window(), None
+
+    def _next(self, wanted: int) -> int:
+        """`wanted` (one window's verdict), held back from adding a thread until as many windows
+        in a row as `_up_after` asked for it. A CPU can look idle at the moment the scheduler
+        has put our thread on the competitor's core; a thread added then is taken away again
+        one window later, at a window's cost at the wrong width. Each such failed raise doubles
+        the windows the next raise waits for (up to MAX_UP_AFTER); a raise that holds resets it."""
+        raised, self._raised = self._raised, False
+        if wanted < self.threads:
+            if raised:
+                self._up_after = min(MAX_UP_AFTER, 2 * self._up_after)
+            self._idle_windows = 0
+            return wanted
+        if raised:
+            self._up_after = 1
+        if wanted == self.threads:
+            self._idle_windows = 0
+            return wanted
+        self._idle_windows += 1
+        if self._idle_windows < self._up_after:
+            return self.threads
+        self._idle_windows, self._raised = 0, True
+        return wanted
 
 
 def thread_governor(num_threads: int | None, device_type: str) -> ThreadGovernor:

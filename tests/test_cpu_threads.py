@@ -77,6 +77,26 @@ def test_governor_follows_a_competitor_that_comes_and_goes():
     assert governor.threads == 2
 
 
+def test_raises_that_fail_back_off():
+    """A CPU that looks idle at one thread but is not there at two (the scheduler parked our
+    thread on the competitor's core for a while): each failed raise doubles the wait for the
+    next, so few windows are spent at the wrong width."""
+    proc, clock = FakeProc(), [0.0]
+    governor = ThreadGovernor(2, lambda n: None, proc=proc, clock=lambda: clock[0])
+    steps = int(WINDOW_S / 0.01) + 1
+    raises, at_two = 0, 0
+    for _ in range(64):
+        before = governor.threads
+        if before == 1:
+            run_steps(governor, proc, clock, steps, idle_per_step=0.009, delay_per_step=0.0)
+        else:
+            at_two += 1
+            run_steps(governor, proc, clock, steps, idle_per_step=0.0, delay_per_step=0.01)
+        raises += governor.threads > before
+    assert governor.threads in (1, 2)
+    assert raises <= 6 and at_two <= 7, (raises, at_two)  # without the back-off: 32 of 64
+
+
 def test_governor_without_proc_keeps_its_count():
     proc = FakeProc()
     proc.available = False
