@@ -12,12 +12,12 @@ import asyncio
 import json
 import socket
 import threading
-import time
 
 import aiohttp
 import pytest
 from aiohttp import WSMsgType
 from test_server import collect, connect, recv, serve
+from test_server_edge_cases import wait_for
 from test_server_limits import ScriptedEngine
 
 from streamengine import AsyncEngine, EngineConfig
@@ -33,15 +33,6 @@ AUTH = {"Authorization": f"Bearer {KEY}"}
 @pytest.fixture(scope="module")
 def engine(tiny_llama_dir):
     return AsyncEngine(EngineConfig(model=str(tiny_llama_dir), num_gpu_blocks=256, max_num_seqs=8))
-
-
-async def wait_for(predicate, what: str, timeout: float = 20.0) -> None:
-    """Polls `predicate` (a generous timeout only turns a hang into a failure)."""
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        await asyncio.sleep(0.02)
 
 
 def address(client) -> tuple[str, int]:
