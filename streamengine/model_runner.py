@@ -31,7 +31,7 @@ from streamengine.models.native import NativeDecoder, unsupported_reason
 from streamengine.models.torch_backend import TorchPagedAttention
 from streamengine.models.triton_backend import TritonPagedAttention
 from streamengine.sampler import Sampler, SamplerOutput, SamplingRow
-from streamengine.scheduler import SchedulerOutput
+from streamengine.sched_plan import SchedulerOutput
 
 log = logging.getLogger(__name__)
 

@@ -10,91 +10,33 @@ several steps and the decode streams batched with it keep getting a token every 
 
 Two admission policies: "fcfs" admits in arrival order across everyone; "fair" admits from the
 tenant owed the most service, within its quotas, and inside a tenant prefers cached prefixes
-(fair_share.py holds that policy; this module keeps the queues and the blocks).
+(fair_share.py holds that policy, sched_fair.py its steps here; this module keeps the queues
+and the blocks; sched_plan.py holds the plan a step returns, preemption.py how to preempt).
 """
 
 from __future__ import annotations
 
 import bisect
-import itertools
-from collections import Counter, deque
-from collections.abc import Iterator
-from dataclasses import dataclass, field
+from collections import deque
 
 from streamengine.block_manager import BlockManager
 from streamengine.config import SCHEDULING_POLICIES
-from streamengine.fair_share import (
-    FAIRNESS_SLACK,
-    LOOKAHEAD,
-    MAX_YIELDS_PER_STEP,
-    TENANT_PREFILL_CHUNKS,
-    FairShare,
-    weighted_split,
-)
+from streamengine.fair_share import FairShare
 from streamengine.free_blocks import KVBlock
+from streamengine.preemption import PreemptionPolicy
+from streamengine.sched_fair import (
+    blocks_by_tenant,
+    count_prefills,
+    free_for_next_tokens,
+    over_block_share,
+    schedule_waiting_fair,
+    serve_underserved,
+    split_pool,
+    tenant_chunk,
+)
+from streamengine.sched_plan import ScheduledSeq, SchedulerOutput
 from streamengine.sequence import Sequence, SequenceStatus
 from streamengine.tenants import Tenants
-
-
-@dataclass(slots=True)
-class ScheduledSeq:
-    seq: Sequence
-    num_new_tokens: int  # compute positions [num_computed_tokens, num_computed_tokens + this)
-    samples: bool = False  # reaches the last known token, whose logits give the next one
-    # The first this many positions computed give prompt logprobs: position p's logits give
-    # prompt token p + 1's (only while `seq.prompt_logprobs` asks for them).
-    num_prompt_logprobs: int = 0
-
-    @classmethod
-    def of(cls, seq: Sequence, num_new_tokens: int) -> ScheduledSeq:
-        start = seq.num_computed_tokens
-        end = start + num_new_tokens
-        prompt_rows = 0
-        if seq.prompt_logprobs is not None:
-            prompt_rows = max(0, min(end, seq.num_prompt_tokens - 1) - start)
-        return cls(seq, num_new_tokens, end == seq.num_tokens, prompt_rows)
-
-
-@dataclass(slots=True)
-class SchedulerOutput:
-    """A plain plan for one step: what to compute, which blocks to copy first."""
-
-    scheduled: list[ScheduledSeq] = field(default_factory=list)
-    blocks_to_copy: list[tuple[int, int]] = field(default_factory=list)
-    blocks_to_swap_out: list[tuple[int, int]] = field(default_factory=list)  # (device, host)
-    blocks_to_swap_in: list[tuple[int, int]] = field(default_factory=list)  # (host, device)
-    preempted: list[Sequence] = field(default_factory=list)
-
-    @property
-    def num_batched_tokens(self) -> int:
-        return sum(s.num_new_tokens for s in self.scheduled)
-
-    @property
-    def is_empty(self) -> bool:
-        return not self.scheduled
-
-
-@dataclass(slots=True)
-class PreemptionPolicy:
-    """How to preempt: "recompute", "swap" (recompute when the host pool is full) or "auto".
-
-    "auto" compares estimated costs per victim: recomputing redoes the forward pass of its
-    computed tokens; swapping moves its blocks out and back. Multi-sequence groups are always
-    swapped when possible, since recomputing them would re-prefill each sample separately.
-    """
-
-    mode: str = "recompute"
-    recompute_cost_per_token: float = 1.0  # seconds, estimated by the engine for its device
-    swap_cost_per_block: float = 0.0
-
-    def should_swap(self, seq: Sequence, block_manager: BlockManager) -> bool:
-        if self.mode == "recompute" or not block_manager.can_swap_out(seq):
-            return False
-        if self.mode == "swap" or seq.group_size > 1:
-            return True
-        moved = len(seq.block_table) - block_manager.num_kept_on_swap(seq)  # shared ones stay
-        swap = 2 * moved * self.swap_cost_per_block  # out and back in
-        return swap < seq.num_computed_tokens * self.recompute_cost_per_token
 
 
 class Scheduler:
@@ -144,7 +86,7 @@ class Scheduler:
         # (weighted_split), and what is left of it as the step hands tokens out.
         self._slice_sizes: dict[str, int] = {}
         # "fair": tenants with prompts running as the step began; fewer than two, and the
-        # step has no pool to split between them (_split_pool skips its scan).
+        # step has no pool to split between them (split_pool skips its scan).
         self._num_prefilling_tenants = 0
         self._prefill_slices: dict[str, int] = {}
         # The waiting sequence whose admission the pool refused last this step (unfittable).
@@ -198,8 +140,8 @@ class Scheduler:
         out = SchedulerOutput()
         self._refused = None
         self.share.start_step()
-        self._count_prefills()
-        budget = self.max_num_batched_tokens - self._serve_underserved(out)
+        count_prefills(self)
+        budget = self.max_num_batched_tokens - serve_underserved(self, out)
         # Tenants that gave way this step admit nothing in it (that would undo the yield), nor
         # does anyone served more than one of them: the room is lent only to those it owes.
         yielded = list(out.preempted)
@@ -284,78 +226,7 @@ class Scheduler:
         never less than one chunk each."""
         if self.policy != "fair":
             return self.max_prefill_chunk
-        return self._tenant_chunk(seq.tenant, self._slice_sizes.get(seq.tenant, 0))
-
-    def _tenant_chunk(self, tenant: str, slice_size: int = 0) -> int:
-        chunk = self.max_prefill_chunk
-        share = max(TENANT_PREFILL_CHUNKS * chunk, slice_size)
-        return max(chunk, share // max(1, self._prefills.get(tenant, 0)))
-
-    def _count_prefills(self) -> None:
-        """"fair": each tenant's prompts still to prefill and the most prompt tokens each may
-        compute this step: its weighted slice when the step's budget cannot hold every
-        prompt's chunk, and its chunk share when other tenants are in the step."""
-        self._prefills.clear()
-        self._prefill_slices.clear()
-        self._slice_sizes.clear()
-        self._num_prefilling_tenants = 0
-        if self.policy != "fair" or self.max_prefill_chunk is None:
-            return
-        left: dict[str, list[int]] = {}  # prompt tokens left of each tenant's running prompts
-        waiting: list[tuple[str, int]] = []
-        num_decodes = 0
-        for seq in itertools.chain(self.running, self.waiting):
-            n = seq.num_tokens - seq.num_computed_tokens
-            if n > 1:
-                self._prefills[seq.tenant] = self._prefills.get(seq.tenant, 0) + 1
-                if seq.status is SequenceStatus.RUNNING:
-                    left.setdefault(seq.tenant, []).append(n)
-                else:
-                    waiting.append((seq.tenant, n))
-            elif seq.status is SequenceStatus.RUNNING:
-                num_decodes += 1
-        self._num_prefilling_tenants = len(left)
-        if len(left) >= 2:
-            self._split_full_step(left, waiting, num_decodes)
-        if self._prefills:  # a decode-only step has nothing to cap (and no tenant set to build)
-            present = {seq.tenant for seq in itertools.chain(self.running, self.waiting)}
-            if len(present) >= 2:
-                self._cap_tenant_prefills(present)
-
-    def _split_full_step(self, left: dict[str, list[int]], waiting: list[tuple[str, int]], num_decodes: int) -> None:
-        """When the chunks of the running prompts (`left`: tokens left of each, per tenant), the
-        decodes and the waiting prompts the pool could start overflow the budget: each tenant
-        prefilling gets its weighted slice of the step's prefill tokens."""
-        # Waiting prompts count only as far as the free blocks could hold their chunks: when
-        # the pool holds them back, the step is not full, and a slice would only slow a quiet
-        # tenant's lone prompt for nothing.
-        admissible = min(sum(min(n, self._tenant_chunk(t)) for t, n in waiting),
-                         self.block_manager.num_free_blocks * self.block_manager.block_size)
-        demand = num_decodes + admissible + sum(min(n, self._tenant_chunk(t)) for t, ns in left.items() for n in ns)
-        if demand <= self.max_num_batched_tokens:
-            return  # every chunk fits: the step stays as short as the chunks make it
-        # The step is full whatever the split: split its prefill tokens by weight between the
-        # tenants whose prompts run (a waiting one may not start this step; its slice would
-        # go unused), each taking no more than its slice.
-        running = {tenant: sum(ns) for tenant, ns in left.items()}
-        weights = {tenant: self.share.tenants.get(tenant).weight for tenant in running}
-        split = weighted_split(max(0, self.max_num_batched_tokens - num_decodes), running, weights)
-        self._slice_sizes.update(split)
-        self._prefill_slices.update(split)  # counts down as the step hands tokens out
-
-    def _cap_tenant_prefills(self, present: set[str]) -> None:
-        """With other tenants' sequences in the step, a tenant's prompts compute at most
-        TENANT_PREFILL_CHUNKS chunks in all (times its weight over the least weight `present`),
-        however many it has in flight; a full step's slice (_split_full_step) can only lower
-        that. Without the cap each of a busy tenant's prompts took a chunk, so a burst of its
-        queued turns admitted together made one long step, and every other tenant's stream and
-        first token waited for it (docs/performance.md). A tenant alone keeps the whole
-        budget."""
-        weight = self.share.tenants.get
-        least = min(weight(tenant).weight for tenant in present)
-        for tenant in self._prefills:
-            cap = round(TENANT_PREFILL_CHUNKS * self.max_prefill_chunk * weight(tenant).weight / least)
-            self._prefill_slices[tenant] = min(self._prefill_slices.get(tenant, cap), cap)
+        return tenant_chunk(self, seq.tenant, self._slice_sizes.get(seq.tenant, 0))
 
     def _append(self, out: SchedulerOutput, seq: Sequence, n: int) -> None:
         if n > 1 and seq.tenant in self._prefill_slices:
@@ -376,12 +247,12 @@ class Scheduler:
         growth of a busy tenant's many sequences.)"""
         admitted = {item.seq for item in out.scheduled}  # this step's, scheduled already
         if self.policy == "fair":
-            self._free_for_next_tokens(out, admitted)
+            free_for_next_tokens(self, out, admitted)
             # With one tenant running, its being over its share would move all or none: the
             # order is the service order, without scanning every block table each step.
             several = len({s.tenant for s in self.running}) > 1
-            over = self._over_block_share() if several else set()
-            self._split_pool(budget, admitted, over)
+            over = over_block_share(self) if several else set()
+            split_pool(self, budget, admitted, over)
             order = self.share.service_order(self.running, over)
         else:
             order = list(self.running)
@@ -401,73 +272,6 @@ class Scheduler:
                 self._append(out, seq, n)
                 budget -= n
         return budget
-
-    def _split_pool(self, budget: int, admitted: set[Sequence], over_share: set[str]) -> None:
-        """"fair": when the free blocks cannot hold the chunks of the prompts running (those
-        not `admitted` this step), each tenant prefilling gets its weighted slice of the
-        prompt tokens they can hold, as when the token budget runs out (_count_prefills);
-        the tenants `over_share` of the pool split what the others leave, as they come last
-        in the step's order (a busy tenant's many prompts must not halve a quiet tenant's
-        lone one when the pool is short). Handed out in service order, the least-served
-        tenant, however slightly, took every block for its chunks while its peers waited a
-        step: a lurch that the counters undid in the steps after, and that a window of a few
-        steps saw as unfair."""
-        if self._num_prefilling_tenants < 2:
-            return  # a decode-only step, or one tenant prefilling: nothing to split (no scan)
-        bm = self.block_manager
-        prompts: dict[str, list[int]] = {}  # tokens left of each tenant's running prompts
-        chunks = decode_blocks = own_room = 0
-        for seq in self.running:
-            n = seq.num_tokens - seq.num_computed_tokens
-            if seq in admitted or n < 1:
-                continue
-            if n == 1:
-                decode_blocks += len(seq.block_table) < bm.blocks_needed(seq.num_tokens)
-                continue
-            prompts.setdefault(seq.tenant, []).append(n)
-            chunks += min(n, self._prefill_chunk(seq), self._prefill_slices.get(seq.tenant, n))
-            own_room += len(seq.block_table) * bm.block_size - seq.num_computed_tokens
-        # The prompt tokens the pool holds: what is left in the prompts' own last blocks and
-        # the free blocks that the decodes' next tokens do not take.
-        room = own_room + max(0, bm.num_free_blocks - decode_blocks) * bm.block_size
-        if len(prompts) < 2 or chunks <= room or room <= 0:
-            return  # every chunk fits, or someone must yield first (_make_room picks whom)
-        capacity = min(budget, room)
-        # What each tenant's prompts could take this step, chunked as a slice of all of it
-        # would make them: no slice larger, or the room it leaves would go unused.
-        takes = {tenant: sum(min(n, self._tenant_chunk(tenant, capacity)) for n in ns)
-                 for tenant, ns in prompts.items()}
-        for last in (False, True):
-            tier = {tenant: n for tenant, n in takes.items() if (tenant in over_share) == last}
-            weights = {tenant: self.share.tenants.get(tenant).weight for tenant in tier}
-            for tenant, size in weighted_split(capacity, tier, weights).items():
-                self._slice_sizes[tenant] = max(self._slice_sizes.get(tenant, 0), size)
-                self._prefill_slices[tenant] = min(self._prefill_slices.get(tenant, size), size)
-                capacity -= size
-
-    def _free_for_next_tokens(self, out: SchedulerOutput, admitted: set[Sequence]) -> None:
-        """"fair": before any running sequence is scheduled, preempts until the pool holds
-        the next token of every one (prompt chunks then shrink to what is left: _fit_chunk),
-        the victims chosen among all of them by FairShare.pick_victim. Chosen while
-        scheduling, a victim could only be one not scheduled yet: the last in service order,
-        which is often a quiet tenant's lone prompt (charged in full as it started), preempted
-        for the growth of a busy tenant's many sequences, its blocks then the first evicted."""
-        bm = self.block_manager
-        needs = {seq: bm.num_new_blocks(seq, 1) for seq in self.running
-                 if seq not in admitted and seq.num_computed_tokens < seq.num_tokens}
-        short = sum(needs.values()) - bm.num_free_blocks
-        if short <= 0:
-            return
-        for victim, freed in self._yield_order(list(needs)):
-            self.running.remove(victim)
-            if self.preemption.should_swap(victim, bm):
-                self._swap_out(victim, out)
-            else:
-                self._preempt(victim)
-            out.preempted.append(victim)
-            short -= freed + needs[victim]
-            if short <= 0:
-                return
 
     def _fit_chunk(self, seq: Sequence, n: int) -> int:
         """A running prompt's chunk of `n` tokens, shrunk to what its blocks and the free ones
@@ -495,119 +299,8 @@ class Scheduler:
             if victim is seq:
                 return False
 
-    def _serve_underserved(self, out: SchedulerOutput) -> int:
-        """"fair": waiting tenants in the order they are owed service (one with nothing
-        running first, then the least served; FairShare.first_to_serve) are made room for
-        when their next sequence cannot get its blocks (or a running slot), and admitted in
-        that same step, before the running sequences grow into the room. Running tenants give
-        way, their newest sequences first, up to MAX_YIELDS_PER_STEP in all: those more than
-        FAIRNESS_SLACK ahead of the tenant served and, if it has nothing running, those
-        holding more than their share of the pool. Returns the tokens it scheduled.
-
-        Recompute preemption: the victims' full blocks stay in the prefix cache, so they
-        resume mostly on hits. Without this a tenant that filled the pool keeps it until its
-        requests end, and a quiet tenant's first token waits for a busy one's requests; and
-        room made for a tenant but left to ordinary admission goes first to the running
-        sequences' growth, step after step, while the tenant it was made for waits."""
-        if self.policy != "fair" or not self.waiting or self.swapped or not self.running:
-            return 0
-        running = {s.tenant for s in self.running}
-        queues = self._waiting_by_tenant()
-        in_flight: set[bytes] | None = None  # hashed only when some tenant needs room
-        yields_left, scheduled = MAX_YIELDS_PER_STEP, 0
-        committed = self.share.committed(self.running)
-        # No check for a free running slot here: _give_way makes one too (a tenant holding
-        # every slot, with one wide request, gives way like one holding the pool).
-        while queues and scheduled < self.max_num_batched_tokens:
-            tenant = self.share.first_to_serve(queues, running, committed)
-            queue, idle = queues.pop(tenant), tenant not in running
-            if not self._owed_room_of(tenant, out.preempted):
-                continue  # it yielded for an earlier one this step, or is served more than one that did
-            if not idle and self._has_room(self._head_need(queue[0])):
-                break  # the common case, decided before any hashing: ordinary admission serves it
-            if in_flight is None:
-                in_flight = self._blocks_in_flight()
-            choice = self._pick_in_tenant(queue, in_flight)
-            if choice is None or not self._may_admit(choice[0], choice[1]):
-                continue  # it cannot start this step whatever the room
-            seq, cached, ahead = choice
-            need = self._blocks_to_start(seq, cached)
-            yields_left -= self._give_way(tenant, need, yields_left, out)
-            if not self._has_room(need):
-                break  # the room that frees up next is this tenant's, not a later one's
-            n = self._admit_from_waiting(out, seq, cached, self.max_num_batched_tokens - scheduled)
-            if n == 0:
-                break
-            self.share.passed_over(ahead)
-            self._commit(committed, seq)
-            in_flight.update(self._pending_hashes(seq))
-            running.add(tenant)
-            scheduled += n
-        return scheduled
-
-    def _owed_room_of(self, tenant: str, yielded: list[Sequence]) -> bool:
-        """Whether `tenant` may take room that the tenants of `yielded` gave this step: not
-        if it is one of them, nor if it is served more than any of them. (Room a tenant gave
-        for one owed more service went, in the same step, to a tenant served more than the
-        one that gave it.)"""
-        if any(victim.tenant == tenant for victim in yielded):
-            return False
-        vt = self.share.usage_of(tenant).virtual_time
-        return all(vt <= self.share.usage_of(victim.tenant).virtual_time for victim in yielded)
-
-    def _give_way(self, tenant: str, need: int, limit: int, out: SchedulerOutput) -> int:
-        """Preempts up to `limit` running sequences that owe `tenant` room until `need` free
-        blocks (and a running slot) are there; returns how many it preempted. Preempts none
-        when those `limit` would not free enough: the room would not be made, and the
-        victims, readmitted next step, would yield again the step after (a thrash that
-        serves nobody)."""
-        if self._has_room(need):
-            return 0
-        started = {item.seq for item in out.scheduled}  # admitted earlier this step: kept
-        victims = self._victims(tenant, started, limit)
-        if self.block_manager.num_free_blocks + self._blocks_freed_by(*victims) < need:
-            return 0
-        for count, victim in enumerate(victims):
-            if self._has_room(need):
-                return count
-            self.running.remove(victim)
-            self._preempt(victim)
-            out.preempted.append(victim)
-        return len(victims)
-
-    def _victims(self, tenant: str, kept: set[Sequence], limit: int) -> list[Sequence]:
-        """Up to `limit` running sequences owing `tenant` room (none of `kept`), in the order
-        they would yield."""
-        owing = [s for s in self._owing(tenant) if s not in kept]
-        if not owing:  # the common case with every slot taken: no scan of the block tables
-            return []
-        return [victim for victim, _ in itertools.islice(self._yield_order(owing), limit)]
-
-    def _yield_order(self, candidates: list[Sequence]) -> Iterator[tuple[Sequence, int]]:
-        """`candidates` in the order they yield (FairShare.pick_victim), each with the blocks
-        its preemption frees; each pick sees its tenant's holdings without those picked
-        before it. Lazy: each pair is computed as it is taken, after the previous victim's
-        preemption, if the caller preempts as it goes."""
-        held = self._blocks_by_tenant()
-        left = list(candidates)
-        while left:
-            victim = self.share.pick_victim(left, held, self.block_manager.enable_prefix_caching)
-            left.remove(victim)
-            freed = self._blocks_freed_by(victim)
-            num_seqs, num_blocks = held[victim.tenant]
-            held[victim.tenant] = (num_seqs - 1, num_blocks - freed)
-            yield victim, freed
-
-    def _blocks_freed_by(self, *seqs: Sequence) -> int:
-        """Blocks that only `seqs` hold (no pin, no other sequence): what preempting them
-        all frees."""
-        blocks = self.block_manager.blocks
-        entries = Counter(b for seq in seqs for b in seq.block_table)
-        return sum(1 for b, n in entries.items() if blocks[b].ref_cnt == n)
-
     def _over_block_share(self) -> set[str]:
-        bm = self.block_manager
-        return self.share.over_block_share(self._blocks_by_tenant(), self.waiting, bm.num_blocks - bm.num_pinned_blocks)
+        return over_block_share(self)
 
     def _admit_from_waiting(self, out: SchedulerOutput, seq: Sequence, cached: list[KVBlock], budget: int) -> int:
         """Starts waiting `seq` on its cache hits, up to `budget` tokens; the tokens it
@@ -622,40 +315,6 @@ class Scheduler:
         self._admit(out, seq, n, start)
         return n
 
-    def _owing(self, tenant: str) -> list[Sequence]:
-        """The running sequences (samples and beams of a wide request too) that owe `tenant`
-        room: of tenants more than FAIRNESS_SLACK ahead of it, and, when it runs nothing, of
-        tenants over their share of the pool, or of the running slots while every slot is
-        taken, that are served at least as much as it is (a tenant owed more service than the
-        one arriving does not give way to it: with the slack there too, the least-served bot
-        of a busy trace still yielded, mid-prompt, to quiet ones)."""
-        served = self.share.usage_of(tenant).virtual_time
-        over_share = set()
-        if all(s.tenant != tenant for s in self.running):
-            over_share = self._over_block_share()
-            if len(self.running) >= self.max_num_seqs:
-                over_share |= self.share.over_slot_share(self.running, self.waiting, self.max_num_seqs)
-
-        def owes(other: str) -> bool:
-            vt = self.share.usage_of(other).virtual_time
-            return vt > served + FAIRNESS_SLACK or (other in over_share and vt >= served)
-
-        return [s for s in self.running if owes(s.tenant)]
-
-    def _head_need(self, seq: Sequence) -> int:
-        return self._blocks_to_start(seq, self.block_manager.find_cached_blocks(seq))
-
-    def _blocks_to_start(self, seq: Sequence, cached: list[KVBlock]) -> int:
-        """Free blocks `seq` takes for its first step (with the watermark): new ones and its
-        hits on free cached blocks. (Counting only the new ones, a tenant whose history sat
-        free in the cache was never made room for: its own hits looked like room, admission
-        then failed, and it waited for other tenants' requests to end while their growth
-        evicted that history.)"""
-        bm = self.block_manager
-        start = len(cached) * bm.block_size
-        n = self._num_new_tokens(seq, start, self.max_num_batched_tokens)
-        return bm.num_new_blocks(seq, n, cached) + bm.num_free_hits(cached) + self.watermark_blocks
-
     def _has_room(self, need: int) -> bool:
         return self.block_manager.num_free_blocks >= need and len(self.running) < self.max_num_seqs
 
@@ -667,20 +326,9 @@ class Scheduler:
             return self.running.pop()
         scheduled = {item.seq for item in out.scheduled}
         candidates = [s for s in self.running if s not in scheduled and tenant in (None, s.tenant)]
-        victim = self.share.pick_victim(candidates, self._blocks_by_tenant(), self.block_manager.enable_prefix_caching)
+        victim = self.share.pick_victim(candidates, blocks_by_tenant(self), self.block_manager.enable_prefix_caching)
         self.running.remove(victim)
         return victim
-
-    def _blocks_by_tenant(self) -> dict[str, tuple[int, int]]:
-        """Per tenant, its running sequences and the distinct unpinned blocks they hold: what
-        its preemption could free (pinned blocks stay)."""
-        held: dict[str, set[int]] = {}
-        count: dict[str, int] = {}
-        blocks = self.block_manager.blocks
-        for seq in self.running:
-            held.setdefault(seq.tenant, set()).update(b for b in seq.block_table if not blocks[b].pins)
-            count[seq.tenant] = count.get(seq.tenant, 0) + 1
-        return {tenant: (count[tenant], len(ids)) for tenant, ids in held.items()}
 
     def _may_grow(self, seq: Sequence, n: int) -> bool:
         if self.policy == "fcfs":
@@ -735,7 +383,7 @@ class Scheduler:
 
     def _schedule_waiting(self, out: SchedulerOutput, budget: int, yielded: list[Sequence] | None = None) -> None:
         if self.policy == "fair":
-            self._schedule_waiting_fair(out, budget, yielded or [])
+            schedule_waiting_fair(self, out, budget, yielded or [])
         else:
             self._schedule_waiting_fcfs(out, budget)
 
@@ -758,72 +406,6 @@ class Scheduler:
             self._admit(out, seq, n, len(cached) * bm.block_size)
             in_flight.update(self._pending_hashes(seq))
             budget -= n
-
-    def _schedule_waiting_fair(self, out: SchedulerOutput, budget: int, yielded: list[Sequence]) -> None:
-        """Admits from the tenant owed the most service, among those that may take the room
-        the `yielded` sequences gave this step (_owed_room_of). A tenant over
-        its own quota is passed (its limit must not hold back the others); when the chosen
-        sequence does not fit the pool, admission stops: the room that frees up goes to the
-        tenant owed the most, as in FCFS it goes to the head of the line, so a large request
-        cannot starve."""
-        in_flight = self._blocks_in_flight()
-        queues = self._waiting_by_tenant()
-        for tenant in [t for t in queues if not self._owed_room_of(t, yielded)]:
-            del queues[tenant]
-        committed = self.share.committed(self.running) if queues else {}
-        while queues and budget > 0 and len(self.running) < self.max_num_seqs:
-            tenant = self.share.least_served(queues, committed)
-            if self._prefill_slices.get(tenant, 1) <= 0:
-                del queues[tenant]  # its slice of this full step is spent
-                continue
-            choice = self._pick_in_tenant(queues[tenant], in_flight)
-            if choice is None or not self._may_admit(choice[0], choice[1]):
-                del queues[tenant]  # all wait for a prefix in flight, or over its quota
-                continue
-            seq, cached, ahead = choice
-            n = self._admit_from_waiting(out, seq, cached, budget)
-            if n == 0:
-                return
-            self.share.passed_over(ahead)
-            self._commit(committed, seq)
-            queues[tenant].remove(seq)
-            if not queues[tenant]:
-                del queues[tenant]
-            in_flight.update(self._pending_hashes(seq))
-            budget -= n
-
-    def _commit(self, committed: dict[str, float], seq: Sequence) -> None:
-        """Adds `seq`'s prompt tokens still to charge (it was just admitted) to `committed`."""
-        for tenant, cost in self.share.committed([seq]).items():
-            committed[tenant] = committed.get(tenant, 0.0) + cost
-
-    def _waiting_by_tenant(self) -> dict[str, list[Sequence]]:
-        """Each tenant's waiting sequences in order; tenants in order of their first one."""
-        queues: dict[str, list[Sequence]] = {}
-        for seq in self.waiting:
-            queues.setdefault(seq.tenant, []).append(seq)
-        return queues
-
-    def _pick_in_tenant(
-        self, queue: list[Sequence], in_flight: set[bytes]
-    ) -> tuple[Sequence, list[KVBlock], list[Sequence]] | None:
-        """The tenant's next sequence with its cache hits and the eligible ones it passes over;
-        those waiting for a prefix in flight keep their place and are not passed over."""
-        candidates = []
-        for seq in queue[:LOOKAHEAD]:
-            cached = self.block_manager.find_cached_blocks(seq)
-            if not self._waits_for_prefix(seq, len(cached), in_flight):
-                candidates.append((seq, cached))
-        if not candidates:
-            return None
-        i = self.share.pick([(seq, len(cached)) for seq, cached in candidates], len(queue))
-        return candidates[i][0], candidates[i][1], [seq for seq, _ in candidates[:i]]
-
-    def _may_admit(self, seq: Sequence, cached: list[KVBlock]) -> bool:
-        """Within the tenant's quotas, counting the blocks its known tokens will hold."""
-        bm = self.block_manager
-        num_new = bm.blocks_needed(seq.num_tokens) - len(cached)
-        return self.share.within_quota(seq, self.running, [b.block_id for b in cached], num_new, bm.num_blocks)
 
     def _admit(self, out: SchedulerOutput, seq: Sequence, n: int, num_hit_tokens: int) -> None:
         bm = self.block_manager

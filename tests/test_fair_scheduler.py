@@ -19,7 +19,8 @@ from streamengine.fair_share import (
     TENANT_PREFILL_CHUNKS,
     weighted_split,
 )
-from streamengine.scheduler import Scheduler, SchedulerOutput
+from streamengine.sched_plan import SchedulerOutput
+from streamengine.scheduler import Scheduler
 from streamengine.sequence import Sequence, SequenceStatus
 from streamengine.tenants import TenantConfig, Tenants
 

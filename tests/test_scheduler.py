@@ -10,7 +10,9 @@ import random
 import pytest
 
 from streamengine.block_manager import BlockManager
-from streamengine.scheduler import PreemptionPolicy, Scheduler, SchedulerOutput
+from streamengine.preemption import PreemptionPolicy
+from streamengine.sched_plan import SchedulerOutput
+from streamengine.scheduler import Scheduler
 from streamengine.sequence import Sequence, SequenceStatus
 
 BS = 4
