@@ -129,7 +129,7 @@ def summarize_batch(runs: dict[str, list[dict]]) -> dict:
 
 
 def compile_times(tokenizer, vocab_size: int, schemas: list[dict], rounds: int) -> dict:
-    from streamengine.grammar import GrammarCompiler
+    from streamengine.grammar_compiler import GrammarCompiler
     from streamengine.structured_params import JsonSchema, Regex
 
     times_ms, init_ms = [], []

@@ -19,7 +19,8 @@ from typing import Any, TypeVar
 import torch
 
 from streamengine.beam_search import BeamSearch, BeamSearchState
-from streamengine.block_manager import BlockManager, prompt_block_hashes
+from streamengine.block_hash import prompt_block_hashes
+from streamengine.block_manager import BlockManager
 from streamengine.config import EngineConfig
 from streamengine.detokenizer import IncrementalDetokenizer
 from streamengine.errors import GrammarError

@@ -14,7 +14,8 @@ import pytest
 import torch
 
 from streamengine.errors import GrammarError, LimitExceededError
-from streamengine.grammar import GrammarCompiler, GrammarMatcher
+from streamengine.grammar import GrammarMatcher
+from streamengine.grammar_compiler import GrammarCompiler
 from streamengine.grammar_mask import TokenMasker
 from streamengine.sampler import Sampler, SamplingRow
 from streamengine.sampling_params import SamplingParams

@@ -60,7 +60,7 @@ def test_the_budget_is_per_step():
 def test_accept_raises_the_budget_error(smollm_dir):
     from transformers import AutoTokenizer
 
-    from streamengine.grammar import GrammarCompiler
+    from streamengine.grammar_compiler import GrammarCompiler
     from streamengine.structured_params import Regex
 
     tokenizer = AutoTokenizer.from_pretrained(smollm_dir)
