@@ -69,7 +69,7 @@ _WHERE = {
 }
 
 if TYPE_CHECKING:
-    from streamengine.block_manager import prompt_block_hashes
+    from streamengine.block_hash import prompt_block_hashes
     from streamengine.config import EngineConfig
     from streamengine.engine import AsyncEngine
     from streamengine.errors import (

@@ -17,95 +17,28 @@ bytes. Invariants (checked by tests/test_block_manager.py and tests/test_prefix_
   of weight (free_blocks.py): the free cache is shared max-min fairly, so a busy tenant's
   traffic cannot flush a quiet tenant's prefixes.
 
-Salts and isolation
--------------------
-Block i (tokens [i*bs, (i+1)*bs)) is hashed as H(hash of block i-1, its tokens, its salt), H
-being 128-bit BLAKE2b. Its salt is that of the last of `Sequence.salt_segments` starting at or
-before the block's last token (`cache_salt` with no segments, or before the first one), so a
-block holding the end of a shared segment and the start of the next takes the next one's salt.
-A lookup is an exact match of hashes, so a request hits a cached block only if it computes that
-block's hash itself: the same tokens, the same whole prefix before them, the same salt.
-
-Everything a request can learn from the prefix cache (how many of its blocks hit, hence its
-`num_cached_tokens`, how many tokens it computes and so its prefill time; whether the scheduler
-holds it back for a prefix in flight, also an exact hash match) is a function of which of its
-own hashes are cached. Of those:
-- a block hashed with salt s matches only lookups hashed with s. A tenant's salt is secret to
-  other tenants, so no other tenant computes the hash of any of its private blocks, whatever
-  tokens it sends (short of a BLAKE2b collision); through the chain, nor of any block after one;
-- the engine leaves only a leading segment unsalted, over a shared pinned prefix, so an
-  unsalted block holds only that prefix's tokens (its last token is in the segment, hence all
-  before it are). The prefix is public and, while pinned, always cached: its hit tells nothing;
-- a per-user salt after the tenant's segment separates one tenant's users the same way, if it
-  combines the tenant's secret salt with the user's: a user salt alone anyone can send, and the
-  block before it may be an unsalted one that anyone can compute.
-Not covered: load. Other tenants' traffic changes queueing delays, admission order and how soon
-one's own unpinned blocks are evicted; that shows how much others use, not their tokens.
-
-KV events
----------
-While recording (someone subscribed to the engine's KV events), every change to `cached` is
-noted as it happens: BlockStored when blocks get their hash in `cache_full_blocks`,
-BlockRemoved when lazy eviction forgets one in `_pop_free`, AllBlocksCleared (then the pinned
-blocks, which keep their hashes) on `reset_prefix_cache`. Applied in order, they rebuild
-`cached`'s keys exactly; `kv_snapshot()` describes the whole set at once. Events carry hashes
-and token ids, never a salt.
+Content hashes, salts and isolation: block_hash.py. KV events: kv_event_log.py. Swapping:
+kv_swap.py. Pins: block_pins.py.
 """
 
 from __future__ import annotations
 
-import hashlib
-import struct
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from streamengine.block_hash import extend_hashes
+from streamengine.block_pins import BlockPinsMixin, owner_of
 from streamengine.free_blocks import (
     SHARED_OWNER,
     KVBlock,
-    NoFreeBlocksError,
     TenantFreeBlocks,
     take_next,
 )
-from streamengine.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVCacheEvent
+from streamengine.kv_event_log import KVEventLogMixin
+from streamengine.kv_events import KVCacheEvent
+from streamengine.kv_swap import KVSwapMixin
 from streamengine.sequence import Sequence
-
-
-def hash_block(parent: bytes | None, token_ids: list[int], extra: str | None) -> bytes:
-    """Chained content hash of one full block, stable across processes and machines.
-
-    The parent hash makes a block's identity depend on the whole prefix; `extra` (the block's
-    salt) separates tenants and users: see "Salts and isolation" in the module docstring.
-    """
-    h = hashlib.blake2b(digest_size=16)
-    h.update(parent or b"root")
-    h.update(struct.pack(f"<{len(token_ids)}I", *token_ids))
-    if extra is not None:
-        h.update(b"\x00salt:" + extra.encode())
-    return h.digest()
-
-
-def prompt_block_hashes(
-    token_ids: list[int], block_size: int, salt_segments: tuple[tuple[int, str | None], ...] = (),
-    cache_salt: str | None = None,
-) -> list[bytes]:
-    """The chained hashes of every full block of `token_ids`, salted as a sequence with these
-    `salt_segments` and `cache_salt` is (see "Salts and isolation"): what a router computes to
-    find the engine that holds a request's blocks."""
-    return _extend_hashes([], token_ids, block_size, salt_segments, cache_salt)
-
-
-def _extend_hashes(
-    hashes: list[bytes], token_ids: list[int], block_size: int,
-    salt_segments: tuple[tuple[int, str | None], ...], cache_salt: str | None,
-) -> list[bytes]:
-    """Appends to `hashes` (those of the leading blocks) the hashes of the remaining full blocks."""
-    bs = block_size
-    for i in range(len(hashes), len(token_ids) // bs):
-        parent = hashes[i - 1] if i else None
-        salt = _segment_salt(salt_segments, cache_salt, (i + 1) * bs - 1)
-        hashes.append(hash_block(parent, token_ids[i * bs:(i + 1) * bs], salt))
-    return hashes
 
 
 @dataclass(slots=True)
@@ -114,7 +47,7 @@ class PrefixCacheStats:
     hits: int = 0  # of which found in the cache
 
 
-class BlockManager:
+class BlockManager(KVSwapMixin, BlockPinsMixin, KVEventLogMixin):
     """Hands out blocks a block at a time, shares them by refcount, caches full ones by hash."""
 
     def __init__(
@@ -171,7 +104,7 @@ class BlockManager:
 
     def compute_block_hashes(self, seq: Sequence) -> list[bytes]:
         """Extends `seq.block_hashes` to cover every full block of its known tokens."""
-        return _extend_hashes(seq.block_hashes, seq.token_ids, self.block_size, seq.salt_segments, seq.cache_salt)
+        return extend_hashes(seq.block_hashes, seq.token_ids, self.block_size, seq.salt_segments, seq.cache_salt)
 
     def find_cached_blocks(self, seq: Sequence) -> list[KVBlock]:
         """Longest run of leading full blocks already in the cache.
@@ -388,58 +321,6 @@ class BlockManager:
             queue.remove(block)
             queue.append(block)
 
-    # -- swapping -------------------------------------------------------------------------
-
-    @property
-    def num_free_cpu_blocks(self) -> int:
-        return len(self.cpu_free)
-
-    def num_kept_on_swap(self, seq: Sequence) -> int:
-        """Leading blocks of `seq` that something else holds too (a pin, another sequence):
-        swapping `seq` out keeps its references to them, so they stay on the device, shared.
-        Copying them out would free nothing (the other holders keep them), and coming back
-        into private copies would need more blocks than `seq` ever took: beside a pinned
-        prompt, more than the pool leaves free of pins (the request could never come back)."""
-        kept = 0
-        for block_id in seq.block_table:
-            if self.blocks[block_id].ref_cnt < 2:
-                break
-            kept += 1
-        return kept
-
-    def can_swap_out(self, seq: Sequence) -> bool:
-        return bool(seq.block_table) and len(seq.block_table) - self.num_kept_on_swap(seq) <= len(self.cpu_free)
-
-    def swap_out(self, seq: Sequence) -> list[tuple[int, int]]:
-        """Moves `seq`'s own blocks to the host pool: returns (device block, host block)
-        copies to make before the device blocks are reused. Its leading shared blocks
-        (num_kept_on_swap) stay in `seq.block_table`, held; the rest are in
-        `seq.cpu_block_table`, in order, after them. A shared block past the first private one
-        is copied too (the copy is private to `seq`; the device block stays with the others)."""
-        if not self.can_swap_out(seq):
-            raise NoFreeBlocksError("not enough free swap blocks")
-        kept = self.num_kept_on_swap(seq)
-        mapping = [(block_id, self.cpu_free.pop()) for block_id in seq.block_table[kept:]]
-        self._release_blocks(seq, kept)
-        seq.cpu_block_table = [cpu for _, cpu in mapping]
-        return mapping
-
-    def can_swap_in(self, seq: Sequence, reserve: int = 0) -> bool:
-        return len(seq.cpu_block_table) + reserve <= self.num_free_blocks
-
-    def swap_in(self, seq: Sequence) -> list[tuple[int, int]]:
-        """Brings `seq`'s host blocks back into fresh device blocks behind the shared ones it
-        kept: returns (host block, device block) copies to make before its next forward."""
-        if not self.can_swap_in(seq):
-            raise NoFreeBlocksError("not enough free KV blocks to swap in")
-        mapping = [(cpu, self._pop_free(seq.tenant).block_id) for cpu in seq.cpu_block_table]
-        self.cpu_free.extend(reversed(seq.cpu_block_table))
-        seq.cpu_block_table = []
-        seq.block_table = [*seq.block_table, *(gpu for _, gpu in mapping)]
-        # fresh blocks: register their hashes again as they fill
-        seq.num_cached_blocks = min(seq.num_cached_blocks, len(seq.block_table) - len(mapping))
-        return mapping
-
     def fork(self, parent: Sequence, child: Sequence) -> None:
         """`child` shares every block of `parent` (refcount + 1), like fork(); writes into a
         shared partial block are copied on write by `allocate_slots`."""
@@ -472,145 +353,6 @@ class BlockManager:
         if self.kv_events is not None:  # what came before the clear no longer matters
             self.kv_events[:] = self.kv_snapshot()
 
-    # -- pins ------------------------------------------------------------------------------
-
-    @property
-    def num_pinned_blocks(self) -> int:
-        """Distinct blocks with at least one pin."""
-        return self._num_pinned
-
-    def pin_count(self, block_id: int) -> int:
-        """Pins on `block_id`: its refcount is its block-table entries plus this."""
-        return self.blocks[block_id].pins
-
-    def cached_block_ids(self, block_hashes: list[bytes]) -> list[int]:
-        """The cached blocks of a run of chained hashes (`seq.block_hashes[:n]`), up to the
-        first not cached. What to pin for a computed prefix: where its sequence computed a
-        block twice (the hit cap leaves a whole-block prompt's last block to compute), only
-        the first copy is cached."""
-        ids = []
-        for block_hash in block_hashes:
-            block = self.cached.get(block_hash)
-            if block is None:
-                break
-            ids.append(block.block_id)
-        return ids
-
-    def num_pinned_hits(self, block_hashes: list[bytes]) -> int:
-        """Pinned blocks in the cached run of `block_hashes` (cached_block_ids)."""
-        return sum(1 for block_id in self.cached_block_ids(block_hashes) if self.blocks[block_id].pins)
-
-    def pin_blocks(self, block_ids: list[int], owner: str | None = None) -> None:
-        """Adds one pin per entry: a pinned block is never freed nor evicted until unpinned.
-
-        Each must be a cached block (full, holding a hash): a pin is a prefix-cache hit that
-        holds on, so it may take a free cached block out of the queue. Pass a prefix's blocks
-        root first. `owner` is what `block_tenants()` shows while no sequence holds the block
-        (default: the tenant holding it now; "*" from a second owner's pin until the last pin
-        goes). All or nothing: a bad entry raises ValueError before any pin is taken."""
-        for block_id in block_ids:
-            if self._block(block_id).block_hash is None:
-                raise ValueError(f"block {block_id} holds no cached content")
-        for block_id in block_ids:
-            block = self.blocks[block_id]
-            if block.pins == 0:
-                self._num_pinned += 1
-            block.pin_owner = _either(block.pin_owner, owner or _owner_of(block.holders))
-            if block.ref_cnt == 0:
-                block.queue.remove(block)
-            block.pins += 1
-            block.ref_cnt += 1
-
-    def unpin_blocks(self, block_ids: list[int]) -> None:
-        """Removes one pin per entry, tail first (a block left with no reference is queued
-        for eviction as if a sequence had freed it). All or nothing: ValueError if any entry
-        has no pin left to remove."""
-        for block_id, n in Counter(block_ids).items():
-            if self._block(block_id).pins < n:
-                raise ValueError(f"block {block_id} has fewer than {n} pins")
-        for block_id in reversed(block_ids):
-            block = self.blocks[block_id]
-            block.pins -= 1
-            block.ref_cnt -= 1
-            if block.pins == 0:
-                self._num_pinned -= 1
-                block.evict_tenant = self._evict_owner(block.pin_owner)  # if nobody holds it either
-                block.pin_owner = None
-            if block.ref_cnt == 0:
-                self._enqueue_free(block)
-
-    def _block(self, block_id: int) -> KVBlock:
-        if not 0 <= block_id < self.num_blocks:
-            raise ValueError(f"no block {block_id} in a pool of {self.num_blocks}")
-        return self.blocks[block_id]
-
-    # -- KV events ---------------------------------------------------------------------------
-
-    def record_kv_events(self, medium: str | None, cleared: bool = False) -> None:
-        """Starts recording KV events, naming `medium` as where the pool lives. `cleared`:
-        first an AllBlocksCleared (a fresh manager replaces one a consumer knew)."""
-        if self.kv_events is None:
-            self.kv_events = []
-        self.kv_medium = medium
-        if cleared:
-            self.kv_events.append(AllBlocksCleared())
-
-    def stop_kv_events(self) -> None:
-        """Stops recording; events not taken yet are dropped."""
-        self.kv_events = None
-
-    def take_kv_events(self) -> list[KVCacheEvent]:
-        """The events recorded since the last call (empty when not recording)."""
-        events = self.kv_events
-        if not events:
-            return []
-        self.kv_events = []
-        return events
-
-    def kv_snapshot(self) -> list[KVCacheEvent]:
-        """AllBlocksCleared, then BlockStored runs covering every cached block, each parent
-        before its children: what rebuilds a consumer's view exactly."""
-        children: dict[bytes, list[KVBlock]] = {}
-        stack: list[KVBlock] = []
-        for block in self.cached.values():
-            if block.parent_hash is not None and block.parent_hash in self.cached:
-                children.setdefault(block.parent_hash, []).append(block)
-            else:  # a chain's root, or one whose parent was evicted first
-                stack.append(block)
-        stack.reverse()
-        events: list[KVCacheEvent] = [AllBlocksCleared()]
-        while stack:
-            run = [stack.pop()]
-            while kids := children.get(run[-1].block_hash):
-                run.append(kids[0])  # the run follows one child; its siblings start runs later
-                stack.extend(reversed(kids[1:]))
-            events.append(self._stored_event(run))
-        return events
-
-    def _record_stored(self, seq: Sequence, indices: list[int]) -> None:
-        """One BlockStored per run of consecutive block indices of `seq` just cached."""
-        start = 0
-        for k in range(1, len(indices) + 1):
-            if k == len(indices) or indices[k] != indices[k - 1] + 1:
-                run = [self.blocks[seq.block_table[i]] for i in indices[start:k]]
-                self.kv_events.append(self._stored_event(run))
-                start = k
-
-    def _stored_event(self, run: list[KVBlock]) -> BlockStored:
-        bs = self.block_size
-        tokens = [t for b in run for t in b.token_src[b.token_start:b.token_start + bs]]
-        return BlockStored(
-            [b.block_hash for b in run], run[0].parent_hash, tokens, bs, medium=self.kv_medium,
-        )
-
-    def _record_removed(self, block_hash: bytes) -> None:
-        """Evictions in a row go into one BlockRemoved."""
-        events = self.kv_events
-        if events and isinstance(events[-1], BlockRemoved):
-            events[-1].block_hashes.append(block_hash)
-        else:
-            events.append(BlockRemoved([block_hash], medium=self.kv_medium))
-
     # -- introspection -----------------------------------------------------------------------
 
     def block_states(self) -> list[int]:
@@ -628,35 +370,13 @@ class BlockManager:
     def block_tenants(self) -> list[str | None]:
         """Per block: the tenant of the sequences holding it, "*" when several tenants' do, a
         pinned block's owner while no sequence holds it, None when free."""
-        return [_owner_of(b.holders) if b.holders else b.pin_owner for b in self.blocks]
+        return [owner_of(b.holders) if b.holders else b.pin_owner for b in self.blocks]
 
-
-def _segment_salt(
-    salt_segments: tuple[tuple[int, str | None], ...], cache_salt: str | None, last_token: int,
-) -> str | None:
-    """The salt of the segment holding `last_token`; tokens before the first segment, or a
-    sequence with none, get `cache_salt`."""
-    for start, salt in reversed(salt_segments):
-        if start <= last_token:
-            return salt
-    return cache_salt
 
 
 def _forget(block: KVBlock) -> None:
     """The block's content no longer counts as cached."""
     block.block_hash = block.parent_hash = block.token_src = None
-
-
-def _either(owner: str | None, other: str | None) -> str | None:
-    if owner is None or owner == other:
-        return other
-    return owner if other is None else SHARED_OWNER
-
-
-def _owner_of(holders: dict[str, int]) -> str | None:
-    if not holders:
-        return None
-    return next(iter(holders)) if len(holders) == 1 else SHARED_OWNER
 
 
 def _hold(block: KVBlock, tenant: str) -> None:

@@ -15,7 +15,8 @@ from hypothesis.stateful import invariant
 from test_prefix_isolation import PinningMachine
 
 from streamengine import AsyncEngine, EngineConfig, RequestFailedError, SamplingParams
-from streamengine.block_manager import BlockManager, hash_block, prompt_block_hashes
+from streamengine.block_hash import hash_block, prompt_block_hashes
+from streamengine.block_manager import BlockManager
 from streamengine.kv_events import (
     AllBlocksCleared,
     BlockRemoved,

@@ -11,7 +11,7 @@ import pytest
 
 pytest.importorskip("ray.serve")
 
-from streamengine.block_manager import prompt_block_hashes  # noqa: E402
+from streamengine.block_hash import prompt_block_hashes  # noqa: E402
 from streamengine.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, EventBatch, encode  # noqa: E402
 from streamengine.ray.block_index import BlockIndex  # noqa: E402
 from streamengine.ray.cluster_engine import merge_stats  # noqa: E402

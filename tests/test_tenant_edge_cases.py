@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 from test_tenants import cached_tokens
 
 from streamengine import AsyncEngine, EngineConfig, SamplingParams
-from streamengine.block_manager import prompt_block_hashes
+from streamengine.block_hash import prompt_block_hashes
 from streamengine.errors import RequestFailedError
 from streamengine.pinning import Pin, PinnedPrefix, Pins
 from streamengine.tenants import TenantConfig
