@@ -24,8 +24,9 @@ from streamengine.block_manager import BlockManager
 from streamengine.config import EngineConfig
 from streamengine.detokenizer import IncrementalDetokenizer
 from streamengine.errors import GrammarError
-from streamengine.grammar import CompiledGrammar, GrammarCompiler, GrammarMatcher
+from streamengine.grammar import CompiledGrammar, GrammarMatcher
 from streamengine.grammar_cache import HeapTrim
+from streamengine.grammar_compiler import GrammarCompiler
 from streamengine.grammar_mask import MaskAccount
 from streamengine.intake import Intake
 from streamengine.kv_cache import plan_kv_cache
