@@ -15,23 +15,20 @@ a tight loop stop the engine (EngineDeadError) rather than spin.
 from __future__ import annotations
 
 import asyncio
-import ctypes
 import logging
-import os
 import time
 import uuid
 from collections import deque
-from collections.abc import AsyncIterator, Iterable
+from collections.abc import AsyncIterator
 from concurrent.futures import ThreadPoolExecutor
 
+from streamengine.admission import check_queue_room
 from streamengine.config import EngineConfig
 from streamengine.core import EngineCore, EngineStateError, StepPlan, StepResult
-from streamengine.cpu_threads import thread_governor
+from streamengine.cpu_threads import release_openmp_pool, thread_governor
 from streamengine.errors import (
     EngineDeadError,
-    EngineOverloadedError,
     GrammarError,
-    LimitExceededError,
     RequestFailedError,
 )
 from streamengine.grammar import CompiledGrammar
@@ -39,10 +36,10 @@ from streamengine.kv_events import KVEventHub, KVEventSubscription
 from streamengine.models import LoadedModel
 from streamengine.output_stream import RequestStream
 from streamengine.outputs import RequestOutput
-from streamengine.pinning import Pin, PinnedPrefix
+from streamengine.pin_keeper import PinKeeper
+from streamengine.pinning import Pin
 from streamengine.sampling_params import SamplingParams
-from streamengine.sequence import Sequence
-from streamengine.tenants import DEFAULT_TENANT, TenantConfig
+from streamengine.tenants import DEFAULT_TENANT
 
 log = logging.getLogger(__name__)
 
@@ -52,27 +49,9 @@ RESTART_WINDOW_S = 60.0
 is not transient, and restarting again would only fail every new request the same way."""
 RESTART_BACKOFF_S = 0.1
 """Pause after a restart (health() says "restarting"), so a fault on every step cannot spin."""
-OVERLOAD_RETRY_AFTER_S = 1.0
 
 
-def release_openmp_pool() -> None:
-    """Frees the calling thread's OpenMP thread pool, if torch's libgomp made one for it.
-
-    Why: the forward pass runs on the step thread, which gets its own pool; loading the model
-    on this thread left another. With more OpenMP threads alive than CPUs, libgomp throttles
-    the spin-wait of idle workers to ~100 iterations, so each of the ~150 parallel regions of
-    a step pays a futex wake-up: measured 45 ms instead of 37 ms per SmolLM2 decode step on 2
-    cores. The pool comes back if this thread runs parallel torch work again.
-    """
-    try:
-        gomp = ctypes.CDLL("libgomp.so.1", mode=os.RTLD_NOLOAD)  # only the copy already loaded
-        pause = gomp.omp_pause_resource_all  # OpenMP 5.0: libgomp of GCC >= 9
-    except (OSError, AttributeError):
-        return  # another OpenMP runtime, or none: nothing to release
-    pause(1)  # omp_pause_soft
-
-
-class AsyncEngine:
+class AsyncEngine(PinKeeper):
     """`async with AsyncEngine(config) as engine:` then `async for out in engine.generate(...)`."""
 
     def __init__(self, config: EngineConfig | None = None, *, loaded: LoadedModel | None = None) -> None:
@@ -85,9 +64,7 @@ class AsyncEngine:
         self._executor: ThreadPoolExecutor | None = None
         self._in_flight = False
         self._pending_aborts: list[str] = []
-        self._pending_pin_blocks = 0  # blocks of pin_prefix calls still computing
-        self._repin_task: asyncio.Task | None = None  # pins computed again after a restart
-        self._repin_pending: dict[str, Pin] = {}  # pins the repin task has not made yet, by id
+        self._init_pins()
         self._state, self._reason = "stopped", "not started"
         self._restart_reason: str | None = None  # set by a fault outside the loop: restart next
         self._restart_times: deque[float] = deque()
@@ -125,8 +102,7 @@ class AsyncEngine:
         release_openmp_pool()
         self._state, self._reason = "starting", "the step loop has not started yet"
         self._task = asyncio.get_running_loop().create_task(self._run(), name="streamengine-step-loop")
-        if self._repin_pending:  # a stop() came before a restart's repin was done: resume it
-            self._repin_task = asyncio.get_running_loop().create_task(self._repin(), name="streamengine-repin")
+        self._start_repin()  # a stop() came before a restart's repin was done: resume it
 
     async def stop(self) -> None:
         """Stops the step loop, waits for a forward pass in flight, aborts every request."""
@@ -263,88 +239,7 @@ class AsyncEngine:
         self._wakeup.set()
         return request_id, stream
 
-    # -- tenants and pinned prefixes -------------------------------------------------------
-
-    @property
-    def tenants(self) -> list[TenantConfig]:
-        return [self.core.tenants.get(name) for name in self.core.tenants.names()]
-
-    def add_tenant(self, config: TenantConfig) -> None:
-        """Registers a tenant, or changes its settings (requests in flight keep running)."""
-        self.core.tenants.add(config)
-
-    def pinned(self) -> list[PinnedPrefix]:
-        """Every pinned prefix, those a restart has yet to compute again among them."""
-        pins = {pin.info.pin_id: pin.info for pin in self.core.pins.all()}
-        pins.update((pin_id, pin.info) for pin_id, pin in self._repin_pending.items())
-        return list(pins.values())
-
-    async def pin_prefix(
-        self, prompt: str | list[int], tenant: str | None = None, shared: bool = False,
-    ) -> PinnedPrefix:
-        """Computes `prompt` once and keeps its full blocks resident until `unpin`.
-
-        A tenant's pin (its system prompt) is hashed with the tenant's salt: only its own
-        requests hit it. `shared=True` hashes it without a salt, so every tenant's requests that
-        start with it hit it (a platform preamble); what follows stays salted. Raises
-        LimitExceededError past `max_pinned_fraction` of the pool, ValueError for a prompt
-        shorter than one block."""
-        ids = self.core.intake.prompt_ids(prompt)
-        pin = self._new_pin(ids, tenant, shared)
-        await self._compute_pin(pin, tenant)
-        return pin.info
-
-    async def _compute_pin(self, pin: Pin, tenant: str | None) -> None:
-        """Runs the prefix as a one-token request that pins its prompt's blocks as it ends."""
-        self._pending_pin_blocks += pin.info.num_blocks
-        try:
-            params = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
-            request_id, stream = self._submit(list(pin.token_ids), params, f"pin-{pin.info.pin_id}", None, tenant, pin)
-            try:
-                while not (await stream.get()).finished:
-                    pass
-            finally:
-                self._streams.pop(request_id, None)
-                self._abort(request_id)  # a no-op once it finished
-        finally:
-            self._pending_pin_blocks -= pin.info.num_blocks
-        if self.core.pins.get(pin.info.pin_id) is None:
-            raise RequestFailedError("the prefix was not pinned: its request ended early")
-
-    async def _repin(self) -> None:
-        """After a restart: computes and pins again the prefixes the old bookkeeping held,
-        under their old ids, except those unpinned in the meantime (`unpin`)."""
-        while self._repin_pending:
-            pin_id, pin = next(iter(self._repin_pending.items()))
-            try:
-                await self._compute_pin(Pin(pin.info, pin.token_ids), pin.info.tenant)
-            except Exception:
-                log.exception("pinning prefix %s again after a restart failed", pin_id)
-            if self._repin_pending.pop(pin_id, None) is None and self.core.pins.get(pin_id) is not None:
-                self.core.unpin(pin_id)  # unpinned while it was being computed
-
-    def _new_pin(self, ids: list[int], tenant: str | None, shared: bool) -> Pin:
-        num_blocks = len(ids) // self.config.block_size
-        if num_blocks == 0:
-            raise ValueError(f"a pinned prefix needs at least one full block ({self.config.block_size} tokens)")
-        limit = int(self.config.max_pinned_fraction * self.core.kv_spec.num_blocks)
-        held = self.core.block_manager.num_pinned_blocks + self._pending_pin_blocks
-        if held + num_blocks > limit:
-            raise LimitExceededError(
-                "max_pinned_fraction",
-                f"pinning {num_blocks} more blocks would exceed max_pinned_fraction "
-                f"({self.config.max_pinned_fraction:g} of {self.core.kv_spec.num_blocks} blocks; {held} pinned)",
-            )
-        owner = None if shared else (tenant if tenant is not None else DEFAULT_TENANT)
-        info = PinnedPrefix(uuid.uuid4().hex[:12], owner, shared, len(ids), num_blocks)
-        return Pin(info, tuple(ids))
-
-    async def unpin(self, pin_id: str) -> None:
-        """Lets a pinned prefix's blocks be evicted again; KeyError for an unknown id. A pin
-        not yet made again after a restart is dropped from the repin."""
-        if self.core.pins.get(pin_id) is None and self._repin_pending.pop(pin_id, None) is not None:
-            return
-        self.core.unpin(pin_id)
+    # tenants and pinned prefixes: PinKeeper (streamengine.pin_keeper)
 
     def _check_admission(self, tenant: str | None) -> None:
         if not self.is_running:
@@ -354,34 +249,8 @@ class AsyncEngine:
                 raise EngineDeadError(f"engine stopped: {self._reason}")
             raise RuntimeError("engine is not running: use `async with engine:` or `await engine.start()`")
         limit = self.config.max_waiting
-        if limit is None:
-            return
-        waiting = self.core.scheduler.waiting
-        if len(waiting) >= limit:
-            raise EngineOverloadedError(
-                f"{len(waiting)} requests are already waiting (EngineConfig.max_waiting={limit}); "
-                f"retry in {OVERLOAD_RETRY_AFTER_S:g} s",
-                retry_after=OVERLOAD_RETRY_AFTER_S,
-            )
-        self._check_waiting_share(tenant if tenant is not None else DEFAULT_TENANT, waiting, limit)
-
-    def _check_waiting_share(self, tenant: str, waiting: Iterable[Sequence], limit: int) -> None:
-        """A tenant holds at most max(1, limit // max(2, k)) waiting sequences, k the tenants with
-        sequences waiting, itself included: alone it may fill half the queue, so another tenant
-        always finds room; with more, each an equal share (one above it adds no more until
-        the queue drains below it). Scans the queue, which `limit` bounds."""
-        held, tenants = 0, {tenant}
-        for seq in waiting:
-            tenants.add(seq.tenant)
-            held += seq.tenant == tenant
-        share = max(1, limit // max(2, len(tenants)))
-        if held >= share:
-            raise EngineOverloadedError(
-                f"tenant {tenant!r} already has {held} requests waiting, its share of the queue "
-                f"(EngineConfig.max_waiting={limit} shared by {max(2, len(tenants))}); "
-                f"retry in {OVERLOAD_RETRY_AFTER_S:g} s",
-                retry_after=OVERLOAD_RETRY_AFTER_S,
-            )
+        if limit is not None:
+            check_queue_room(self.core.scheduler.waiting, limit, tenant if tenant is not None else DEFAULT_TENANT)
 
     async def abort(self, request_id: str) -> None:
         """Ends a request with finish_reason "abort"; its stream yields that final output."""
@@ -532,12 +401,7 @@ class AsyncEngine:
         log.error("restarting the engine core (restart %d): %s", self.num_restarts, why)
         self._deliver_failures()  # requests whose own fault came first keep their own message
         self._pending_aborts.clear()
-        # Pins held, and those an earlier restart's repin had not made again yet.
-        if self._repin_task is not None:
-            repin, self._repin_task = self._repin_task, None
-            repin.cancel()
-            await asyncio.wait({repin})
-        self._repin_pending = {pin.info.pin_id: pin for pin in [*self.core.pins.all(), *self._repin_pending.values()]}
+        await self._hold_pins_for_repin()
         for request_id in self.core.reset():
             stream = self._streams.get(request_id)
             if stream is not None:
@@ -547,8 +411,7 @@ class AsyncEngine:
         await asyncio.sleep(RESTART_BACKOFF_S)
         self._state, self._reason = "ready", None
         self._last_progress = time.monotonic()
-        if self._repin_pending:
-            self._repin_task = asyncio.get_running_loop().create_task(self._repin(), name="streamengine-repin")
+        self._start_repin()
 
     def _take_pending_aborts(self) -> list[str]:
         aborts, self._pending_aborts = self._pending_aborts, []

@@ -247,7 +247,7 @@ def test_chat_template(tiny_llama_dir):
 def test_release_openmp_pool_ends_this_threads_workers():
     """The loop thread's OpenMP workers (left by model loading) exit when the engine starts, so
     only the step thread's pool is alive (see release_openmp_pool for why that matters)."""
-    from streamengine.engine import release_openmp_pool
+    from streamengine.cpu_threads import release_openmp_pool
 
     def threads() -> int:
         return len(os.listdir("/proc/self/task"))
