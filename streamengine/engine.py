@@ -192,8 +192,10 @@ class AsyncEngine(PinKeeper):
         `max_waiting` requests already wait or the tenant's compile queue is full
         (GrammarOverloadedError; TenantRateLimitError past the tenant's tokens per
         minute), RequestFailedError if the engine fails it, EngineDeadError if it stops."""
+        # The compiled grammar is not kept in this frame: the cache may drop it mid-request.
         grammar = await self._compile(params, tenant)
         request_id, stream = self._submit(prompt, params, request_id, cache_salt, tenant, grammar=grammar)
+        del grammar
         finished = False
         try:
             while not finished:

@@ -48,7 +48,7 @@ class GrammarMatcher:
         that no finite value matches, a lexer that outgrows its states), or when the request's
         mask went over its time budget (the draw was never masked): the spec's fault."""
         if self.account is not None and self.account.error is not None:
-            raise self.account.error
+            raise GrammarError(self.account.error)
         if not self._ll.consume_token(token_id):
             raise GrammarError(
                 f"the structured-output grammar gave out while decoding (token {token_id} refused): "

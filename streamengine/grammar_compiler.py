@@ -249,6 +249,9 @@ class GrammarCompiler:
             finally:
                 with self._lock:
                     workers.queue.finished(job.tenant)
+            # Not held while waiting for the next job: its result may be a grammar of tens of
+            # MB that the cache has dropped or never kept.
+            del job
 
     def _next_job(self, workers: _Workers) -> _Job | None:
         with workers.wake:

@@ -21,8 +21,6 @@ import llguidance.torch
 import numpy as np
 import torch
 
-from streamengine.errors import GrammarError
-
 
 @dataclass(slots=True)
 class MaskAccount:
@@ -33,7 +31,10 @@ class MaskAccount:
     step: int = -1  # the masker's step its `step_s` belongs to
     step_s: float = 0.0
     total_s: float = 0.0
-    error: GrammarError | None = None  # set once it went over its budget
+    # Why it went over its budget, once it did. A message, not an exception: a raised
+    # exception keeps its traceback, whose frames hold the request's matchers, which hold this
+    # account, a cycle that only the cyclic collector frees (tens of MB of lexer states each).
+    error: str | None = None
 
     def charge(self, step: int, seconds: float) -> None:
         if step != self.step:
@@ -41,7 +42,7 @@ class MaskAccount:
         self.step_s += seconds
         self.total_s += seconds
         if self.step_s > self.budget_s and self.error is None:
-            self.error = GrammarError(
+            self.error = (
                 f"the structured-output grammar took {self.step_s * 1e3:.0f} ms to mask one decode step, "
                 f"more than the budget of {self.budget_s * 1e3:g} ms (grammar_mask_budget_ms): use a simpler spec"
             )

@@ -158,7 +158,9 @@ def guarded(core: EngineCore, faults: dict[str, str | GrammarError], req: Reques
         log.info("request %s failed by its grammar: %s", req.request_id, exc)
         if req.params.structured is not None:
             core.grammars.forget(req.params.structured, req.tenant)
-        faults.setdefault(req.request_id, exc)
+        # Kept without its traceback: its frames hold the request (and its matchers' lexer
+        # states) in a cycle that would live until the next full collection.
+        faults.setdefault(req.request_id, exc.with_traceback(None))
         return None
     except Exception as exc:
         log.exception("postprocessing request %s failed", req.request_id)
