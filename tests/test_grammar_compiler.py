@@ -12,6 +12,8 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import os
+import sys
 import threading
 import time
 import uuid
@@ -94,6 +96,16 @@ async def hold_the_thread(compiler: GrammarCompiler, builds: FakeBuilds, tenant:
 
 def waiting(compiler: GrammarCompiler) -> int:
     return compiler.stats()["grammar_compiles_waiting"]
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="per-thread niceness is Linux's")
+async def test_compile_threads_yield_the_cpu_to_decode_steps(monkeypatch):
+    compiler, builds = fake_compiler(monkeypatch)
+    seen: list[int] = []
+    builds.real = lambda spec: seen.append(os.getpriority(os.PRIO_PROCESS, threading.get_native_id())) or CompiledGrammar(spec.pattern)
+    await compiler.compile_async(Regex("s"), "A")
+    assert seen == [min(os.getpriority(os.PRIO_PROCESS, 0) + 10, 19)]
+    compiler.shutdown()
 
 
 # ---------------------------------------------------------------- the byte-bounded cache
