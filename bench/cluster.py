@@ -165,7 +165,7 @@ def model_block_bytes(model: str | None) -> int:
     import torch
     from transformers import AutoConfig
 
-    from streamengine.kv_cache import kv_bytes_per_block
+    from streamengine.kv.spec import kv_bytes_per_block
     from streamengine.models.loader import load_tokenizer
 
     tokenizer, _ = load_tokenizer(model)
@@ -417,7 +417,7 @@ class ReplicaTraffic:
     clears: int = 0
 
     def add(self, data: bytes) -> None:
-        from streamengine.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, decode
+        from streamengine.kv.events import AllBlocksCleared, BlockRemoved, BlockStored, decode
 
         batch = decode(data)
         self.batches += 1
@@ -495,7 +495,7 @@ def index_memory(num_hashes: int = 100_000, num_replicas: int = 4, run_blocks: i
 def _stored_batches(num_hashes: int, num_replicas: int, run_blocks: int, shared: bool) -> list[tuple[str, bytes]]:
     import hashlib
 
-    from streamengine.kv_events import BlockStored, EventBatch, encode
+    from streamengine.kv.events import BlockStored, EventBatch, encode
 
     out = []
     for start in range(0, num_hashes, run_blocks):
@@ -509,7 +509,7 @@ def _stored_batches(num_hashes: int, num_replicas: int, run_blocks: int, shared:
 
 
 def _indexed_bytes(batches: list[tuple[str, bytes]]) -> int:
-    from streamengine.kv_events import decode
+    from streamengine.kv.events import decode
     from streamengine.ray.block_index import BlockIndex
 
     gc.collect()
@@ -528,7 +528,7 @@ def _indexed_bytes(batches: list[tuple[str, bytes]]) -> int:
 
 
 def _apply_rate(num_hashes: int, num_replicas: int, run_blocks: int) -> float:
-    from streamengine.kv_events import decode
+    from streamengine.kv.events import decode
     from streamengine.ray.block_index import BlockIndex
 
     batches = _stored_batches(num_hashes, num_replicas, run_blocks, shared=False)

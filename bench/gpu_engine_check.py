@@ -34,7 +34,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from streamengine import AsyncEngine, EngineConfig, SamplingParams  # noqa: E402
-from streamengine.kv_cache import kv_bytes_per_block  # noqa: E402
+from streamengine.kv.spec import kv_bytes_per_block  # noqa: E402
 
 
 def model_folder(tmp: Path, tiny: bool) -> Path:
@@ -154,7 +154,7 @@ async def paths_run(
 ) -> tuple[dict[str, bool], dict[str, int]]:
     """The decoding paths with device-specific code, on one engine: (True where each held, the
     output lengths behind the comparisons, so a trivially short match shows)."""
-    from streamengine.structured_params import JsonSchema, Regex
+    from streamengine.structured.params import JsonSchema, Regex
 
     seeded = SamplingParams(temperature=0.9, top_k=50, top_p=0.9, min_p=0.01, seed=11, n=3, logprobs=2,
                             repetition_penalty=1.2, presence_penalty=0.5, frequency_penalty=0.3,

@@ -39,7 +39,7 @@ from stress import HOST, PROMPTS, HealthPoller, RawWebSocket, percentiles, rss_m
 QUIET_KEY, HOSTILE_KEY, ADMIN_KEY = "quiet-key", "hostile-key", "stress-admin-key"
 SERVER_FLAGS = ("--api-key", QUIET_KEY, "--api-key", HOSTILE_KEY, "--admin-key", ADMIN_KEY)
 PROBES = ("wide_n", "slow_grammars", "masks", "keyless_ws", "slowloris", "huge_prompts", "queue_burst")
-RESTART_LINE = "restarting the engine core"  # streamengine/engine.py logs this on every restart
+RESTART_LINE = "restarting the engine core"  # streamengine/engine/async_engine.py logs this on every restart
 QUIET_TIMEOUT_S = 60.0  # one quiet request, from send to its last chunk (past it, a failure)
 PROBE_GRACE_S = QUIET_TIMEOUT_S + 30.0  # probes end by then even if nobody cancels them
 MAX_ROUNDS = 1000  # per probe loop: every loop is bounded in count as well as in time

@@ -72,8 +72,8 @@ import numpy as np  # noqa: E402  (a dependency of transformers, hence always in
 from tqdm import tqdm  # noqa: E402
 from traces import TRACES, TraceRequest, make_trace, normal_token_ids, summarize  # noqa: E402
 
-from streamengine.block_manager import BlockManager  # noqa: E402
-from streamengine.scheduler import Scheduler  # noqa: E402
+from streamengine.kv.block_manager import BlockManager  # noqa: E402
+from streamengine.sched.scheduler import Scheduler  # noqa: E402
 from streamengine.sequence import Sequence, SequenceStatus  # noqa: E402
 
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
@@ -457,7 +457,7 @@ def measure_engine_beam(args: argparse.Namespace, cfg: SimConfig, model: BeamMod
     the ShareGPT-like trace with lengths scaled by `--engine-scale` (a forward pass per token is
     slow on CPU). The simulation runs the same requests, for a side-by-side check of BeamModel."""
     from streamengine import EngineConfig, SamplingParams
-    from streamengine.core import EngineCore
+    from streamengine.engine.core import EngineCore
 
     core = EngineCore(EngineConfig(
         model=args.engine_model, num_gpu_blocks=cfg.num_blocks, block_size=cfg.block_size,

@@ -300,7 +300,7 @@ async def prepare_prefixes(engine, workload: Workload, pin: bool) -> list[str]:
 
 def engine_config(args, workload: Workload, system: str):
     from streamengine import EngineConfig
-    from streamengine.tenants import TenantConfig
+    from streamengine.tenancy.tenants import TenantConfig
 
     return EngineConfig(
         model=str(args.folder), dtype="float32", device=args.device, block_size=BLOCK_SIZE,
@@ -786,7 +786,7 @@ def size_pool(args, workload: Workload, block_bytes: int) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from streamengine.kv_cache import kv_bytes_per_block
+    from streamengine.kv.spec import kv_bytes_per_block
 
     args = parse_args(argv)
     loaded = load_bench_model(args)

@@ -432,7 +432,7 @@ class WeightLog(logging.Handler):
 
 @contextmanager
 def weight_log():
-    logger = logging.getLogger("streamengine.model_runner")
+    logger = logging.getLogger("streamengine.models.model_runner")
     handler, level = WeightLog(), logger.level
     logger.addHandler(handler)
     logger.setLevel(logging.INFO)

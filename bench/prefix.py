@@ -382,7 +382,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     torch.set_num_threads(args.threads)
     quiet_transformers()
-    from streamengine.kv_cache import kv_bytes_per_block
+    from streamengine.kv.spec import kv_bytes_per_block
     from streamengine.models import load_model
 
     folder = model_folder(args.model)

@@ -33,7 +33,7 @@ def load_linears():
     from streamengine.kernels.cpu_linear import TorchLinear, make_linear
     from transformers import AutoConfig
 
-    from streamengine.kv_cache import AttentionShape
+    from streamengine.kv.spec import AttentionShape
     from streamengine.models.gguf_weights import read_gguf
     from streamengine.models.loader import resolve_default_model
 

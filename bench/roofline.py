@@ -206,7 +206,7 @@ def measure_decode(
 ) -> DecodeResult:
     """`weight_format` set: the engine loads `folder` (a GGUF file) itself with that format."""
     from streamengine import EngineConfig, SamplingParams
-    from streamengine.core import EngineCore
+    from streamengine.engine.core import EngineCore
 
     max_tokens = warmup + steps + 2  # nobody finishes inside the timed window
     blocks = batch * math.ceil((prompt_len + max_tokens) / BLOCK_SIZE) + 4

@@ -535,7 +535,7 @@ def lag_server_main(argv: list[str]) -> int:
     from aiohttp import web
 
     from streamengine.__main__ import build_parser, config_from_args
-    from streamengine.engine import AsyncEngine
+    from streamengine.engine.async_engine import AsyncEngine
     from streamengine.server import _run, create_app
 
     a = build_parser().parse_args(["serve", *argv])

@@ -75,7 +75,7 @@ def chat_prompts(engine, batch: int) -> list[str]:
 
 def params_for(mode: str, max_tokens: int):
     from streamengine import SamplingParams
-    from streamengine.structured_params import JsonSchema
+    from streamengine.structured.params import JsonSchema
 
     structured = JsonSchema(schema=BENCH_SCHEMA) if mode == "constrained" else None
     return SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=mode == "unconstrained",
@@ -129,8 +129,8 @@ def summarize_batch(runs: dict[str, list[dict]]) -> dict:
 
 
 def compile_times(tokenizer, vocab_size: int, schemas: list[dict], rounds: int) -> dict:
-    from streamengine.grammar_compiler import GrammarCompiler
-    from streamengine.structured_params import JsonSchema, Regex
+    from streamengine.structured.compiler import GrammarCompiler
+    from streamengine.structured.params import JsonSchema, Regex
 
     times_ms, init_ms = [], []
     for _ in range(rounds):

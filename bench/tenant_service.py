@@ -184,7 +184,7 @@ def _served(samples: TenantSamples, name: str, until: float) -> float:
 
 def backlogged_config(config):
     """`config` with the backlogged phase's tenants and weights instead of the bots."""
-    from streamengine.tenants import TenantConfig
+    from streamengine.tenancy.tenants import TenantConfig
 
     tenants = tuple(TenantConfig(name, weight=weight) for name, weight, _ in BACKLOGGED_TENANTS)
     return dataclasses.replace(config, tenants=tenants)

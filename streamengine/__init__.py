@@ -42,7 +42,7 @@ __all__ = [
 __version__ = "0.1.0"
 
 _WHERE = {
-    "AsyncEngine": "streamengine.engine",
+    "AsyncEngine": "streamengine.engine.async_engine",
     "EngineDeadError": "streamengine.errors",
     "EngineError": "streamengine.errors",
     "EngineOverloadedError": "streamengine.errors",
@@ -50,28 +50,27 @@ _WHERE = {
     "LimitExceededError": "streamengine.errors",
     "RequestFailedError": "streamengine.errors",
     "EngineConfig": "streamengine.config",
-    "CompletionOutput": "streamengine.outputs",
-    "RequestMetrics": "streamengine.outputs",
-    "RequestOutput": "streamengine.outputs",
-    "SamplingParams": "streamengine.sampling_params",
-    "Choice": "streamengine.structured_params",
-    "Grammar": "streamengine.structured_params",
-    "JsonObject": "streamengine.structured_params",
-    "JsonSchema": "streamengine.structured_params",
-    "Regex": "streamengine.structured_params",
-    "StructuredOutput": "streamengine.structured_params",
-    "AllBlocksCleared": "streamengine.kv_events",
-    "BlockRemoved": "streamengine.kv_events",
-    "BlockStored": "streamengine.kv_events",
-    "EventBatch": "streamengine.kv_events",
-    "KVEventSubscription": "streamengine.kv_events",
-    "prompt_block_hashes": "streamengine.block_manager",
+    "CompletionOutput": "streamengine.sample.outputs",
+    "RequestMetrics": "streamengine.sample.outputs",
+    "RequestOutput": "streamengine.sample.outputs",
+    "SamplingParams": "streamengine.sample.sampling_params",
+    "Choice": "streamengine.structured.params",
+    "Grammar": "streamengine.structured.params",
+    "JsonObject": "streamengine.structured.params",
+    "JsonSchema": "streamengine.structured.params",
+    "Regex": "streamengine.structured.params",
+    "StructuredOutput": "streamengine.structured.params",
+    "AllBlocksCleared": "streamengine.kv.events",
+    "BlockRemoved": "streamengine.kv.events",
+    "BlockStored": "streamengine.kv.events",
+    "EventBatch": "streamengine.kv.events",
+    "KVEventSubscription": "streamengine.kv.events",
+    "prompt_block_hashes": "streamengine.kv.block_hash",
 }
 
 if TYPE_CHECKING:
-    from streamengine.block_hash import prompt_block_hashes
     from streamengine.config import EngineConfig
-    from streamengine.engine import AsyncEngine
+    from streamengine.engine.async_engine import AsyncEngine
     from streamengine.errors import (
         EngineDeadError,
         EngineError,
@@ -80,16 +79,17 @@ if TYPE_CHECKING:
         LimitExceededError,
         RequestFailedError,
     )
-    from streamengine.kv_events import (
+    from streamengine.kv.block_hash import prompt_block_hashes
+    from streamengine.kv.events import (
         AllBlocksCleared,
         BlockRemoved,
         BlockStored,
         EventBatch,
         KVEventSubscription,
     )
-    from streamengine.outputs import CompletionOutput, RequestMetrics, RequestOutput
-    from streamengine.sampling_params import SamplingParams
-    from streamengine.structured_params import (
+    from streamengine.sample.outputs import CompletionOutput, RequestMetrics, RequestOutput
+    from streamengine.sample.sampling_params import SamplingParams
+    from streamengine.structured.params import (
         Choice,
         Grammar,
         JsonObject,

@@ -28,8 +28,8 @@ from streamengine.server.state import (
     DEFAULT_WRITE_TIMEOUT_S,
 )
 from streamengine.server.tenants_file import TenantsFile, TenantsFileError, load_tenants_file
-from streamengine.tenants import TenantConfig
-from streamengine.tool_calls import TOOL_PARSERS
+from streamengine.structured.tool_calls import TOOL_PARSERS
+from streamengine.tenancy.tenants import TenantConfig
 
 # Spellings the CLI had before its options were generated; the field's own name works too.
 _OPTION_NAMES = {
@@ -217,8 +217,8 @@ def server_options(a: argparse.Namespace, environ: Mapping[str, str] | None = No
 
 
 async def _generate(a: argparse.Namespace) -> None:
-    from streamengine.engine import AsyncEngine
-    from streamengine.sampling_params import SamplingParams
+    from streamengine.engine.async_engine import AsyncEngine
+    from streamengine.sample.sampling_params import SamplingParams
 
     params = SamplingParams(max_tokens=a.max_tokens, temperature=a.temperature, top_p=a.top_p, seed=a.sample_seed)
     async with AsyncEngine(config_from_args(a)) as engine:

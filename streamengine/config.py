@@ -9,7 +9,7 @@ from pathlib import Path
 from types import MappingProxyType
 from typing import Any, get_args, get_type_hints
 
-from streamengine.tenants import TenantConfig
+from streamengine.tenancy.tenants import TenantConfig
 
 DEFAULT_KV_CACHE_BYTES = 512 * 1024 * 1024
 """Default KV budget: about 11.6k tokens of SmolLM2-135M in float32 (45 KiB per token)."""

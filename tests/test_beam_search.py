@@ -8,7 +8,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from streamengine import EngineConfig, SamplingParams
-from streamengine.core import EngineCore
+from streamengine.engine.core import EngineCore
 
 PROMPTS = ["The capital of France is", "Once upon a time, in a small village,", "def add(a, b):"]
 
@@ -102,7 +102,7 @@ def test_parallel_samples_share_prompt_blocks(tiny_core):
 @pytest.mark.parametrize("mode", ["recompute", "swap"])
 def test_beam_search_under_memory_pressure(tiny_llama_dir, tiny_core, mode):
     """Beams are preempted (and idle beams make room for siblings) without changing the result."""
-    from streamengine.kv_cache import kv_bytes_per_block
+    from streamengine.kv.spec import kv_bytes_per_block
 
     prompt = list(range(3000, 3000 + 20))
     params = SamplingParams(beam_width=4, max_tokens=30, ignore_eos=True)
@@ -123,7 +123,7 @@ def test_beams_with_fewer_allowed_tokens_than_beams_take_only_allowed_ones():
     """A grammar may leave fewer allowed continuations than beams: then the first step keeps
     continuations of the starting beams that stand for the one live beam (forks of it), and
     every hypothesis is made of allowed tokens."""
-    from streamengine.beam_search import BeamSearch, BeamSearchState
+    from streamengine.sample.beam_search import BeamSearch, BeamSearchState
     from streamengine.sequence import Sequence
 
     state = BeamSearchState(width=3, prompt_len=1, max_length=10, stop_token_ids=frozenset({2}))

@@ -44,7 +44,7 @@ def test_a_missing_system_leaves_its_keys_none_and_its_goals_unmet(cluster):
 
 
 def test_event_traffic_counts_blocks_by_kind(cluster):
-    from streamengine.kv_events import (
+    from streamengine.kv.events import (
         AllBlocksCleared,
         BlockRemoved,
         BlockStored,

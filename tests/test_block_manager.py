@@ -21,9 +21,9 @@ from hypothesis.stateful import (
     rule,
 )
 
-from streamengine.block_hash import hash_block
-from streamengine.block_manager import BlockManager
-from streamengine.free_blocks import FreeBlockQueue, KVBlock, NoFreeBlocksError
+from streamengine.kv.block_hash import hash_block
+from streamengine.kv.block_manager import BlockManager
+from streamengine.kv.free_blocks import FreeBlockQueue, KVBlock, NoFreeBlocksError
 from streamengine.sequence import Sequence
 
 BS = 4
@@ -262,7 +262,7 @@ import sys, types
 pkg = types.ModuleType("streamengine")
 pkg.__path__ = [sys.argv[1]]  # skip the package __init__ (it imports torch): only hashing here
 sys.modules["streamengine"] = pkg
-from streamengine.block_hash import hash_block
+from streamengine.kv.block_hash import hash_block
 root = hash_block(None, [1, 2, 3, 4], None)
 print(root.hex(), hash_block(root, [5, 6, 7, 49151], "tenant").hex())
 """

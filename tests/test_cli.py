@@ -83,7 +83,7 @@ def test_main_refuses_open_bind_with_exit_code_2_before_loading(monkeypatch, cap
     def no_engine(*_a, **_k):
         raise AssertionError("the model must not be loaded")
 
-    monkeypatch.setattr("streamengine.engine.AsyncEngine", no_engine)
+    monkeypatch.setattr("streamengine.engine.async_engine.AsyncEngine", no_engine)
     assert cli.main(["serve", "--host", "0.0.0.0", "--port", "0"]) == 2
     err = capsys.readouterr().err
     assert "--api-key" in err and "--allow-unauthenticated" in err
@@ -318,7 +318,7 @@ def test_a_bad_tenants_file_exits_2_naming_the_entry_before_loading(text, expect
     def no_engine(*_a, **_k):
         raise AssertionError("the model must not be loaded")
 
-    monkeypatch.setattr("streamengine.engine.AsyncEngine", no_engine)
+    monkeypatch.setattr("streamengine.engine.async_engine.AsyncEngine", no_engine)
     path = tmp_path / "tenants.toml"
     path.write_text(text)
     with pytest.raises(SystemExit) as info:

@@ -20,7 +20,7 @@ import pytest_asyncio
 from test_openai import KEY, live_server
 
 from streamengine import AsyncEngine, EngineConfig
-from streamengine.intake import encode_prompt
+from streamengine.engine.intake import encode_prompt
 
 openai = pytest.importorskip("openai")
 pydantic = pytest.importorskip("pydantic")

@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-from streamengine.cpu_threads import (
+from streamengine.engine.cpu_threads import (
     DELAY_DOWN,
     IDLE_UP,
     WINDOW_S,

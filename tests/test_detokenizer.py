@@ -9,8 +9,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from streamengine.detokenizer import IncrementalDetokenizer, decode_function
-from streamengine.sampling_params import SamplingParams
+from streamengine.sample.detokenizer import IncrementalDetokenizer, decode_function
+from streamengine.sample.sampling_params import SamplingParams
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 

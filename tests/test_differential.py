@@ -30,8 +30,8 @@ from dataclasses import dataclass
 import pytest
 
 from streamengine import AsyncEngine, EngineConfig, SamplingParams
-from streamengine.kv_cache import kv_bytes_per_block
-from streamengine.tenants import TenantConfig
+from streamengine.kv.spec import kv_bytes_per_block
+from streamengine.tenancy.tenants import TenantConfig
 
 MODEL_LEN = 112  # 7 blocks of 16: the tiny pools hold one full-length sequence and a little more
 BLOCK = 16

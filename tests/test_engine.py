@@ -247,7 +247,7 @@ def test_chat_template(tiny_llama_dir):
 def test_release_openmp_pool_ends_this_threads_workers():
     """The loop thread's OpenMP workers (left by model loading) exit when the engine starts, so
     only the step thread's pool is alive (see release_openmp_pool for why that matters)."""
-    from streamengine.cpu_threads import release_openmp_pool
+    from streamengine.engine.cpu_threads import release_openmp_pool
 
     def threads() -> int:
         return len(os.listdir("/proc/self/task"))
@@ -269,9 +269,9 @@ def test_release_openmp_pool_ends_this_threads_workers():
 
 
 def test_kv_cache_dtype_sizes_the_pool_and_is_validated(tiny_llama_dir):
-    from streamengine.core import EngineCore
-    from streamengine.kv_cache import kv_bytes_per_block
-    from streamengine.model_runner import select_backend
+    from streamengine.engine.core import EngineCore
+    from streamengine.kv.spec import kv_bytes_per_block
+    from streamengine.models.model_runner import select_backend
 
     model_config = AutoConfig.from_pretrained(tiny_llama_dir)
     budget = 64 * kv_bytes_per_block(model_config, 16, torch.float32)
@@ -302,7 +302,7 @@ def test_kv_cache_dtype_sizes_the_pool_and_is_validated(tiny_llama_dir):
 def test_tokens_to_compute_counts_queued_work_net_of_the_cache(tiny_llama_dir):
     """The figure a router weighs: waiting prompts less their cached prefix, one token per
     decoding sequence, nothing when idle."""
-    from streamengine.core import EngineCore
+    from streamengine.engine.core import EngineCore
 
     core = EngineCore(EngineConfig(model=str(tiny_llama_dir), num_gpu_blocks=64, block_size=16))
     prompt = list(range(3, 3 + 50))  # 3 full blocks and 2 tokens
@@ -321,8 +321,8 @@ def test_tokens_to_compute_counts_queued_work_net_of_the_cache(tiny_llama_dir):
 def test_seeded_samples_draw_from_generators_on_the_models_device(tiny_llama_dir, monkeypatch):
     """torch draws into a CUDA tensor only from a CUDA generator: the core must hand its own
     device to every sample's generator (a CPU-only default failed every sampled step on CUDA)."""
-    import streamengine.core as core_module
-    from streamengine.sampler import sample_generator
+    import streamengine.engine.core as core_module
+    from streamengine.sample.sampler import sample_generator
 
     asked = []
 

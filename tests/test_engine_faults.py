@@ -11,14 +11,14 @@ import time
 import pytest
 
 from streamengine import AsyncEngine, EngineConfig, SamplingParams
-from streamengine.core import EngineCore
+from streamengine.engine.core import EngineCore
 from streamengine.errors import (
     EngineDeadError,
     EngineOverloadedError,
     LimitExceededError,
     RequestFailedError,
 )
-from streamengine.scheduler import Scheduler
+from streamengine.sched.scheduler import Scheduler
 
 BEAM = SamplingParams(beam_width=4, n=1, max_tokens=200, ignore_eos=True)
 LONG = SamplingParams(temperature=0, max_tokens=400, ignore_eos=True)
@@ -202,7 +202,7 @@ async def test_abort_fault_fails_only_that_request(engine, monkeypatch):
 
 
 async def test_schedule_fault_restarts_the_core(engine, monkeypatch, caplog):
-    caplog.set_level(logging.WARNING, logger="streamengine.engine")
+    caplog.set_level(logging.WARNING, logger="streamengine.engine.async_engine")
     inflight = asyncio.create_task(collect(engine, "in flight", LONG, request_id="victim"))
     await wait_for(lambda: "victim" in engine.core.requests and engine.core.requests["victim"].seqs[0].num_output_tokens > 0)
     runner, old_scheduler = engine.core.runner, engine.core.scheduler
@@ -336,8 +336,8 @@ def test_max_tokens_cap(tiny_llama_dir, core):
 
 
 async def test_an_error_after_an_unread_output_still_reaches_the_consumer():
-    from streamengine.output_stream import RequestStream
-    from streamengine.outputs import RequestOutput
+    from streamengine.engine.output_stream import RequestStream
+    from streamengine.sample.outputs import RequestOutput
 
     stream = RequestStream()
     stream.put(RequestOutput("r", [1], [], finished=False))

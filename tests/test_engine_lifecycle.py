@@ -348,7 +348,7 @@ async def test_stop_while_compiling_fails_requests_with_engine_dead(tiny_llama_d
     queued compile is dropped by stop()), nor with "engine is not running" (one that finished)."""
     import threading
 
-    from streamengine.structured_params import Regex
+    from streamengine.structured.params import Regex
 
     entered = threading.Semaphore(0)
     release = threading.Event()
@@ -507,7 +507,7 @@ async def test_cached_prompts_give_the_same_samples_and_beams(engine, plen):
 def test_tokens_to_compute_does_not_count_samples_waiting_to_fork(tiny_llama_dir):
     """Samples 1..n-1 fork sample 0's prompt blocks: they compute none of the prompt, so a
     router must not see n times the prompt queued (nor n times each chunk still to come)."""
-    from streamengine.core import EngineCore
+    from streamengine.engine.core import EngineCore
 
     core = EngineCore(
         EngineConfig(model=str(tiny_llama_dir), num_gpu_blocks=64, max_prefill_chunk=16)
@@ -754,7 +754,7 @@ async def test_min_tokens_keeps_end_tokens_from_being_drawn(engine, kw):
 
 def test_one_engine_object_in_two_event_loops(tiny_llama_dir):
     """An engine built outside any loop serves one asyncio.run, then another."""
-    from streamengine.structured_params import Regex
+    from streamengine.structured.params import Regex
 
     eng = AsyncEngine(EngineConfig(model=str(tiny_llama_dir), num_gpu_blocks=32))
 
@@ -817,7 +817,7 @@ def test_a_text_that_starts_with_the_bos_gets_no_second_one():
     """A chat template's rendering starts with the BOS; encoded with the tokenizer's special
     tokens it started with two (Llama, Mistral, Gemma), which `generate(apply_chat_template(...))`
     then fed the model."""
-    from streamengine.intake import encode_prompt
+    from streamengine.engine.intake import encode_prompt
 
     tokenizer = _BosTokenizer()
     assert encode_prompt(tokenizer, "<s>user: hi") == [1, *map(ord, "user: hi")]

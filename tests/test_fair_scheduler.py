@@ -10,8 +10,11 @@ import random
 import pytest
 from test_scheduler import Sim as BaseSim
 
-from streamengine.block_manager import BlockManager
-from streamengine.fair_share import (
+from streamengine.kv.block_manager import BlockManager
+from streamengine.sched.plan import SchedulerOutput
+from streamengine.sched.scheduler import Scheduler
+from streamengine.sequence import Sequence, SequenceStatus
+from streamengine.tenancy.fair_share import (
     CACHE_AWARE_MIN_WAITING,
     FAIRNESS_SLACK,
     MAX_PASS_OVERS,
@@ -19,10 +22,7 @@ from streamengine.fair_share import (
     TENANT_PREFILL_CHUNKS,
     weighted_split,
 )
-from streamengine.sched_plan import SchedulerOutput
-from streamengine.scheduler import Scheduler
-from streamengine.sequence import Sequence, SequenceStatus
-from streamengine.tenants import TenantConfig, Tenants
+from streamengine.tenancy.tenants import TenantConfig, Tenants
 
 BS = 4
 

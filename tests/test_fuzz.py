@@ -26,7 +26,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from streamengine import AsyncEngine, EngineConfig
-from streamengine.sampling_params import SamplingParams
+from streamengine.sample.sampling_params import SamplingParams
 from streamengine.server import create_app
 from streamengine.server import openai as oa
 from streamengine.server import protocol as p

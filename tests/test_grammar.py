@@ -14,12 +14,12 @@ import pytest
 import torch
 
 from streamengine.errors import GrammarError, LimitExceededError
-from streamengine.grammar import GrammarMatcher
-from streamengine.grammar_compiler import GrammarCompiler
-from streamengine.grammar_mask import TokenMasker
-from streamengine.sampler import Sampler, SamplingRow
-from streamengine.sampling_params import SamplingParams
-from streamengine.structured_params import (
+from streamengine.sample.sampler import Sampler, SamplingRow
+from streamengine.sample.sampling_params import SamplingParams
+from streamengine.structured.compiler import GrammarCompiler
+from streamengine.structured.grammar import GrammarMatcher
+from streamengine.structured.mask import TokenMasker
+from streamengine.structured.params import (
     MAX_STRUCTURED_BYTES,
     Choice,
     Grammar,

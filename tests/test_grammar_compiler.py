@@ -20,16 +20,16 @@ import uuid
 
 import pytest
 
-import streamengine.grammar_compiler
+import streamengine.structured.compiler
 from streamengine import AsyncEngine, EngineConfig, SamplingParams
 from streamengine.errors import EngineDeadError, GrammarError, GrammarOverloadedError
-from streamengine.grammar import CompiledGrammar
-from streamengine.grammar_cache import ByteLRU, heap_bytes
-from streamengine.grammar_compiler import GrammarCompiler
-from streamengine.grammar_queue import TenantQueues
 from streamengine.server.failures import classify
 from streamengine.server.openai.errors import failure_error
-from streamengine.structured_params import JsonSchema, Regex, structured_key
+from streamengine.structured.cache import ByteLRU, heap_bytes
+from streamengine.structured.compiler import GrammarCompiler
+from streamengine.structured.grammar import CompiledGrammar
+from streamengine.structured.params import JsonSchema, Regex, structured_key
+from streamengine.structured.queue import TenantQueues
 
 MiB = 2**20
 VOCAB = 49152
@@ -174,7 +174,7 @@ async def test_the_cache_is_per_tenant(monkeypatch):
 
 async def test_the_cache_is_bounded_by_the_measured_bytes(monkeypatch):
     heap = [0]
-    monkeypatch.setattr(streamengine.grammar_compiler, "heap_bytes", lambda: heap[0])
+    monkeypatch.setattr(streamengine.structured.compiler, "heap_bytes", lambda: heap[0])
     sizes = {"big1": 10 * MiB, "big2": 10 * MiB, "big3": 10 * MiB, "huge": 30 * MiB}
     compiler, builds = fake_compiler(monkeypatch, FakeBuilds(heap, sizes), cache_bytes=25 * MiB)
 
@@ -360,7 +360,7 @@ async def test_shutdown_fails_waiting_specs_and_a_later_compile_starts_new_threa
 
 
 async def test_compile_threads_stay_bounded_and_exit_when_idle(monkeypatch):
-    monkeypatch.setattr(streamengine.grammar_compiler, "_IDLE_EXIT_S", 0.1)
+    monkeypatch.setattr(streamengine.structured.compiler, "_IDLE_EXIT_S", 0.1)
     compiler, builds = fake_compiler(monkeypatch)
     await asyncio.gather(*(spawn(compiler, f"s{i}", f"T{i % 5}") for i in range(20)))
     assert len(builds.order) == 20 and compiler.stats()["grammar_compile_threads"] == 2

@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from streamengine.errors import GrammarError
-from streamengine.grammar_cache import _MALLOC_TRIM, HeapTrim
-from streamengine.grammar_mask import MaskAccount, TokenMasker
+from streamengine.structured.cache import _MALLOC_TRIM, HeapTrim
+from streamengine.structured.mask import MaskAccount, TokenMasker
 
 VOCAB = 64
 
@@ -61,8 +61,8 @@ def test_the_budget_is_per_step():
 def test_accept_raises_the_budget_error(smollm_dir):
     from transformers import AutoTokenizer
 
-    from streamengine.grammar_compiler import GrammarCompiler
-    from streamengine.structured_params import Regex
+    from streamengine.structured.compiler import GrammarCompiler
+    from streamengine.structured.params import Regex
 
     tokenizer = AutoTokenizer.from_pretrained(smollm_dir)
     compiled = GrammarCompiler(tokenizer, len(tokenizer), 10.0, 1 << 20).compile(Regex("[ab]+"))
@@ -90,9 +90,9 @@ async def test_a_slow_grammar_fails_alone_and_its_batch_mate_finishes(tiny_llama
 
 
 def _grammar_objects() -> list:
-    from streamengine.grammar import CompiledGrammar, GrammarMatcher
+    from streamengine.structured.grammar import CompiledGrammar, GrammarMatcher
 
-    return [o for o in gc.get_objects() if isinstance(o, GrammarMatcher | CompiledGrammar)]
+    return [o for o in gc.get_objects() if type(o) in (GrammarMatcher, CompiledGrammar)]
 
 
 async def _fail_a_slow_grammar_beside_a_plain_request(config, earlier: list) -> None:

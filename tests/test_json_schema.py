@@ -1,4 +1,4 @@
-"""JSON schemas as vLLM users expect them (streamengine/json_schema.py): properties a schema does
+"""JSON schemas as vLLM users expect them (streamengine/structured/json_schema.py): properties a schema does
 not name are refused unless it allows them, `strict: false` keeps JSON Schema's defaults,
 formats llguidance cannot enforce constrain the type only, and an overlapping oneOf compiles.
 
@@ -20,13 +20,13 @@ import llguidance
 import pytest
 from pydantic import UUID4, BaseModel, Field, SecretStr
 
-from streamengine.grammar import grammar_text
-from streamengine.json_schema import ENFORCED_FORMATS, MAX_ADDED_NODES, normalize_schema
 from streamengine.server.openai import schemas
 from streamengine.server.openai.endpoints import _response_format
 from streamengine.server.tools import plan_tools
-from streamengine.structured_params import Grammar, JsonSchema, as_structured, structured_key
-from streamengine.tool_prompt import tool_call_lark, tools_system_text
+from streamengine.structured.grammar import grammar_text
+from streamengine.structured.json_schema import ENFORCED_FORMATS, MAX_ADDED_NODES, normalize_schema
+from streamengine.structured.params import Grammar, JsonSchema, as_structured, structured_key
+from streamengine.structured.tool_prompt import tool_call_lark, tools_system_text
 
 # ---------------------------------------------------------------- helpers
 

@@ -15,9 +15,9 @@ from hypothesis.stateful import invariant
 from test_prefix_isolation import PinningMachine
 
 from streamengine import AsyncEngine, EngineConfig, RequestFailedError, SamplingParams
-from streamengine.block_hash import hash_block, prompt_block_hashes
-from streamengine.block_manager import BlockManager
-from streamengine.kv_events import (
+from streamengine.kv.block_hash import hash_block, prompt_block_hashes
+from streamengine.kv.block_manager import BlockManager
+from streamengine.kv.events import (
     AllBlocksCleared,
     BlockRemoved,
     BlockStored,
@@ -27,7 +27,7 @@ from streamengine.kv_events import (
     encode,
 )
 from streamengine.sequence import Sequence
-from streamengine.tenants import TenantConfig
+from streamengine.tenancy.tenants import TenantConfig
 
 BS = 16
 SALT_A, SALT_B, USER_SALT = "s3cret-of-tenant-a", "s3cret-of-tenant-b", "alice-private-salt"

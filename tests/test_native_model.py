@@ -16,13 +16,13 @@ from streamengine.kernels.cpu_linear import PackedLinear, TorchLinear, make_line
 from transformers import AutoModelForCausalLM, GPT2Config, GPT2LMHeadModel
 
 from streamengine import EngineConfig
-from streamengine.model_runner import select_native
 from streamengine.models.attention import (
     ATTN_IMPLEMENTATION,
     AttentionMetadata,
     register_paged_attention,
 )
 from streamengine.models.loader import LoadedModel
+from streamengine.models.model_runner import select_native
 from streamengine.models.native import NativeDecoder, unsupported_reason
 from streamengine.models.torch_backend import TorchPagedAttention
 

@@ -17,7 +17,7 @@ from test_openai import KEY, live_server
 
 import streamengine
 from streamengine import AsyncEngine, EngineConfig
-from streamengine.sampling_params import SamplingParams
+from streamengine.sample.sampling_params import SamplingParams
 from streamengine.server.openai import fields
 from streamengine.server.openai.schemas import ChatCompletionRequest, CompletionRequest
 

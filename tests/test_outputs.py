@@ -9,8 +9,8 @@ import pytest
 from conftest import slow_down_steps
 
 from streamengine import AsyncEngine, EngineConfig, SamplingParams
-from streamengine.output_stream import RequestStream, merge_deltas
-from streamengine.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from streamengine.engine.output_stream import RequestStream, merge_deltas
+from streamengine.sample.outputs import CompletionOutput, RequestMetrics, RequestOutput
 
 
 @pytest.fixture

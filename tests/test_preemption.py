@@ -9,7 +9,7 @@ import pytest
 
 from streamengine import AsyncEngine, EngineConfig, SamplingParams
 from streamengine.errors import RequestFailedError
-from streamengine.kv_cache import kv_bytes_per_block
+from streamengine.kv.spec import kv_bytes_per_block
 
 PROMPTS = [f"Request number {i} asks about {'many things ' * (i % 3 + 1)}" for i in range(6)]
 

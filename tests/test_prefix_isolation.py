@@ -11,8 +11,8 @@ from hypothesis import strategies as st
 from hypothesis.stateful import invariant, precondition, rule
 from test_block_manager import BlockManagerMachine, free_ids, prefill, refs
 
-from streamengine.block_hash import hash_block
-from streamengine.block_manager import BlockManager
+from streamengine.kv.block_hash import hash_block
+from streamengine.kv.block_manager import BlockManager
 from streamengine.sequence import Sequence
 
 BS = 4

@@ -12,9 +12,9 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from streamengine import AsyncEngine, EngineConfig, SamplingParams
-from streamengine.core import EngineCore
-from streamengine.output_stream import merge_deltas
-from streamengine.outputs import RequestOutput
+from streamengine.engine.core import EngineCore
+from streamengine.engine.output_stream import merge_deltas
+from streamengine.sample.outputs import RequestOutput
 
 # 47 tokens with SmolLM2's tokenizer: two full blocks of 16 a request may hit (the last token
 # is always computed), and chunks of 8 over 6 steps.

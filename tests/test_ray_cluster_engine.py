@@ -14,11 +14,11 @@ pytest.importorskip("ray.serve")
 
 from streamengine.config import EngineConfig  # noqa: E402
 from streamengine.errors import RequestFailedError  # noqa: E402
-from streamengine.outputs import CompletionOutput, RequestOutput  # noqa: E402
 from streamengine.ray.cluster_engine import ClusterEngine  # noqa: E402
 from streamengine.ray.replica import PinSpec  # noqa: E402
-from streamengine.sampling_params import SamplingParams  # noqa: E402
-from streamengine.tenants import TenantConfig  # noqa: E402
+from streamengine.sample.outputs import CompletionOutput, RequestOutput  # noqa: E402
+from streamengine.sample.sampling_params import SamplingParams  # noqa: E402
+from streamengine.tenancy.tenants import TenantConfig  # noqa: E402
 
 LOST = ray.exceptions.ActorDiedError()
 

@@ -11,14 +11,14 @@ import pytest
 
 pytest.importorskip("ray.serve")
 
-from streamengine.block_hash import prompt_block_hashes  # noqa: E402
-from streamengine.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, EventBatch, encode  # noqa: E402
+from streamengine.kv.block_hash import prompt_block_hashes  # noqa: E402
+from streamengine.kv.events import AllBlocksCleared, BlockRemoved, BlockStored, EventBatch, encode  # noqa: E402
 from streamengine.ray.block_index import BlockIndex  # noqa: E402
 from streamengine.ray.cluster_engine import merge_stats  # noqa: E402
 from streamengine.ray.directory import DirectoryUpdate, ReplicaDirectory  # noqa: E402
 from streamengine.ray.request import ReplicaRequest  # noqa: E402
 from streamengine.ray.router import CachedBlockRouter  # noqa: E402
-from streamengine.sampling_params import SamplingParams  # noqa: E402
+from streamengine.sample.sampling_params import SamplingParams  # noqa: E402
 
 BS = 16
 SALT_A = ((0, "tenant:a"),)

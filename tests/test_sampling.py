@@ -14,7 +14,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from streamengine.errors import LimitExceededError
-from streamengine.sampler import (
+from streamengine.sample.sampler import (
     Sampler,
     SamplerOutput,
     SamplingRow,
@@ -23,7 +23,7 @@ from streamengine.sampler import (
     greedy_tokens,
     sample_generator,
 )
-from streamengine.sampling_params import (
+from streamengine.sample.sampling_params import (
     MAX_BEAM_WIDTH,
     MAX_N,
     MAX_STOP_STRING_CHARS,
@@ -277,7 +277,7 @@ def test_every_meta_bound_holds_on_direct_construction_too() -> None:
 def test_importing_sampling_params_loads_no_torch() -> None:
     # The server validates client messages with this module: it must stay light to import.
     code = (
-        "import sys, streamengine.sampling_params; "
+        "import sys, streamengine.sample.sampling_params; "
         "print(sorted({'torch', 'numpy'} & set(sys.modules)))"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)

@@ -9,10 +9,10 @@ import random
 
 import pytest
 
-from streamengine.block_manager import BlockManager
-from streamengine.preemption import PreemptionPolicy
-from streamengine.sched_plan import SchedulerOutput
-from streamengine.scheduler import Scheduler
+from streamengine.kv.block_manager import BlockManager
+from streamengine.sched.plan import SchedulerOutput
+from streamengine.sched.preemption import PreemptionPolicy
+from streamengine.sched.scheduler import Scheduler
 from streamengine.sequence import Sequence, SequenceStatus
 
 BS = 4

@@ -365,7 +365,7 @@ async def test_the_waiting_queue_is_bounded_by_default_and_shared_between_tenant
     from conftest import slow_down_steps
 
     from streamengine.errors import EngineOverloadedError
-    from streamengine.sampling_params import SamplingParams
+    from streamengine.sample.sampling_params import SamplingParams
 
     assert EngineConfig().max_waiting == 1024
     engine = AsyncEngine(EngineConfig(model=str(tiny_llama_dir), num_gpu_blocks=128, max_num_seqs=1, max_waiting=8))

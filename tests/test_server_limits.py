@@ -27,7 +27,7 @@ from streamengine.errors import (
     LimitExceededError,
     RequestFailedError,
 )
-from streamengine.outputs import CompletionOutput, RequestOutput
+from streamengine.sample.outputs import CompletionOutput, RequestOutput
 from streamengine.server.state import STATE_KEY, PromptTooLong
 from streamengine.server.streaming import RequestTimeoutError
 

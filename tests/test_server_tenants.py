@@ -17,12 +17,12 @@ from aiohttp.test_utils import TestClient, TestServer
 from prometheus_client.parser import text_string_to_metric_families
 
 from streamengine.errors import LimitExceededError
-from streamengine.outputs import CompletionOutput, RequestOutput
+from streamengine.sample.outputs import CompletionOutput, RequestOutput
 from streamengine.server import create_app
 from streamengine.server.protocol import kv_state_message
 from streamengine.server.tenancy import system_prefix
 from streamengine.server.tenants_file import TenantsFileError, parse_tenants
-from streamengine.tenants import DEFAULT_TENANT, Tenants
+from streamengine.tenancy.tenants import DEFAULT_TENANT, Tenants
 
 ADMIN = {"Authorization": "Bearer admin-key"}
 KEY_A = {"Authorization": "Bearer key-a"}
@@ -449,7 +449,7 @@ def test_a_system_prompt_shorter_than_a_block_is_refused_before_the_model_loads(
         raise AssertionError("the model must not be loaded")
 
     monkeypatch.setattr("streamengine.ray.app.serve_cluster", no_engine)  # (imports the engine first)
-    monkeypatch.setattr("streamengine.engine.AsyncEngine", no_engine)
+    monkeypatch.setattr("streamengine.engine.async_engine.AsyncEngine", no_engine)
     path = tmp_path / "tenants.toml"
     path.write_text(f'[[tenants]]\nname = "bot-a"\napi_key = "key-a"\nsystem_prompt = "Hi."\n'
                     f'[[tenants]]\nname = "bot-b"\napi_key = "key-b"\nsystem_prompt = "{SYSTEM_A}"\n')

@@ -11,11 +11,22 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from streamengine import detokenizer as detokenizer_module
-from streamengine import stop_strings
-from streamengine.detokenizer import IncrementalDetokenizer
-from streamengine.sampling_params import MAX_STOP_STRING_CHARS, MAX_STOP_STRINGS, SamplingParams
-from streamengine.stop_strings import ROOT, StopMatch, build_automaton, held_length, scan, step
+from streamengine.sample import detokenizer as detokenizer_module
+from streamengine.sample import stop_strings
+from streamengine.sample.detokenizer import IncrementalDetokenizer
+from streamengine.sample.sampling_params import (
+    MAX_STOP_STRING_CHARS,
+    MAX_STOP_STRINGS,
+    SamplingParams,
+)
+from streamengine.sample.stop_strings import (
+    ROOT,
+    StopMatch,
+    build_automaton,
+    held_length,
+    scan,
+    step,
+)
 
 # ---------------------------------------------------------------- naive references
 

@@ -13,11 +13,11 @@ import pytest
 import torch
 
 from streamengine import AsyncEngine, EngineConfig, SamplingParams
-from streamengine.core import EngineCore
+from streamengine.engine.core import EngineCore
 from streamengine.errors import GrammarError
-from streamengine.grammar import GrammarMatcher
-from streamengine.kv_cache import kv_bytes_per_block
-from streamengine.structured_params import Choice, JsonSchema, Regex
+from streamengine.kv.spec import kv_bytes_per_block
+from streamengine.structured.grammar import GrammarMatcher
+from streamengine.structured.params import Choice, JsonSchema, Regex
 
 WORD_NUM = "[a-z]{2,6} [0-9]{1,3}"
 LONG_WORDS = "[a-z]{24,32}[.]"  # at most 33 tokens, enough to need several blocks each

@@ -2,7 +2,7 @@
 
 What llguidance does with them (checked with llguidance 1.9.1 on SmolLM2's tokenizer): it
 bounds its own work, so no small hostile spec found keeps it busy for long. A deeply nested
-`oneOf` compiles at once (as `anyOf`, which streamengine/json_schema.py makes of it); an `allOf` of several wide
+`oneOf` compiles at once (as `anyOf`, which streamengine/structured/json_schema.py makes of it); an `allOf` of several wide
 `anyOf`s, whose intersection is the product of their branches, is refused ("schema too large",
 "fuel exhausted", or an internal limit) once its fuel runs out; a huge enum and a huge regex
 repetition compile at once (the lexer is lazy) and simply constrain (timings:
@@ -22,10 +22,10 @@ import uuid
 
 import pytest
 
-import streamengine.grammar
+import streamengine.structured.grammar
 from streamengine import AsyncEngine, EngineConfig, SamplingParams
 from streamengine.errors import GrammarError, LimitExceededError
-from streamengine.structured_params import MAX_STRUCTURED_BYTES, JsonSchema, Regex
+from streamengine.structured.params import MAX_STRUCTURED_BYTES, JsonSchema, Regex
 
 # Long enough that ordinary specs and llguidance's own fast refusals finish well inside it on
 # a loaded machine; the forced timeout below sleeps far past it.
@@ -119,14 +119,14 @@ async def test_slowest_hostile_schema_fails_in_time_while_a_normal_request_compl
 
 
 async def test_compile_past_the_timeout_fails_with_the_timeout_error(engine, monkeypatch):
-    grammar_text = streamengine.grammar.grammar_text
+    grammar_text = streamengine.structured.grammar.grammar_text
 
     def sleepy(spec):
         if spec == SLEEPY:
             time.sleep(TIMEOUT_S + 6.0)
         return grammar_text(spec)
 
-    monkeypatch.setattr(streamengine.grammar, "grammar_text", sleepy)
+    monkeypatch.setattr(streamengine.structured.grammar, "grammar_text", sleepy)
     async with engine:
         error = await hostile_beside_normal(engine, SLEEPY)
         assert f"did not compile within {TIMEOUT_S:g} s" in str(error)

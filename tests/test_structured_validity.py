@@ -21,7 +21,7 @@ from conftest import run_async
 from structured_schemas import CHOICES, MAX_TOKENS, REGEXES, SCHEMAS
 
 from streamengine import AsyncEngine, EngineConfig, SamplingParams
-from streamengine.structured_params import Choice, JsonSchema, Regex
+from streamengine.structured.params import Choice, JsonSchema, Regex
 
 N = 4
 CASES = {

@@ -12,10 +12,10 @@ from hypothesis import strategies as st
 from test_tenants import cached_tokens
 
 from streamengine import AsyncEngine, EngineConfig, SamplingParams
-from streamengine.block_hash import prompt_block_hashes
 from streamengine.errors import RequestFailedError
-from streamengine.pinning import Pin, PinnedPrefix, Pins
-from streamengine.tenants import TenantConfig
+from streamengine.kv.block_hash import prompt_block_hashes
+from streamengine.tenancy.pinning import Pin, PinnedPrefix, Pins
+from streamengine.tenancy.tenants import TenantConfig
 
 BS = 16
 SYSTEM = list(range(1000, 1064))  # 4 blocks

@@ -9,8 +9,8 @@ import pytest
 
 from streamengine import AsyncEngine, EngineConfig, SamplingParams
 from streamengine.errors import LimitExceededError
-from streamengine.pinning import Pin, PinnedPrefix, Pins
-from streamengine.tenants import RATE_WINDOW_S, TenantConfig, TenantRateLimitError, Tenants
+from streamengine.tenancy.pinning import Pin, PinnedPrefix, Pins
+from streamengine.tenancy.tenants import RATE_WINDOW_S, TenantConfig, TenantRateLimitError, Tenants
 
 BS = 16
 

@@ -13,7 +13,7 @@ import random
 import pytest
 
 from streamengine.server.tools import ToolStreams, finish_reason
-from streamengine.tool_calls import (
+from streamengine.structured.tool_calls import (
     TOOL_PARSERS,
     CallsEnding,
     HermesParser,
@@ -21,7 +21,11 @@ from streamengine.tool_calls import (
     ToolParser,
     get_tool_parser,
 )
-from streamengine.tool_prompt import render_messages, template_renders_tools, tool_call_lark
+from streamengine.structured.tool_prompt import (
+    render_messages,
+    template_renders_tools,
+    tool_call_lark,
+)
 
 WEATHER_ARGS = '{"city": "Paris", "unit": "c"}'
 WEATHER = '{"name": "get_weather", "arguments": ' + WEATHER_ARGS + "}"

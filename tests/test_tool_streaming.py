@@ -24,7 +24,7 @@ from test_server import connect, recv
 from test_server_limits import ScriptedEngine
 
 from streamengine import AsyncEngine, EngineConfig
-from streamengine.outputs import CompletionOutput, RequestOutput
+from streamengine.sample.outputs import CompletionOutput, RequestOutput
 from streamengine.server import create_app
 
 TOOLS = [{"type": "function", "function": {"name": f"fn_{i}", "parameters": {"type": "object"}}} for i in range(3)]

@@ -18,7 +18,7 @@ import torch
 from streamengine.kernels.cpu_attention import DecodePlan, decode_supported
 from streamengine.kernels.cpu_ops import CACHE_TYPES, store_kv
 from streamengine.kernels.cpu_prefill_attention import PrefillPlan, prefill_available
-from streamengine.kv_cache import AttentionShape
+from streamengine.kv.spec import AttentionShape
 from streamengine.models.attention import AttentionMetadata
 from streamengine.models.torch_backend import prefill_row, split_rows
 

@@ -28,7 +28,7 @@ from streamengine.kernels import cpu_layer, cpu_quant_linear
 from streamengine.kernels.cpu_linear import PanelLinear, TorchLinear, make_linear
 from streamengine.kernels.cpu_ops import add_rms_norm, rope_, silu_mul
 from streamengine.kernels.cpu_quant_linear import QuantLinear
-from streamengine.kv_cache import AttentionShape
+from streamengine.kv.spec import AttentionShape
 from streamengine.models.attention import AttentionBackend, AttentionPlan, store_and_attend
 from streamengine.models.gguf_weights import BlockTensor, GgufWeights
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
-from streamengine.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, EventBatch
+from streamengine.kv.events import AllBlocksCleared, BlockRemoved, BlockStored, EventBatch
 
 
 class BlockIndex:

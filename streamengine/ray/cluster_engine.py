@@ -29,16 +29,16 @@ import ray
 from ray.serve.handle import DeploymentHandle
 
 from streamengine.config import EngineConfig
-from streamengine.engine import AsyncEngine
+from streamengine.engine.async_engine import AsyncEngine
+from streamengine.engine.intake import encode_prompt
 from streamengine.errors import EngineDeadError, RequestFailedError
-from streamengine.intake import encode_prompt
-from streamengine.outputs import CompletionOutput, RequestOutput
-from streamengine.pinning import Pin, PinnedPrefix, Pins
 from streamengine.ray.directory import get_or_create_directory
 from streamengine.ray.replica import PinSpec
 from streamengine.ray.request import ReplicaRequest
-from streamengine.sampling_params import SamplingParams
-from streamengine.tenants import DEFAULT_TENANT, TenantConfig, Tenants
+from streamengine.sample.outputs import CompletionOutput, RequestOutput
+from streamengine.sample.sampling_params import SamplingParams
+from streamengine.tenancy.pinning import Pin, PinnedPrefix, Pins
+from streamengine.tenancy.tenants import DEFAULT_TENANT, TenantConfig, Tenants
 
 log = logging.getLogger(__name__)
 

@@ -19,7 +19,7 @@ from typing import Any
 
 import ray
 
-from streamengine.kv_events import AllBlocksCleared, EventBatch, decode, encode
+from streamengine.kv.events import AllBlocksCleared, EventBatch, decode, encode
 from streamengine.ray.block_index import BlockIndex
 
 DIRECTORY_NAMESPACE = "streamengine"

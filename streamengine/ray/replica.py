@@ -20,10 +20,10 @@ from typing import Any
 from ray import serve
 
 from streamengine.config import EngineConfig
-from streamengine.kv_events import encode
-from streamengine.outputs import RequestOutput
+from streamengine.kv.events import encode
 from streamengine.ray.directory import get_or_create_directory
 from streamengine.ray.request import ReplicaRequest
+from streamengine.sample.outputs import RequestOutput
 
 log = logging.getLogger(__name__)
 
@@ -49,7 +49,9 @@ class EngineReplica:
         self, config: EngineConfig, app_name: str, pins: tuple[PinSpec, ...] = (),
         report_interval_s: float = DEFAULT_REPORT_INTERVAL_S,
     ) -> None:
-        from streamengine.engine import AsyncEngine  # the model loads here, in the replica
+        from streamengine.engine.async_engine import (
+            AsyncEngine,  # the model loads here, in the replica
+        )
 
         self.replica_id = serve.get_replica_context().replica_id.unique_id
         self.engine = AsyncEngine(config)

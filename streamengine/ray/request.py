@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from streamengine.pinning import Segments
-from streamengine.sampling_params import SamplingParams
+from streamengine.sample.sampling_params import SamplingParams
+from streamengine.tenancy.pinning import Segments
 
 
 @dataclass(slots=True)

@@ -33,8 +33,8 @@ from typing import Any
 import ray
 from ray.serve.request_router import PendingRequest, ReplicaID, RequestRouter, RunningReplica
 
-from streamengine.block_hash import prompt_block_hashes
-from streamengine.kv_events import decode
+from streamengine.kv.block_hash import prompt_block_hashes
+from streamengine.kv.events import decode
 from streamengine.ray.block_index import BlockIndex
 from streamengine.ray.directory import DirectoryUpdate, get_or_create_directory
 from streamengine.ray.request import ReplicaRequest

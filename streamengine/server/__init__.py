@@ -73,7 +73,7 @@ def run_server(
         raise ValueError(f"shutdown_timeout must be >= 0 seconds, got {shutdown_timeout}")
     if tenants is not None:
         check_tenant_pins(config, tenants)
-    from streamengine.engine import AsyncEngine
+    from streamengine.engine.async_engine import AsyncEngine
 
     print(f"streamengine: loading {config.model or 'the default model (SmolLM2-135M-Instruct)'} ...", flush=True)
     engine = AsyncEngine(config)

@@ -49,10 +49,10 @@ from streamengine.server.state import (
 from streamengine.server.tenancy import apply_tenants_file, tenants_route
 from streamengine.server.tenants_file import TenantsFile
 from streamengine.server.websocket import stream_handler
-from streamengine.tool_calls import get_tool_parser
+from streamengine.structured.tool_calls import get_tool_parser
 
 if TYPE_CHECKING:
-    from streamengine.engine import AsyncEngine
+    from streamengine.engine.async_engine import AsyncEngine
 
 log = logging.getLogger(__name__)
 

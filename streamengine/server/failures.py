@@ -19,7 +19,7 @@ from streamengine.errors import (
 from streamengine.server import protocol as p
 from streamengine.server.state import PromptTooLong
 from streamengine.server.streaming import RequestTimeoutError
-from streamengine.tenants import TenantRateLimitError
+from streamengine.tenancy.tenants import TenantRateLimitError
 
 
 @dataclass(frozen=True, slots=True)

@@ -22,8 +22,8 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, generate_la
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from streamengine.outputs import RequestMetrics
-from streamengine.tenants import DEFAULT_TENANT
+from streamengine.sample.outputs import RequestMetrics
+from streamengine.tenancy.tenants import DEFAULT_TENANT
 
 PREFIX = "streamengine:"
 

@@ -13,12 +13,12 @@ from typing import TYPE_CHECKING, Any
 from aiohttp import web
 from jinja2 import TemplateError
 
-from streamengine.intake import encode_prompt
+from streamengine.engine.intake import encode_prompt
 from streamengine.server.fair_pool import FairPool
 from streamengine.server.metrics import ServerMetrics
 from streamengine.server.security import ANONYMOUS, HostPolicy, KeyRing, OriginPolicy, Tenant
 from streamengine.server.tenants_file import TenantsFile
-from streamengine.tool_prompt import (
+from streamengine.structured.tool_prompt import (
     needs_tools_template,
     render_messages,
     template_messages,
@@ -26,7 +26,7 @@ from streamengine.tool_prompt import (
 )
 
 if TYPE_CHECKING:  # the engine loads torch and the model code: the server's modules do not need it
-    from streamengine.engine import AsyncEngine
+    from streamengine.engine.async_engine import AsyncEngine
     from streamengine.server.websocket import Connection
 
 DEFAULT_MAX_MESSAGE_BYTES = 1 << 20

@@ -17,12 +17,12 @@ from typing import TYPE_CHECKING, Any
 
 import msgspec
 
-from streamengine.outputs import RequestMetrics, RequestOutput
-from streamengine.sampling_params import SamplingParams
+from streamengine.sample.outputs import RequestMetrics, RequestOutput
+from streamengine.sample.sampling_params import SamplingParams
 from streamengine.server.metrics import RequestRecorder
 
 if TYPE_CHECKING:
-    from streamengine.engine import AsyncEngine
+    from streamengine.engine.async_engine import AsyncEngine
 
 
 class RequestTimeoutError(Exception):

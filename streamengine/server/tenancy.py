@@ -11,12 +11,12 @@ from typing import TYPE_CHECKING, Any
 
 from aiohttp import web
 
-from streamengine.intake import encode_prompt
+from streamengine.engine.intake import encode_prompt
 from streamengine.server.state import get_state
 from streamengine.server.tenants_file import TenantsFile, TenantsFileError
 
 if TYPE_CHECKING:
-    from streamengine.engine import AsyncEngine
+    from streamengine.engine.async_engine import AsyncEngine
 
 _USAGE_KEYS = (
     "num_running", "num_waiting", "num_requests", "prompt_tokens", "output_tokens",

@@ -29,7 +29,7 @@ from pathlib import Path
 from types import MappingProxyType
 from typing import Any
 
-from streamengine.tenants import DEFAULT_TENANT, TenantConfig
+from streamengine.tenancy.tenants import DEFAULT_TENANT, TenantConfig
 
 _SHA256_HEX = re.compile(r"^[0-9a-fA-F]{64}$")
 _LIMITS: dict[str, tuple[type, ...]] = {

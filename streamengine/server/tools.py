@@ -19,7 +19,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from streamengine.tool_calls import (
+from streamengine.structured.tool_calls import (
     CallsEnding,
     HermesParser,
     ParsedDelta,
@@ -27,7 +27,7 @@ from streamengine.tool_calls import (
     ToolParser,
     get_tool_parser,
 )
-from streamengine.tool_prompt import tool_call_lark
+from streamengine.structured.tool_prompt import tool_call_lark
 
 CHOICES = ("none", "auto", "required")
 TOOL_CALLS = "tool_calls"  # the finish reason of an output that ended in tool calls

@@ -45,7 +45,7 @@ from dataclasses import dataclass
 import msgspec
 from aiohttp import WSCloseCode, WSMsgType, web
 
-from streamengine.sampling_params import SamplingParams
+from streamengine.sample.sampling_params import SamplingParams
 from streamengine.server import protocol as p
 from streamengine.server.failures import classify
 from streamengine.server.security import Tenant, bearer_token
@@ -60,8 +60,8 @@ from streamengine.server.state import (
 )
 from streamengine.server.streaming import SampleDelta, StepUpdate, stream_request
 from streamengine.server.tools import NO_TOOLS, ToolPlan, ToolStreams, plan_tools
-from streamengine.tenants import DEFAULT_TENANT
-from streamengine.tool_calls import ParsedDelta
+from streamengine.structured.tool_calls import ParsedDelta
+from streamengine.tenancy.tenants import DEFAULT_TENANT
 
 log = logging.getLogger(__name__)
 

@@ -16,7 +16,7 @@ import msgspec
 from msgspec import UNSET
 
 from streamengine.errors import LimitExceededError
-from streamengine.sampling_params import SamplingParams
+from streamengine.sample.sampling_params import SamplingParams
 from streamengine.server.openai import schemas as s
 from streamengine.server.openai.errors import OpenAIError, validation_error
 from streamengine.server.openai.fields import EndpointName, check_refused, unsupported
@@ -29,7 +29,7 @@ from streamengine.server.state import (
     new_request_id,
 )
 from streamengine.server.tools import NO_TOOLS, ToolPlan, plan_tools
-from streamengine.tool_calls import ToolCall, ToolCallDelta, ToolParser
+from streamengine.structured.tool_calls import ToolCall, ToolCallDelta, ToolParser
 
 MAX_COMPLETION_LOGPROBS = 5  # OpenAI's bounds
 MAX_CHAT_TOP_LOGPROBS = 20

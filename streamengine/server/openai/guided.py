@@ -3,7 +3,7 @@
 vLLM takes `structured_outputs` (its StructuredOutputsParams: one of `json`, `regex`,
 `choice`, `grammar`, `json_object`) and, in older versions, the same as top-level fields
 `guided_json`, `guided_regex`, `guided_choice`, `guided_grammar`. Each becomes one spec of
-structured_params.py (the path `response_format` takes), named by the field that gave it, so
+structured/params.py (the path `response_format` takes), named by the field that gave it, so
 a request that gives two ways can be told which two.
 """
 

@@ -28,7 +28,7 @@ from streamengine.server.openai.tokenize import detokenize, tokenize
 from streamengine.server.state import TENANT_KEY, ServerState, get_state, new_request_id
 from streamengine.server.streaming import StepUpdate, stream_request
 from streamengine.server.websocket import limit_kernel_unsent
-from streamengine.tenants import DEFAULT_TENANT
+from streamengine.tenancy.tenants import DEFAULT_TENANT
 
 log = logging.getLogger(__name__)
 

@@ -1,0 +1,418 @@
+"""EngineCore: the synchronous engine. Intake, schedule, execute, process.
+
+`AsyncEngine` drives it from the event loop: `schedule` and `process` run on the loop thread
+(pure Python, short), `execute` runs in a worker thread. Nothing here knows about asyncio.
+One step: the scheduler picks tokens (`schedule`), the runner computes them and samples
+(`execute`), then each sampled token is appended to its sample, stop rules decide who is done,
+and the output processor turns each advanced request into its next output (`process`).
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+import torch
+
+from streamengine.config import EngineConfig
+from streamengine.engine import core_pins, core_setup, core_stats, step_outputs
+from streamengine.engine.core_pins import seq_salt
+from streamengine.engine.intake import Intake
+from streamengine.engine.step_outputs import drawing_children
+from streamengine.errors import GrammarError
+from streamengine.kv.events import KVCacheEvent
+from streamengine.kv.spec import plan_kv_cache
+from streamengine.models import LoadedModel, load_model
+from streamengine.models.model_runner import ModelRunner, PromptLogprobs
+from streamengine.sample.beam_search import BeamSearch, BeamSearchState
+from streamengine.sample.detokenizer import IncrementalDetokenizer
+from streamengine.sample.output_processor import make_output
+from streamengine.sample.outputs import RequestOutput
+from streamengine.sample.request import Request, Sample
+from streamengine.sample.sampler import SamplerOutput, SamplingRow, sample_generator
+from streamengine.sample.sampling_params import SamplingParams
+from streamengine.sample.stop_rules import StopRules
+from streamengine.sched.scheduler import SchedulerOutput
+from streamengine.sequence import Sequence
+from streamengine.structured.cache import HeapTrim
+from streamengine.structured.compiler import GrammarCompiler
+from streamengine.structured.grammar import CompiledGrammar, GrammarMatcher
+from streamengine.structured.mask import MaskAccount
+from streamengine.tenancy.pinning import Pin, Pins
+from streamengine.tenancy.tenants import DEFAULT_TENANT, Tenants
+
+log = logging.getLogger(__name__)
+# Sampled tokens; beams' log-probs; prompt logprobs of each sequence that asked, in plan order.
+StepResult = tuple[SamplerOutput, torch.Tensor | None, list[PromptLogprobs]]
+
+
+class EngineStateError(RuntimeError):
+    """The block manager's or scheduler's bookkeeping is inconsistent: the core must restart."""
+
+
+@dataclass(slots=True)
+class StepPlan:
+    """The scheduler's plan plus who samples from which logits row (n > 1 shares a row)."""
+
+    plan: SchedulerOutput
+    rows: list[SamplingRow] = field(default_factory=list)
+    row_sources: list[int] = field(default_factory=list)  # logits row of each sampling row
+    beam_sources: list[int] = field(default_factory=list)  # logits rows of beam-search beams
+    beam_matchers: list[GrammarMatcher | None] = field(default_factory=list)  # each beam's grammar
+    num_logits: int = 0
+
+
+class EngineCore:
+    def __init__(self, config: EngineConfig, loaded: LoadedModel | None = None) -> None:
+        self.config = config
+        self.device = core_setup.pick_device(config.device)
+        if config.num_threads is not None:
+            torch.set_num_threads(config.num_threads)
+        self.loaded = loaded or load_model(config.model, config.dtype, str(self.device), config.cache_dir)
+        self.tokenizer = self.loaded.tokenizer
+        self.kv_spec = plan_kv_cache(config, self.loaded.model.config)
+        self.runner = ModelRunner(self.loaded, config, self.device, self.kv_spec)
+        self.tenants = Tenants(config.tenants)
+        self.block_manager, self.scheduler = core_setup.fresh_bookkeeping(self)
+        self.max_model_len = core_setup.max_model_len(self)
+        self.eos_token_ids = core_setup.eos_token_ids(self.loaded)
+        self.vocab_size = self.loaded.model.config.vocab_size
+        pool = f"{self.kv_spec.num_blocks} blocks x {config.block_size}"
+        self.intake = Intake(self.tokenizer, self.vocab_size, self.max_model_len, config.max_tokens_cap, pool)
+        self.stop_rules = StopRules(frozenset(self.eos_token_ids), self.max_model_len)
+        self.grammars = GrammarCompiler(
+            self.tokenizer, self.vocab_size, config.grammar_compile_timeout_s, config.grammar_cache_bytes,
+            max_queued_per_tenant=config.grammar_max_queued_per_tenant, max_queued=config.grammar_max_queued,
+            queue_timeout_s=config.grammar_queue_timeout_s,
+        )
+        self.pins = Pins(config.block_size)
+        self.requests: dict[str, Request] = {}
+        # Every live sequence's request, and its sample (None for a beam of a beam search).
+        self._owner: dict[int, tuple[Request, Sample | None]] = {}
+        self._seq_ids = itertools.count()
+        # Requests ended by a fault in their own processing, with why; the engine takes them
+        # (take_failures) and ends their streams with RequestFailedError, or with the error
+        # itself when it is the request's own (a grammar that gave out while decoding).
+        self.failures: dict[str, str | GrammarError] = {}
+        self._heap_trim = HeapTrim()
+        self._grammar_freed = False  # a request with a grammar ended since the last trim
+
+    def _tenant_weight(self, tenant: str) -> float:
+        """A tenant's weight; 1 for names no request used (a block shared by several)."""
+        return self.tenants.get(tenant).weight if tenant in self.tenants else 1.0
+
+    def reset(self) -> list[str]:
+        """Restarts the bookkeeping in place after a fault that leaves it untrusted: every
+        request is dropped, a fresh block manager and scheduler take over. The model, the
+        runner and its KV tensors stay (their contents are never read again: nothing is
+        cached). Returns the ids of the requests that were dropped."""
+        dropped = list(self.requests)
+        old = self.block_manager
+        self.block_manager, self.scheduler = core_setup.fresh_bookkeeping(self)
+        if old.kv_events is not None:  # subscribers knew the old blocks: they are all gone
+            self.block_manager.record_kv_events(old.kv_medium, cleared=True)
+        self.requests.clear()
+        self._owner.clear()
+        self.pins.clear()  # their blocks went with the old block manager
+        return dropped
+
+    # -- intake --------------------------------------------------------------------------
+
+    def add_request(
+        self, request_id: str, prompt: str | list[int], params: SamplingParams,
+        cache_salt: str | None = None, tenant: str | None = None, pin: Pin | None = None,
+        grammar: CompiledGrammar | None = None,
+    ) -> Request:
+        """Queues a request of `tenant` (None: the default tenant); `cache_salt` is a per-user
+        salt for what follows the tenant's pinned prefixes. A `pin` request pins its prompt's
+        full blocks when it ends. `grammar` is `params.structured` compiled (compiled here,
+        blocking, when not given). Raises ValueError (LimitExceededError, GrammarError) for a
+        bad request, TenantRateLimitError past the tenant's tokens per minute."""
+        if request_id in self.requests:
+            raise ValueError(f"request_id {request_id!r} is already in use")
+        params = params.clone()  # the caller may edit or reuse its object while this runs
+        tenant = tenant if tenant is not None else DEFAULT_TENANT
+        self.tenants.check_width(tenant, params.n, params.beam_width)
+        self.tenants.check_rate(tenant)
+        prompt_ids = self.intake.prompt_ids(prompt)
+        self.intake.check_length(len(prompt_ids), params)
+        self.intake.check_logit_bias(params)
+        stop_ids = self.intake.stop_ids(params)
+        segments = core_pins.salt_segments(self, prompt_ids, tenant, cache_salt, pin)
+        max_tokens = core_pins.fit_beside_pins(
+            self, prompt_ids, segments, self.intake.max_tokens(len(prompt_ids), params),
+            explicit=params.max_tokens is not None, reads_cache=params.prompt_logprobs is None,
+        )
+        if params.structured is not None and grammar is None:
+            grammar = self.grammars.compile(params.structured, tenant)
+        req = Request(
+            request_id, prompt_ids, params, samples=[], arrival_time=time.monotonic(), max_tokens=max_tokens,
+            stop_ids=stop_ids, tenant=tenant, pin=pin, salt_segments=segments,
+        )
+        if params.use_beam_search:
+            self._start_beam_search(req, grammar)
+        else:
+            self._start_samples(req, grammar)
+        self.requests[request_id] = req
+        self._want_prompt_logprobs(req)
+        self.scheduler.add(req.seqs[0])
+        self.tenants.record(tenant, len(prompt_ids))
+        return req
+
+    def _want_prompt_logprobs(self, req: Request) -> None:
+        """Starts collecting the prompt's logprobs when asked: the first entry has no context;
+        the first sequence (the one that computes the prompt) computes the others."""
+        if req.params.prompt_logprobs is None:
+            return
+        req.prompt_logprobs = [None]
+        if len(req.prompt_token_ids) > 1:
+            req.seqs[0].prompt_logprobs = req.params.prompt_logprobs
+
+    def fail_unfittable(self) -> bool:
+        """Fails the queued requests pinned prefixes left no room for (core_pins)."""
+        return core_pins.fail_unfittable(self)
+
+    def block_hashes(self, prompt: str | list[int], tenant: str | None = None,
+                     cache_salt: str | None = None) -> list[bytes]:
+        """The hashes of `prompt`'s full blocks for a request of `tenant` (core_pins)."""
+        return core_pins.block_hashes(self, prompt, tenant, cache_salt)
+
+    def _start_samples(self, req: Request, grammar: CompiledGrammar | None) -> None:
+        params, prompt_ids = req.params, req.prompt_token_ids
+        early_stops: frozenset[int] = frozenset()  # what min_tokens keeps the sampler from drawing
+        if params.min_tokens > 0:
+            early_stops = req.stop_ids if params.ignore_eos else req.stop_ids | self.eos_token_ids
+        account = self._mask_account(req)  # every sample's masks count against one budget
+        for i in range(params.n):
+            seq = self._new_seq(req, group_size=params.n)
+            sample = Sample(
+                i, seq, IncrementalDetokenizer(self.tokenizer, prompt_ids, params),
+                logprobs=[] if params.logprobs is not None else None,
+            )
+            # The row reads the sample's own token list, so penalties never need a copy.
+            sample.row = SamplingRow(
+                params, sample_generator(params, i, self.device), prompt_ids, sample.token_ids,
+                matcher=grammar.matcher(account) if grammar is not None else None, min_tokens_stop_ids=early_stops,
+            )
+            req.samples.append(sample)
+            self._owner[seq.seq_id] = (req, sample)
+        req.pending_children = req.samples[1:]  # forked from sample 0 once its prompt is computed
+
+    def _start_beam_search(self, req: Request, grammar: CompiledGrammar | None) -> None:
+        params = req.params
+        req.samples = [Sample(i) for i in range(params.n)]  # filled when the search ends
+        first = self._new_seq(req, group_size=params.beam_width)
+        # A complete grammar allows only the end of sequence, so with one it always ends a beam.
+        eos_stops = not params.ignore_eos or grammar is not None
+        stops = req.stop_ids | self.eos_token_ids if eos_stops else req.stop_ids
+        prompt_len = len(req.prompt_token_ids)
+        state = BeamSearchState(
+            width=params.beam_width,
+            prompt_len=prompt_len,
+            max_length=min(prompt_len + req.max_tokens, self.max_model_len),
+            stop_token_ids=stops,
+            length_penalty=params.length_penalty,
+            early_stopping=params.early_stopping,
+        )
+        matcher = grammar.matcher(self._mask_account(req)) if grammar is not None else None
+        req.beam = BeamSearch(state, first, params.n, matcher)
+        self._owner[first.seq_id] = (req, None)
+
+    def _mask_account(self, req: Request) -> MaskAccount:
+        return MaskAccount(req.tenant, self.config.grammar_mask_budget_ms / 1e3)
+
+
+    def _new_seq(self, req: Request, group_size: int, token_ids: list[int] | None = None) -> Sequence:
+        segments = req.salt_segments
+        return Sequence(
+            next(self._seq_ids), req.request_id, req.prompt_token_ids, seq_salt(segments),
+            req.arrival_time, token_ids=list(token_ids or ()), group_size=group_size,
+            tenant=req.tenant, salt_segments=segments,
+        )
+
+    # -- abort and failure ---------------------------------------------------------------
+
+    def abort_request(self, request_id: str, reason: str = "abort") -> RequestOutput | None:
+        req = self.requests.get(request_id)
+        if req is None:
+            return None
+        for sample in req.samples:
+            if not sample.finished:
+                sample.finish(reason)
+        req.metrics.finished_time = time.monotonic()
+        self._release(req)
+        return make_output(req)
+
+    def fail_request(self, request_id: str, why: str | GrammarError) -> None:
+        """Ends a request after a fault in its own processing (postprocess, abort), even one
+        that left it half released. Gives back whatever blocks it can; audit() then tells
+        whether the bookkeeping survived."""
+        req = self.requests.pop(request_id, None)
+        self.failures[request_id] = why  # its stream ends with the error either way
+        self._grammar_freed |= req is not None and req.params.structured is not None
+        for seq in self._request_seqs(request_id, req):
+            try:
+                self.scheduler.remove(seq)  # idempotent: a freed sequence holds no blocks
+            except Exception:
+                log.exception("releasing sequence %d of failed request %s", seq.seq_id, request_id)
+            self._owner.pop(seq.seq_id, None)
+
+    def _request_seqs(self, request_id: str, req: Request | None) -> list[Sequence]:
+        """The request's sequences, including any the scheduler still holds that a
+        half-finished step did not record in the request (or after `req` was dropped)."""
+        seqs = {seq.seq_id: seq for seq in (req.seqs if req is not None else ())}
+        for seq in self._queued_seqs():
+            if seq.request_id == request_id:
+                seqs.setdefault(seq.seq_id, seq)
+        return list(seqs.values())
+
+    def _queued_seqs(self) -> Iterator[Sequence]:
+        sched = self.scheduler
+        return itertools.chain(sched.running, sched.swapped, sched.waiting)
+
+    def take_failures(self) -> dict[str, str | GrammarError]:
+        failures, self.failures = self.failures, {}
+        return failures
+
+    def audit(self) -> None:
+        """Raises EngineStateError unless every block's refcount equals its pins plus the
+        number of queued sequences whose block table holds it, every host block is free or held
+        once, and every queued sequence belongs to a live request. O(blocks + tokens' blocks):
+        run after faults."""
+        bm = self.block_manager
+        counts = [0] * bm.num_blocks
+        num_cpu_held = 0
+        for seq in self._queued_seqs():
+            if seq.seq_id not in self._owner:
+                raise EngineStateError(f"sequence {seq.seq_id} of request {seq.request_id!r} is queued but not live")
+            for block_id in seq.block_table:
+                counts[block_id] += 1
+            num_cpu_held += len(seq.cpu_block_table)
+        for pin in self.pins.all():
+            for block_id in pin.block_ids:
+                counts[block_id] += 1
+        if [b.ref_cnt for b in bm.blocks] != counts or bm.num_free_blocks != counts.count(0):
+            raise EngineStateError("KV block refcounts do not match the sequences' block tables")
+        if num_cpu_held + bm.num_free_cpu_blocks != bm.num_cpu_blocks:
+            raise EngineStateError("host swap blocks are lost or held twice")
+
+    def _release(self, req: Request) -> None:
+        self._grammar_freed |= req.params.structured is not None
+        for seq in req.seqs:
+            if not seq.is_finished:
+                self.scheduler.remove(seq)
+            self._owner.pop(seq.seq_id, None)
+        self.requests.pop(req.request_id, None)
+
+    def trim_heap(self) -> None:
+        """Once requests with grammars have ended (their matchers' lexer states freed), hands
+        the C heap's free pages back to the system (structured.cache.HeapTrim, at most every 2 s)."""
+        if self._grammar_freed and self._heap_trim.maybe():
+            self._grammar_freed = False
+
+    def fail(self, step: StepPlan) -> list[RequestOutput]:
+        """A step raised: end the requests it touched with "error", keep the engine going.
+        Blocks registered for this step may hold no K/V: forget all cached content."""
+        self.block_manager.reset_prefix_cache()
+        failed = {self._owner[s.seq.seq_id][0].request_id for s in step.plan.scheduled if s.seq.seq_id in self._owner}
+        return [o for rid in failed if (o := self.abort_request(rid, reason="error")) is not None]
+
+    # -- one step ------------------------------------------------------------------------
+
+    def has_work(self) -> bool:
+        return self.scheduler.has_work()
+
+    def step(self) -> list[RequestOutput]:
+        """Synchronous convenience: one full step (used by tests and benchmarks)."""
+        step = self.schedule()
+        if step.plan.is_empty:
+            return []
+        return self.process(step, self.execute(step))
+
+    def schedule(self) -> StepPlan:
+        step = StepPlan(self.scheduler.schedule())
+        now = time.monotonic()
+        for item in step.plan.scheduled:
+            owner = self._owner.get(item.seq.seq_id)
+            if owner is not None and owner[0].metrics.first_scheduled_time is None:
+                owner[0].metrics.first_scheduled_time = now
+            if item.samples:  # one lookup for both: a sampling sequence always has its owner
+                self._plan_sampling(step, item.seq, owner if owner is not None else self._owner[item.seq.seq_id])
+        return step
+
+    def _plan_sampling(self, step: StepPlan, seq: Sequence, owner: tuple[Request, Sample | None]) -> None:
+        """Gives `seq`'s last logits row to its beam search (`owner`: its request and sample),
+        or to its sample's sampling row; right after sample 0's prompt the children draw their
+        first tokens from it too."""
+        source = step.num_logits
+        step.num_logits += 1
+        req, sample = owner
+        if sample is None:
+            step.beam_sources.append(source)
+            step.beam_matchers.append(req.beam.matcher(seq))
+            return
+        for s in (sample, *drawing_children(req, sample)):
+            step.rows.append(s.row)
+            step.row_sources.append(source)
+
+    def execute(self, step: StepPlan) -> StepResult:
+        return self.runner.execute(step.plan, step.rows, step.row_sources, step.beam_sources, step.beam_matchers)
+
+    def process(self, step: StepPlan, result: StepResult) -> list[RequestOutput]:
+        """Appends the step's tokens and returns the outputs of the requests it advanced
+        (step_outputs.process). A fault in one request's postprocessing fails that request
+        alone (see `failures`); raises EngineStateError when the bookkeeping did not survive."""
+        return step_outputs.process(self, step, result)
+
+    def _append_token(self, req: Request, sample: Sample, token: int, logprobs: dict[int, float] | None) -> None:
+        seq = sample.seq
+        seq.token_ids.append(token)
+        sample.token_ids.append(token)
+        if sample.matcher is not None:
+            sample.matcher.accept(token)  # GrammarError (fails this request) if it refuses
+        if sample.logprobs is not None:
+            sample.logprobs.append(logprobs)
+        stop_str = sample.detok.add_tokens([token])
+        self.tenants.record(req.tenant, 1)
+        reason, stop = self.stop_rules.check(req, sample, token, stop_str)
+        if reason is not None:
+            sample.finish(reason, stop)
+            if req.pin is not None:
+                core_pins.pin_prefix(self, req.pin, seq)
+            self.scheduler.remove(seq)
+
+    def unpin(self, pin_id: str) -> None:
+        """Makes a pinned prefix's blocks evictable again; KeyError for an unknown id."""
+        self.block_manager.unpin_blocks(self.pins.pop(pin_id).block_ids)
+
+    # -- introspection -------------------------------------------------------------------
+
+    def stats(self) -> dict[str, int | float]:
+        return core_stats.stats(self)
+
+    def tenant_stats(self) -> dict[str, dict[str, int | float]]:
+        return core_stats.tenant_stats(self)
+
+    def num_tokens_to_compute(self) -> int:
+        return core_stats.num_tokens_to_compute(self)
+
+    # -- KV events -----------------------------------------------------------------------
+
+    def record_kv_events(self, on: bool) -> None:
+        """Starts (or stops) recording KV events; the medium named is where the pool lives."""
+        if on:
+            self.block_manager.record_kv_events("GPU" if self.device.type == "cuda" else "CPU")
+        else:
+            self.block_manager.stop_kv_events()
+
+    def take_kv_events(self) -> list[KVCacheEvent]:
+        return self.block_manager.take_kv_events()
+
+    def kv_snapshot(self) -> list[KVCacheEvent]:
+        return self.block_manager.kv_snapshot()
+
+    def kv_state(self) -> dict:
+        return core_stats.kv_state(self)

@@ -1,0 +1,369 @@
+"""Turns a scheduler plan into tensors, runs one packed forward over the paged cache, samples.
+
+All scheduled tokens of all sequences form one flat batch (`input_ids` [T]); only the last
+token of each sequence that samples goes through the output projection, plus the positions
+whose logits give a prompt's logprobs where a request asks for them. The attention backend
+and the model implementation are chosen once, when the runner is built.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+
+import torch
+
+from streamengine.config import EngineConfig
+from streamengine.kernels import cpu_build, cpu_quant_linear
+from streamengine.kv.spec import AttentionShape, KVCacheSpec
+from streamengine.models.attention import (
+    AttentionBackend,
+    AttentionMetadata,
+    AttentionPlan,
+    KVCaches,
+)
+from streamengine.models.cpu_backend import CpuPagedAttention
+from streamengine.models.gguf_weights import GgufWeights, check_against, read_gguf
+from streamengine.models.loader import LoadedModel
+from streamengine.models.native import NativeDecoder, unsupported_reason
+from streamengine.models.torch_backend import TorchPagedAttention
+from streamengine.models.triton_backend import TritonPagedAttention
+from streamengine.sample.sampler import Sampler, SamplerOutput, SamplingRow
+from streamengine.sched.plan import SchedulerOutput
+from streamengine.structured.grammar import GrammarMatcher
+from streamengine.structured.mask import TokenMasker
+
+log = logging.getLogger(__name__)
+
+PROMPT_LOGPROBS_ROWS_PER_PASS = 256
+"""Prompt positions whose logits one pass holds at once ([rows, vocab] float32 and its
+log-softmax): bounds their memory whatever the chunk size."""
+PromptLogprobs = list[dict[int, float]]  # per prompt position: {token id: logprob}
+
+
+def select_backend(
+    name: str, device: torch.device, model_config, block_size: int, dtype: torch.dtype, kv_dtype: torch.dtype,
+) -> AttentionBackend:
+    """The backend `EngineConfig.attention_backend` names; "auto" takes the C++ kernel where it
+    runs, else PyTorch on CPU and Triton on CUDA."""
+    if name in ("cpu", "auto") and device.type == "cpu":
+        if CpuPagedAttention.available(AttentionShape.of(model_config), block_size, dtype, kv_dtype):
+            return CpuPagedAttention()
+        if name == "cpu":
+            raise ValueError(
+                "attention_backend='cpu' needs a float32 model, a float32 or float16 KV cache, AVX-512 or AVX2, "
+                "a C++ compiler and a supported head shape"
+            )
+    if name == "torch" or (name == "auto" and device.type != "cuda"):
+        return TorchPagedAttention()
+    return TritonPagedAttention.create(device, dtype, kv_dtype)
+
+
+def select_native(config: EngineConfig, loaded: LoadedModel, device: torch.device,
+                  backend: AttentionBackend) -> NativeDecoder | None:
+    """The native decoder for "native", and for "auto" on CPU when the model qualifies;
+    None means transformers' own modules run (with the paged attention hook). Its weights are
+    kept as `config.weight_format` says, where the C++ kernels can hold them."""
+    model_impl, model = config.model_impl, loaded.model
+    reason = "model_impl='transformers'" if model_impl == "transformers" else unsupported_reason(model)
+    if model_impl == "native" and reason is not None:
+        raise ValueError(f"EngineConfig.model_impl='native' cannot run this model: {reason}")
+    if reason is None and not (model_impl == "native" or device.type == "cpu"):
+        reason = f"model_impl='auto' on {device.type}"
+    kernels = kernels_unavailable(config, device, reason)
+    if config.weight_format == "int8" and kernels is not None:
+        raise ValueError(f"EngineConfig.weight_format='int8' cannot run: {kernels}")
+    packed = select_packed(config, loaded, kernels)
+    if config.int8_activations and packed is None:
+        why = (kernels or (f"weight_format={config.weight_format!r}" if config.weight_format in ("dequantized", "int8")
+                           else "the model is not a GGUF file"))
+        raise ValueError(f"EngineConfig.int8_activations needs a GGUF model's Q4 weights running packed, not here: {why}")
+    if reason is not None:
+        return None
+    # Float weights: "int8" quantizes them; "auto" keeps those that are all bfloat16 values
+    # (a bfloat16 checkpoint) as bfloat16, which is exact.
+    unpacked = {"int8": "int8", "auto": "bfloat16"}.get(config.weight_format, "float32") if kernels is None else "float32"
+    native = NativeDecoder(model, backend, packed, unpacked, config.int8_activations)
+    log.info("weights: %d of %d weight matrices packed (%s)", native.num_packed, native.num_linears,
+             "GGUF blocks" if packed is not None else f"float weights kept as {unpacked}")
+    if config.int8_activations:
+        if native.num_int8_activations == 0:
+            raise ValueError("EngineConfig.int8_activations needs Q4_0, Q4_1 or Q8_0 weights running packed; "
+                             f"{loaded.gguf.name} has none ({packed.type_counts()})")
+        log.info("weights: %d of %d weight matrices multiply int8-quantized inputs (int8_activations; not exact)",
+                 native.num_int8_activations, native.num_linears)
+    if packed is not None and native.num_packed == 0 and config.weight_format == "packed":
+        raise ValueError(f"EngineConfig.weight_format='packed' cannot run: no tensor of {loaded.gguf.name} "
+                         f"has a packed kernel ({packed.type_counts()})")
+    return native
+
+
+def select_packed(config: EngineConfig, loaded: LoadedModel, kernels_reason: str | None) -> GgufWeights | None:
+    """The GGUF file's blocks when the weights run packed (weight_format "packed", or "auto"
+    where it can), else None; "packed" where it cannot run is an error saying why. Logs the
+    choice either way."""
+    if config.weight_format == "int8":
+        return None  # select_native logs what the quantization built
+    if config.weight_format == "dequantized":
+        log.info("weights: dequantized to float32 (weight_format='dequantized')")
+        return None
+    reason = "the model is not a GGUF file" if loaded.gguf is None else kernels_reason
+    if reason is not None:
+        if config.weight_format == "packed":
+            raise ValueError(f"EngineConfig.weight_format='packed' cannot run: {reason}")
+        log.info("weights: dequantized to float32 (%s)", reason)
+        return None
+    shape = AttentionShape.of(loaded.model.config)
+    try:
+        packed = read_gguf(loaded.gguf, shape.num_heads, shape.num_kv_heads)
+        check_against(packed, loaded.model)
+    except ValueError as exc:  # a file this module cannot line up with the model
+        if config.weight_format == "packed":
+            raise ValueError(f"EngineConfig.weight_format='packed' cannot run: {exc}") from exc
+        log.warning("weights: dequantized to float32 (%s)", exc)
+        return None
+    counts = packed.type_counts()
+    unpacked = {name: n for name, n in counts.items() if name not in cpu_quant_linear.FORMAT_NAMES}
+    log.info("weights: packed as stored in %s %s, fused dequantizing GEMM (%s)%s", loaded.gguf.name, counts,
+             cpu_build.selected_instruction_set(),
+             f"; no packed kernel for {unpacked}: those run as float32" if unpacked else "")
+    return packed
+
+
+def kernels_unavailable(config: EngineConfig, device: torch.device, native_reason: str | None) -> str | None:
+    """Why the C++ kernels cannot hold the weights here (packed, bfloat16 or int8), or None."""
+    if device.type != "cpu" or config.dtype != "float32":
+        return f"packed weights run on CPU in float32, not {device.type} {config.dtype}"
+    if native_reason is not None:
+        return f"the native decoder does not run ({native_reason})"
+    if cpu_quant_linear.load_library() is None:
+        return "the C++ kernels do not run here (they need x86-64 with AVX-512 or AVX2 + FMA + F16C, and a C++ compiler; see the log)"
+    return None
+
+
+def allocate_kv_caches(kv: KVCacheSpec, num_blocks: int, device: torch.device | str, pin_memory: bool = False) -> KVCaches:
+    """Per layer, a zeroed K and V tensor of [num_blocks, block_size, num_kv_heads, head_dim]."""
+    shape = (num_blocks, *kv.block_shape)
+    return [
+        (torch.zeros(shape, dtype=kv.dtype, device=device, pin_memory=pin_memory),
+         torch.zeros(shape, dtype=kv.dtype, device=device, pin_memory=pin_memory))
+        for _ in range(kv.shape.num_layers)
+    ]
+
+
+@dataclass(slots=True)
+class PackedBatch:
+    """One step's scheduled tokens as flat host lists, in plan order."""
+
+    token_ids: list[int] = field(default_factory=list)
+    positions: list[int] = field(default_factory=list)
+    slot_mapping: list[int] = field(default_factory=list)
+    query_lens: list[int] = field(default_factory=list)
+    seq_lens: list[int] = field(default_factory=list)
+    block_tables: list[list[int]] = field(default_factory=list)
+    logits_indices: list[int] = field(default_factory=list)  # the last token of each sampling sequence
+    prompt_rows: PromptRows | None = None  # positions whose logits give prompt logprobs
+
+
+@dataclass(slots=True)
+class PromptRows:
+    """The positions of one step whose logits give prompt logprobs, in plan order: each row's
+    index in the flat batch, the prompt token it scores (the next one), and how many top
+    alternatives its request wants; `counts` splits the rows by scheduled sequence."""
+
+    indices: list[int] = field(default_factory=list)
+    targets: list[int] = field(default_factory=list)
+    top_k: list[int] = field(default_factory=list)
+    counts: list[int] = field(default_factory=list)
+
+    def add(self, first_index: int, targets: list[int], k: int) -> None:
+        self.indices.extend(range(first_index, first_index + len(targets)))
+        self.targets.extend(targets)
+        self.top_k.extend([k] * len(targets))
+        self.counts.append(len(targets))
+
+
+def pack_batch(plan: SchedulerOutput, block_size: int) -> PackedBatch:
+    batch = PackedBatch()
+    for item in plan.scheduled:
+        seq, start, n = item.seq, item.seq.num_computed_tokens, item.num_new_tokens
+        table = seq.block_table
+        if item.num_prompt_logprobs:
+            rows = batch.prompt_rows = batch.prompt_rows or PromptRows()
+            targets = seq.token_ids[start + 1:start + 1 + item.num_prompt_logprobs]
+            rows.add(len(batch.token_ids), targets, seq.prompt_logprobs or 0)
+        batch.token_ids.extend(seq.token_ids[start:start + n])
+        batch.positions.extend(range(start, start + n))
+        batch.slot_mapping.extend(table[p // block_size] * block_size + p % block_size for p in range(start, start + n))
+        batch.query_lens.append(n)
+        batch.seq_lens.append(start + n)
+        batch.block_tables.append(table)
+        if item.samples:
+            batch.logits_indices.append(len(batch.token_ids) - 1)
+    return batch
+
+
+def _logprob_entries(logits: torch.Tensor, targets: list[int], top_k: list[int]) -> PromptLogprobs:
+    """Per row of `logits` [R, vocab]: its top `top_k[r]` tokens' logprobs, then its target's
+    (the order of a sampled token's logprobs: sampler._gather_logprobs)."""
+    logprobs = torch.log_softmax(logits, dim=-1)  # [R, vocab]
+    target_ids = torch.tensor(targets, dtype=torch.int64, device=logits.device)
+    target_lp = logprobs.gather(1, target_ids.unsqueeze(1)).squeeze(1).tolist()  # [R]
+    k_max = max(top_k)
+    top_lp: list[list[float]] = [[] for _ in targets]
+    top_ids: list[list[int]] = [[] for _ in targets]
+    if k_max > 0:
+        values, ids = logprobs.topk(k_max, dim=-1)  # [R, k_max]
+        top_lp, top_ids = values.tolist(), ids.tolist()
+    entries = []
+    for r, (token, k) in enumerate(zip(targets, top_k, strict=True)):
+        entry = dict(zip(top_ids[r][:k], top_lp[r][:k], strict=True))
+        entry.setdefault(token, target_lp[r])
+        entries.append(entry)
+    return entries
+
+
+def attention_metadata(batch: PackedBatch, kv_caches: KVCaches, device: torch.device) -> AttentionMetadata:
+    max_blocks = max(len(t) for t in batch.block_tables)
+    padded = [t + [0] * (max_blocks - len(t)) for t in batch.block_tables]
+    starts = [0]
+    for n in batch.query_lens:
+        starts.append(starts[-1] + n)
+    return AttentionMetadata(
+        slot_mapping=torch.tensor(batch.slot_mapping, dtype=torch.int64, device=device),
+        query_start_loc=torch.tensor(starts, dtype=torch.int32, device=device),
+        seq_lens=torch.tensor(batch.seq_lens, dtype=torch.int32, device=device),
+        block_tables=torch.tensor(padded, dtype=torch.int32, device=device),
+        query_lens_host=batch.query_lens,
+        seq_lens_host=batch.seq_lens,
+        max_query_len=max(batch.query_lens),
+        kv_caches=kv_caches,
+    )
+
+
+class ModelRunner:
+    def __init__(self, loaded: LoadedModel, config: EngineConfig, device: torch.device, kv: KVCacheSpec) -> None:
+        self.model = loaded.model
+        self.device = device
+        self.kv_dtype = kv.dtype
+        self.block_size = kv.block_size
+        pin = device.type == "cuda"
+        self.kv_caches = allocate_kv_caches(kv, kv.num_blocks, device)
+        self.cpu_caches = allocate_kv_caches(kv, kv.num_cpu_blocks, "cpu", pin) if kv.num_cpu_blocks else []
+        # Swaps run on their own stream on CUDA; the forward waits on an event, so blocks
+        # swapped out are not overwritten before their copy has landed.
+        self.swap_stream = torch.cuda.Stream(device) if pin else None
+        self.backend = select_backend(
+            config.attention_backend, device, self.model.config, kv.block_size, getattr(torch, config.dtype), kv.dtype
+        )
+        self.decoder = self.model.get_decoder()
+        self.lm_head = self.model.get_output_embeddings()
+        self.native = select_native(config, loaded, device, self.backend)
+        packed = self.native is not None and self.native.num_packed > 0  # what was built, not what was asked
+        self.weight_format = ("int8" if config.weight_format == "int8" else "packed") if packed else "dequantized"
+        self.masker = TokenMasker()  # grammar masks, of sampled rows and of beams alike
+        self.sampler = Sampler(self.masker)
+        self.generator = torch.Generator(device).manual_seed(config.seed)  # on the logits' device
+
+    @torch.inference_mode()
+    def execute(
+        self, plan: SchedulerOutput, rows: list[SamplingRow], row_sources: list[int],
+        beam_sources: list[int] = (), beam_matchers: list[GrammarMatcher | None] = (),
+    ) -> tuple[SamplerOutput, torch.Tensor | None, list[PromptLogprobs]]:
+        """Runs one step. The scheduled sequences that sample give one logits row each, in
+        plan order; sampling row j draws from logits row `row_sources[j]`; beam-search rows
+        get their full log-softmax back instead of a sampled token, masked first by their
+        beam's grammar matcher where `beam_matchers` has one. Last, the prompt logprobs of
+        each scheduled sequence with `num_prompt_logprobs`, in plan order."""
+        self._move_blocks(plan)
+        batch = pack_batch(plan, self.block_size)
+        hidden = self._forward(batch)  # [T, hidden]
+        prompt = self._prompt_logprobs(hidden, batch.prompt_rows) if batch.prompt_rows else []
+        sampled, beam = self._sample(hidden, batch, rows, row_sources, beam_sources, beam_matchers)
+        return sampled, beam, prompt
+
+    def _sample(
+        self, hidden: torch.Tensor, batch: PackedBatch, rows: list[SamplingRow], row_sources: list[int],
+        beam_sources: list[int], beam_matchers: list[GrammarMatcher | None],
+    ) -> tuple[SamplerOutput, torch.Tensor | None]:
+        if not batch.logits_indices:
+            return SamplerOutput([], []), None
+        logits_indices = torch.tensor(batch.logits_indices, dtype=torch.int64, device=self.device)
+        logits = self._logits(hidden[logits_indices]).float()  # [num_samplers, vocab]
+        beam = None
+        if beam_sources:
+            beam_logits = self.masker.apply(logits[list(beam_sources)], beam_matchers or [])  # [beams, vocab]
+            beam = torch.log_softmax(beam_logits, dim=-1).cpu()
+        if not rows:
+            return SamplerOutput([], []), beam
+        if row_sources != list(range(len(batch.logits_indices))):
+            logits = logits[torch.tensor(row_sources, device=logits.device)]  # [num_rows, vocab]
+        return self.sampler(logits, rows, self.generator), beam
+
+    def _prompt_logprobs(self, hidden: torch.Tensor, rows: PromptRows) -> list[PromptLogprobs]:
+        """Each row's {prompt token: logprob} plus its top-k alternatives, split per sequence.
+        The log-softmax is of the model's float32 logits, as for sampled tokens' logprobs (a
+        prompt has no grammar mask, penalties or temperature to apply)."""
+        entries: PromptLogprobs = []
+        for lo in range(0, len(rows.indices), PROMPT_LOGPROBS_ROWS_PER_PASS):
+            hi = lo + PROMPT_LOGPROBS_ROWS_PER_PASS
+            index = torch.tensor(rows.indices[lo:hi], dtype=torch.int64, device=self.device)
+            entries.extend(_logprob_entries(self._logits(hidden[index]).float(), rows.targets[lo:hi], rows.top_k[lo:hi]))
+        out, start = [], 0
+        for count in rows.counts:
+            out.append(entries[start:start + count])
+            start += count
+        return out
+
+    def _forward(self, batch: PackedBatch) -> torch.Tensor:
+        attn_plan = self.backend.plan(attention_metadata(batch, self.kv_caches, self.device))
+        input_ids = torch.tensor(batch.token_ids, dtype=torch.int64, device=self.device)  # [T]
+        positions = torch.tensor(batch.positions, dtype=torch.int64, device=self.device)  # [T]
+        if self.native is not None:
+            return self.native.forward(input_ids, positions, attn_plan)
+        return self._transformers_forward(input_ids, positions, attn_plan)
+
+    def _transformers_forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attn_plan: AttentionPlan) -> torch.Tensor:
+        # transformers runs the packed batch as one sequence; every layer's attention call
+        # gets `attn_plan` (models/attention.py).
+        return self.decoder(
+            input_ids=input_ids[None], position_ids=positions[None], use_cache=False, attn_plan=attn_plan
+        ).last_hidden_state[0]  # [1, T, hidden] -> [T, hidden]
+
+    def _logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.native.logits(hidden) if self.native is not None else self.lm_head(hidden)
+
+    def _move_blocks(self, plan: SchedulerOutput) -> None:
+        """The plan's swaps and copy-on-write copies, before its forward reads the cache."""
+        if plan.blocks_to_swap_out or plan.blocks_to_swap_in:
+            self._swap(plan.blocks_to_swap_out, plan.blocks_to_swap_in)
+        if plan.blocks_to_copy:
+            self._copy_blocks(plan.blocks_to_copy)
+
+    def _swap(self, out_pairs: list[tuple[int, int]], in_pairs: list[tuple[int, int]]) -> None:
+        """Swap-outs then swap-ins, layer by layer. On CUDA they run on the swap stream after
+        the work already queued, and the next forward waits on an event: device blocks freed
+        by a swap-out are not overwritten before their copy has landed. The host pool is
+        pinned and only ever read by later copies on the same stream."""
+        from streamengine.kernels import swap_blocks
+
+        out_map = torch.tensor(out_pairs, dtype=torch.int64).view(-1, 2)  # (device, host)
+        in_map = torch.tensor(in_pairs, dtype=torch.int64).view(-1, 2)  # (host, device)
+        if self.swap_stream is not None:
+            self.swap_stream.wait_stream(torch.cuda.current_stream(self.device))
+        for (key_cache, value_cache), (cpu_k, cpu_v) in zip(self.kv_caches, self.cpu_caches, strict=True):
+            for src, dst, mapping in ((key_cache, cpu_k, out_map), (value_cache, cpu_v, out_map),
+                                      (cpu_k, key_cache, in_map), (cpu_v, value_cache, in_map)):
+                swap_blocks(src, dst, mapping, stream=self.swap_stream)
+        if self.swap_stream is not None:
+            done = torch.cuda.Event()
+            done.record(self.swap_stream)
+            torch.cuda.current_stream(self.device).wait_event(done)
+
+    def _copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
+        """Copy-on-write copies: the Triton kernel on CUDA, its PyTorch reference on CPU."""
+        from streamengine.kernels import copy_blocks, ref_copy_blocks
+
+        mapping = torch.tensor(pairs, dtype=torch.int64)  # [num_pairs, 2] (src, dst)
+        copy = copy_blocks if self.device.type == "cuda" else ref_copy_blocks
+        copy([k for k, _ in self.kv_caches], [v for _, v in self.kv_caches], mapping)

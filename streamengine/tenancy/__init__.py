@@ -1,0 +1,1 @@
+"""Tenants: their records, fair-share accounting, pinned prefixes."""
