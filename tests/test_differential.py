@@ -13,11 +13,12 @@ finish and stop reasons; an aborted request's tokens must be a prefix of its ref
 After every scenario the engine must be idle with every device and host block free, and
 `EngineCore.audit()` must pass. A hang turns into a failure through a generous timeout.
 
-Found so far: "fair" without prefix caching livelocked (the reproducer at the end, fixed).
-Known, not fixed: the long variant hangs on seeds 1030, 1056 and 1067 (recompute, no prefix
-cache, 8-9 blocks): the samples of one n=3 request, together larger than the pool, preempt
-each other by recompute without end (seen under "fcfs" too).
-The long variant (80 more scenarios) runs with STREAMENGINE_LONG_DIFFERENTIAL=1.
+Found so far (each fixed, with its reproducer below): "fair" without prefix caching
+livelocked; and the long variant's seeds 1030, 1056 and 1067 (recompute, no prefix cache, 8-9
+blocks) hung: the beams of one request, which fit the pool only while they shared their
+prompt, re-prefilled it into blocks of their own once preempted, and preempted each other
+without end (sched/groups.py). The long variant (80 more scenarios) runs with
+STREAMENGINE_LONG_DIFFERENTIAL=1.
 """
 
 from __future__ import annotations
@@ -336,6 +337,13 @@ async def finish_or_thrash(engine: AsyncEngine, jobs: list[tuple[list[int], Samp
         for t in tasks:
             t.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
+
+
+async def test_a_group_that_fits_only_shared_is_not_preempted_forever(tiny_llama_dir):
+    """The long variant's seeds that hung: beams that fit the pool only while sharing their
+    prompt, preempted by recompute without prefix caching."""
+    totals = await run_scenarios(tiny_llama_dir, [1030, 1056, 1067])
+    assert totals["scenarios"] == 3 and totals["preemptions"] > 0
 
 
 async def test_fair_without_prefix_caching_does_not_livelock(tiny_llama_dir):

@@ -482,6 +482,44 @@ def test_forked_sequences_run_and_copy_on_write() -> None:
     assert sim.bm.num_free_blocks == 8
 
 
+def _sibling(parent: Sequence, seq_id: int, next_token: int) -> Sequence:
+    """Another sample of `parent`'s request whose prompt is all it has computed so far."""
+    n = parent.num_prompt_tokens
+    return Sequence(seq_id, parent.request_id, parent.prompt_token_ids, token_ids=[*parent.token_ids[:n], next_token],
+                    arrival_time=parent.arrival_time, group_size=parent.group_size)
+
+
+def test_a_recomputed_sample_starts_on_its_siblings_prompt_blocks() -> None:
+    """Without prefix caching, a sample that recomputes (preempted, or forked without room)
+    shares its running sibling's computed full blocks instead of computing them again."""
+    sim = Sim(8, prefix_caching=False)
+    parent = sim.add(tokens(9), max_tokens=4)
+    parent.group_size = 2
+    sim.step()  # the prompt, in blocks 0, 1, 2
+    child = _sibling(parent, 99, 7)
+    sim.max_tokens[99] = 4
+    sim.sched.add_preempted(child)
+    out = sim.step()
+    assert [(i.seq, i.num_new_tokens) for i in out.scheduled] == [(parent, 1), (child, 2)]
+    assert parent.block_table == [0, 1, 2] and child.block_table == [0, 1, 3]
+    assert [sim.bm.blocks[b].ref_cnt for b in range(4)] == [2, 2, 1, 1]
+    sim.run()
+    assert sim.bm.num_free_blocks == 8
+
+
+def test_a_recomputing_sample_waits_for_its_siblings_prompt() -> None:
+    sim = Sim(8, prefix_caching=False, chunk=4)
+    parent = sim.add(tokens(9), max_tokens=4)
+    parent.group_size = 2
+    sim.step()  # 4 of its 9 prompt tokens
+    child = _sibling(parent, 99, 7)
+    sim.max_tokens[99] = 4
+    sim.sched.add_preempted(child)
+    for computed in (8, 9):  # it waits rather than compute the same prompt beside it
+        assert [i.seq for i in sim.step().scheduled] == [parent] and parent.num_computed_tokens == computed
+    assert [i.seq for i in sim.step().scheduled] == [parent, child] and child.block_table[:2] == [0, 1]
+
+
 # -- preemption by swapping ----------------------------------------------------------------
 
 

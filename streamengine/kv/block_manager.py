@@ -123,6 +123,19 @@ class BlockManager(KVSwapMixin, BlockPinsMixin, KVEventLogMixin):
             hits.append(block)
         return hits
 
+    def blocks_computed_alike(self, seq: Sequence, other: Sequence) -> list[KVBlock]:
+        """The leading full blocks `other` has computed over the same tokens as `seq` (a
+        sibling sample or beam): what `seq`, holding no blocks, may start on instead of
+        computing them. Capped like `find_cached_blocks`."""
+        size = self.block_size
+        limit = min((seq.num_tokens - 1) // size, other.num_computed_tokens // size, len(other.block_table))
+        shared: list[KVBlock] = []
+        for i in range(limit):
+            if seq.token_ids[i * size:(i + 1) * size] != other.token_ids[i * size:(i + 1) * size]:
+                break
+            shared.append(self.blocks[other.block_table[i]])
+        return shared
+
     def cache_full_blocks(self, seq: Sequence, num_tokens: int | None = None) -> None:
         """Registers the blocks that became full since the last call, counting the first
         `num_tokens` tokens (default: the computed ones).

@@ -10,6 +10,7 @@ from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
 from streamengine.kv.free_blocks import KVBlock
+from streamengine.sched.groups import cached_blocks
 from streamengine.sched.plan import SchedulerOutput
 from streamengine.sched.preemption import blocks_freed_by
 from streamengine.sequence import Sequence, SequenceStatus
@@ -304,7 +305,7 @@ def owing_room(sched: Scheduler, tenant: str) -> list[Sequence]:
 
 
 def head_need(sched: Scheduler, seq: Sequence) -> int:
-    return blocks_to_start(sched, seq, sched.block_manager.find_cached_blocks(seq))
+    return blocks_to_start(sched, seq, cached_blocks(sched, seq))
 
 
 def blocks_to_start(sched: Scheduler, seq: Sequence, cached: list[KVBlock]) -> int:
@@ -386,7 +387,7 @@ def pick_in_tenant(
     those waiting for a prefix in flight keep their place and are not passed over."""
     candidates = []
     for seq in queue[:LOOKAHEAD]:
-        cached = sched.block_manager.find_cached_blocks(seq)
+        cached = cached_blocks(sched, seq)
         if not sched._waits_for_prefix(seq, len(cached), in_flight):
             candidates.append((seq, cached))
     if not candidates:

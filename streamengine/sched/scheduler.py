@@ -32,6 +32,7 @@ from streamengine.sched.fair import (
     split_pool,
     tenant_chunk,
 )
+from streamengine.sched.groups import cached_blocks, waits_for_sibling
 from streamengine.sched.plan import ScheduledSeq, SchedulerOutput
 from streamengine.sched.preemption import PreemptionPolicy
 from streamengine.sequence import Sequence, SequenceStatus
@@ -393,7 +394,7 @@ class Scheduler:
         i = 0
         while i < len(self.waiting) and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[i]
-            cached = bm.find_cached_blocks(seq)
+            cached = cached_blocks(self, seq)
             if self._waits_for_prefix(seq, len(cached), in_flight):
                 i += 1  # it keeps its place; those behind it that share nothing may start
                 continue
@@ -441,6 +442,8 @@ class Scheduler:
     def _waits_for_prefix(self, seq: Sequence, num_hits: int, in_flight: set[bytes]) -> bool:
         if not seq.reads_prefix_cache:
             return False  # it would not take those blocks as hits anyway
+        if waits_for_sibling(self, seq):
+            return True
         limit = (seq.num_tokens - 1) // self.block_manager.block_size  # hits stop there anyway
         return bool(in_flight) and num_hits < limit and seq.block_hashes[num_hits] in in_flight
 
