@@ -105,13 +105,13 @@ def mode_defaults(
     results_dir: Path, systems: Sequence[str],
 ) -> None:
     """The options a run left unset take the --quick or full mode's values; --json and --png
-    default to results/<name>[_quick]; --systems (comma-separated) must name known systems."""
+    default to results/<name>[_quick] (the plot beside the JSON); --systems (comma-separated) must name known systems."""
     for key, value in (quick if args.quick else full).items():
         if getattr(args, key) is None:
             setattr(args, key, value)
     suffix = "_quick" if args.quick else ""
     args.json = args.json or results_dir / f"{name}{suffix}.json"
-    args.png = args.png or results_dir / f"{name}{suffix}.png"
+    args.png = args.png or args.json.with_suffix(".png")  # beside the JSON, never over a committed plot
     args.systems = [s.strip() for s in args.systems.split(",") if s.strip()]
     if not args.systems or any(s not in systems for s in args.systems):
         p.error(f"--systems must name some of {', '.join(systems)}")

@@ -213,7 +213,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args.max_tokens = args.max_tokens if args.max_tokens is not None else (16 if args.quick else 96)
     suffix = "_quick" if args.quick else ""
     args.json = args.json or RESULTS / f"contention{suffix}.json"
-    args.png = args.png or RESULTS / f"contention{suffix}.png"
+    args.png = args.png or args.json.with_suffix(".png")
     args.systems = [s for s in args.systems.split(",") if s]
     if any(s not in SYSTEMS for s in args.systems):
         p.error(f"--systems must name some of {', '.join(SYSTEMS)}")

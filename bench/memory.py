@@ -607,7 +607,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    help="contiguous (max) reservation per request; trace lengths are capped at half")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", type=Path, default=None)
-    p.add_argument("--png", type=Path, default=RESULTS_DIR / "memory.png")
+    p.add_argument("--png", type=Path, default=None,
+                   help="the plot (default: beside --json, same name; without --json, results/memory.png)")
     p.add_argument("--no-progress", action="store_true")
     p.add_argument("--engine-beam", action="store_true",
                    help="also measure beam search in the real engine (slow on CPU)")
@@ -615,6 +616,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--engine-requests", type=int, default=4)
     p.add_argument("--engine-scale", type=float, default=0.25, help="length scale for --engine-beam")
     args = p.parse_args(argv)
+    args.png = args.png or (args.json.with_suffix(".png") if args.json else RESULTS_DIR / "memory.png")
     if args.num_requests is not None and args.num_requests < 1:
         p.error("--num-requests must be >= 1")
     if args.engine_requests < 1 or not args.engine_scale > 0:

@@ -874,11 +874,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--llamacpp-version", default=LLAMACPP_PYPI_VERSION, help="llama-cpp-python sdist to build from")
     p.add_argument("--build-jobs", type=int, default=2)
     p.add_argument("--json", type=Path, default=RESULTS_DIR / "peers.json")
-    p.add_argument("--png", type=Path, default=RESULTS_DIR / "peers.png")
+    p.add_argument("--png", type=Path, default=None, help="the plot (default: beside --json, same name)")
     p.add_argument("--no-png", action="store_true")
     p.add_argument("--no-int8-activations", dest="int8_activations", action="store_false",
                    help="skip the engine's opt-in int8-activation mode (not exact; reported beside the goals)")
     args = p.parse_args(argv)
+    args.png = args.png or args.json.with_suffix(".png")  # never over a committed plot
     args.reps = args.reps or (1 if args.quick else 3)
     args.tput_reps = args.tput_reps or (1 if args.quick else 2)
     args.parallel = args.parallel or (16 if args.quick else 32)

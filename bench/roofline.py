@@ -477,9 +477,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="GGUF file of the packed-weight bound (default: the default model's, when --model is not given)")
     p.add_argument("--no-packed-decode", action="store_true", help="skip timing batch 1 with weight_format=packed")
     p.add_argument("--json", type=Path, default=RESULTS_DIR / "roofline.json")
-    p.add_argument("--png", type=Path, default=RESULTS_DIR / "roofline.png")
+    p.add_argument("--png", type=Path, default=None, help="the plot (default: beside --json, same name)")
     p.add_argument("--no-png", action="store_true")
     args = p.parse_args(argv)
+    args.png = args.png or args.json.with_suffix(".png")  # never over a committed plot
     try:
         batches = [int(b) for b in args.batches.split(",")] if args.batches else None
     except ValueError:

@@ -675,9 +675,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--threads", type=int, default=torch.get_num_threads(), help="torch threads per server")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", type=Path, default=RESULTS_DIR / "serving.json")
-    p.add_argument("--png", type=Path, default=RESULTS_DIR / "serving.png")
+    p.add_argument("--png", type=Path, default=None, help="the plot (default: beside --json, same name)")
     p.add_argument("--no-png", action="store_true")
     args = p.parse_args(argv)
+    args.png = args.png or args.json.with_suffix(".png")  # never over a committed plot
     mode = QUICK if args.quick else FULL
     for key in ("num_requests", "scale", "run_timeout", "lag_requests", "lag_seconds"):
         if getattr(args, key) is None:

@@ -237,7 +237,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error("--max-tokens, --repeats, --compile-rounds and --threads must be >= 1")
     suffix = "_quick" if args.quick else ""
     args.json = args.json or RESULTS_DIR / f"structured{suffix}.json"
-    args.png = args.png or RESULTS_DIR / f"structured{suffix}.png"
+    args.png = args.png or args.json.with_suffix(".png")
     return args
 
 

@@ -572,8 +572,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", type=Path, default=RESULTS_DIR / "throughput.json")
-    p.add_argument("--png", type=Path, default=RESULTS_DIR / "throughput.png")
+    p.add_argument("--png", type=Path, default=None, help="the plot (default: beside --json, same name)")
     args = p.parse_args(argv)
+    args.png = args.png or args.json.with_suffix(".png")  # never over a committed plot
     args.systems = [s.strip() for s in args.systems.split(",") if s.strip()]
     bad = [s for s in args.systems if s not in SYSTEMS]
     if bad or not args.systems:
