@@ -11,6 +11,7 @@ import pytest
 from test_scheduler import Sim as BaseSim
 
 from streamengine.kv.block_manager import BlockManager
+from streamengine.sched.fair import over_block_share
 from streamengine.sched.plan import SchedulerOutput
 from streamengine.sched.scheduler import Scheduler
 from streamengine.sequence import Sequence, SequenceStatus
@@ -927,7 +928,7 @@ def test_a_step_the_pool_cannot_hold_is_split_by_weight_between_tenants_prefilli
             if sim.sched.running:
                 room = sum(len(s.block_table) * BS - s.num_computed_tokens for s in sim.sched.running)
                 room += sim.bm.num_free_blocks * BS
-            over = sim.sched._over_block_share()
+            over = over_block_share(sim.sched)
             before = {t: sum(s.num_computed_tokens for s in seqs) for t, seqs in prompts.items()}
             out = sim.step()
             took = {t: sum(s.num_computed_tokens for s in seqs) - before[t] for t, seqs in prompts.items()}

@@ -1,7 +1,7 @@
-"""The "fair" policy's steps inside the Scheduler: per-tenant prefill chunks and slices of a
-full step or a short pool, making room for underserved tenants (who yields, in what order) and
-admission from the tenant owed the most service. Functions of the Scheduler
-(streamengine.sched.scheduler); FairShare (fair_share.py) holds the accounting they read."""
+"""The "fair" policy (FairPolicy, a SchedulingPolicy): making room for underserved tenants (who
+yields, in what order), running order and victims by tenant share, and admission from the
+tenant owed the most service; the step's prefill caps are in fair_caps.py. Functions of the
+Scheduler; FairShare (tenancy/fair_share.py) holds the accounting they read."""
 
 from __future__ import annotations
 
@@ -10,139 +10,16 @@ from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
 from streamengine.kv.free_blocks import KVBlock
+from streamengine.sched.fair_caps import count_prefills, fair_chunk, split_pool
 from streamengine.sched.groups import cached_blocks
 from streamengine.sched.plan import SchedulerOutput
+from streamengine.sched.policy import StepCaps
 from streamengine.sched.preemption import blocks_freed_by
-from streamengine.sequence import Sequence, SequenceStatus
-from streamengine.tenancy.fair_share import (
-    FAIRNESS_SLACK,
-    LOOKAHEAD,
-    MAX_YIELDS_PER_STEP,
-    TENANT_PREFILL_CHUNKS,
-    weighted_split,
-)
+from streamengine.sequence import Sequence
+from streamengine.tenancy.fair_share import FAIRNESS_SLACK, LOOKAHEAD, MAX_YIELDS_PER_STEP
 
 if TYPE_CHECKING:
     from streamengine.sched.scheduler import Scheduler
-
-
-def tenant_chunk(sched: Scheduler, tenant: str, slice_size: int = 0) -> int:
-    chunk = sched.max_prefill_chunk
-    share = max(TENANT_PREFILL_CHUNKS * chunk, slice_size)
-    return max(chunk, share // max(1, sched._prefills.get(tenant, 0)))
-
-
-def count_prefills(sched: Scheduler) -> None:
-    """"fair": each tenant's prompts still to prefill and the most prompt tokens each may
-    compute this step: its weighted slice when the step's budget cannot hold every
-    prompt's chunk, and its chunk share when other tenants are in the step."""
-    sched._prefills.clear()
-    sched._prefill_slices.clear()
-    sched._slice_sizes.clear()
-    sched._num_prefilling_tenants = 0
-    if sched.policy != "fair" or sched.max_prefill_chunk is None:
-        return
-    left: dict[str, list[int]] = {}  # prompt tokens left of each tenant's running prompts
-    waiting: list[tuple[str, int]] = []
-    num_decodes = 0
-    for seq in itertools.chain(sched.running, sched.waiting):
-        n = seq.num_tokens - seq.num_computed_tokens
-        if n > 1:
-            sched._prefills[seq.tenant] = sched._prefills.get(seq.tenant, 0) + 1
-            if seq.status is SequenceStatus.RUNNING:
-                left.setdefault(seq.tenant, []).append(n)
-            else:
-                waiting.append((seq.tenant, n))
-        elif seq.status is SequenceStatus.RUNNING:
-            num_decodes += 1
-    sched._num_prefilling_tenants = len(left)
-    if len(left) >= 2:
-        split_full_step(sched, left, waiting, num_decodes)
-    if sched._prefills:  # a decode-only step has nothing to cap (and no tenant set to build)
-        present = {seq.tenant for seq in itertools.chain(sched.running, sched.waiting)}
-        if len(present) >= 2:
-            cap_tenant_prefills(sched, present)
-
-
-def split_full_step(sched: Scheduler, left: dict[str, list[int]], waiting: list[tuple[str, int]], num_decodes: int) -> None:
-    """When the chunks of the running prompts (`left`: tokens left of each, per tenant), the
-    decodes and the waiting prompts the pool could start overflow the budget: each tenant
-    prefilling gets its weighted slice of the step's prefill tokens."""
-    # Waiting prompts count only as far as the free blocks could hold their chunks: when
-    # the pool holds them back, the step is not full, and a slice would only slow a quiet
-    # tenant's lone prompt for nothing.
-    admissible = min(sum(min(n, tenant_chunk(sched, t)) for t, n in waiting),
-                     sched.block_manager.num_free_blocks * sched.block_manager.block_size)
-    demand = num_decodes + admissible + sum(min(n, tenant_chunk(sched, t)) for t, ns in left.items() for n in ns)
-    if demand <= sched.max_num_batched_tokens:
-        return  # every chunk fits: the step stays as short as the chunks make it
-    # The step is full whatever the split: split its prefill tokens by weight between the
-    # tenants whose prompts run (a waiting one may not start this step; its slice would
-    # go unused), each taking no more than its slice.
-    running = {tenant: sum(ns) for tenant, ns in left.items()}
-    weights = {tenant: sched.share.tenants.get(tenant).weight for tenant in running}
-    split = weighted_split(max(0, sched.max_num_batched_tokens - num_decodes), running, weights)
-    sched._slice_sizes.update(split)
-    sched._prefill_slices.update(split)  # counts down as the step hands tokens out
-
-
-def cap_tenant_prefills(sched: Scheduler, present: set[str]) -> None:
-    """With other tenants' sequences in the step, a tenant's prompts compute at most
-    TENANT_PREFILL_CHUNKS chunks in all (times its weight over the least weight `present`),
-    however many it has in flight; a full step's slice (split_full_step) can only lower
-    that. Without the cap each of a busy tenant's prompts took a chunk, so a burst of its
-    queued turns admitted together made one long step, and every other tenant's stream and
-    first token waited for it (docs/performance.md). A tenant alone keeps the whole
-    budget."""
-    weight = sched.share.tenants.get
-    least = min(weight(tenant).weight for tenant in present)
-    for tenant in sched._prefills:
-        cap = round(TENANT_PREFILL_CHUNKS * sched.max_prefill_chunk * weight(tenant).weight / least)
-        sched._prefill_slices[tenant] = min(sched._prefill_slices.get(tenant, cap), cap)
-
-
-def split_pool(sched: Scheduler, budget: int, admitted: set[Sequence], over_share: set[str]) -> None:
-    """"fair": when the free blocks cannot hold the chunks of the prompts running (those
-    not `admitted` this step), each tenant prefilling gets its weighted slice of the
-    prompt tokens they can hold, as when the token budget runs out (count_prefills);
-    the tenants `over_share` of the pool split what the others leave, as they come last
-    in the step's order (a busy tenant's many prompts must not halve a quiet tenant's
-    lone one when the pool is short). Handed out in service order, the least-served
-    tenant, however slightly, took every block for its chunks while its peers waited a
-    step: a lurch that the counters undid in the steps after, and that a window of a few
-    steps saw as unfair."""
-    if sched._num_prefilling_tenants < 2:
-        return  # a decode-only step, or one tenant prefilling: nothing to split (no scan)
-    bm = sched.block_manager
-    prompts: dict[str, list[int]] = {}  # tokens left of each tenant's running prompts
-    chunks = decode_blocks = own_room = 0
-    for seq in sched.running:
-        n = seq.num_tokens - seq.num_computed_tokens
-        if seq in admitted or n < 1:
-            continue
-        if n == 1:
-            decode_blocks += len(seq.block_table) < bm.blocks_needed(seq.num_tokens)
-            continue
-        prompts.setdefault(seq.tenant, []).append(n)
-        chunks += min(n, sched._prefill_chunk(seq), sched._prefill_slices.get(seq.tenant, n))
-        own_room += len(seq.block_table) * bm.block_size - seq.num_computed_tokens
-    # The prompt tokens the pool holds: what is left in the prompts' own last blocks and
-    # the free blocks that the decodes' next tokens do not take.
-    room = own_room + max(0, bm.num_free_blocks - decode_blocks) * bm.block_size
-    if len(prompts) < 2 or chunks <= room or room <= 0:
-        return  # every chunk fits, or someone must yield first (_make_room picks whom)
-    capacity = min(budget, room)
-    # What each tenant's prompts could take this step, chunked as a slice of all of it
-    # would make them: no slice larger, or the room it leaves would go unused.
-    takes = {tenant: sum(min(n, tenant_chunk(sched, tenant, capacity)) for n in ns)
-             for tenant, ns in prompts.items()}
-    for last in (False, True):
-        tier = {tenant: n for tenant, n in takes.items() if (tenant in over_share) == last}
-        weights = {tenant: sched.share.tenants.get(tenant).weight for tenant in tier}
-        for tenant, size in weighted_split(capacity, tier, weights).items():
-            sched._slice_sizes[tenant] = max(sched._slice_sizes.get(tenant, 0), size)
-            sched._prefill_slices[tenant] = min(sched._prefill_slices.get(tenant, size), size)
-            capacity -= size
 
 
 def free_for_next_tokens(sched: Scheduler, out: SchedulerOutput, admitted: set[Sequence]) -> None:
@@ -184,7 +61,7 @@ def serve_underserved(sched: Scheduler, out: SchedulerOutput) -> int:
     requests end, and a quiet tenant's first token waits for a busy one's requests; and
     room made for a tenant but left to ordinary admission goes first to the running
     sequences' growth, step after step, while the tenant it was made for waits."""
-    if sched.policy != "fair" or not sched.waiting or sched.swapped or not sched.running:
+    if not sched.waiting or sched.swapped or not sched.running:
         return 0
     running = {s.tenant for s in sched.running}
     queues = waiting_by_tenant(sched)
@@ -346,7 +223,7 @@ def schedule_waiting_fair(sched: Scheduler, out: SchedulerOutput, budget: int, y
     committed = sched.share.committed(sched.running) if queues else {}
     while queues and budget > 0 and len(sched.running) < sched.max_num_seqs:
         tenant = sched.share.least_served(queues, committed)
-        if sched._prefill_slices.get(tenant, 1) <= 0:
+        if sched.caps.prefill_slices.get(tenant, 1) <= 0:
             del queues[tenant]  # its slice of this full step is spent
             continue
         choice = pick_in_tenant(sched, queues[tenant], in_flight)
@@ -401,3 +278,47 @@ def may_admit(sched: Scheduler, seq: Sequence, cached: list[KVBlock]) -> bool:
     bm = sched.block_manager
     num_new = bm.blocks_needed(seq.num_tokens) - len(cached)
     return sched.share.within_quota(seq, sched.running, [b.block_id for b in cached], num_new, bm.num_blocks)
+
+class FairPolicy:
+    """Tenants by share (the functions above); a SchedulingPolicy."""
+
+    def begin_step(self, sched: Scheduler) -> StepCaps:
+        caps = sched.caps = StepCaps()  # tenant_chunk reads it while the caps are counted
+        count_prefills(sched, caps)
+        return caps
+
+    def serve_first(self, sched: Scheduler, out: SchedulerOutput) -> int:
+        return serve_underserved(sched, out)
+
+    def running_order(self, sched: Scheduler, out: SchedulerOutput, budget: int, admitted: set[Sequence]) -> list[Sequence]:
+        """The tenants within their share of the pool first, then those over it, least served
+        first in each: the tenants owed service get their prompts computed, and the victims,
+        taken among the sequences still unscheduled, are of the tenants holding the most
+        memory (by service alone, a quiet tenant's lone prompt, charged in full as it starts,
+        was preempted step after step for a busy tenant's growth)."""
+        free_for_next_tokens(sched, out, admitted)
+        # One tenant running: its being over its share moves all or none (no block-table scan).
+        several = len({s.tenant for s in sched.running}) > 1
+        over = over_block_share(sched) if several else set()
+        split_pool(sched, budget, admitted, over)
+        return sched.share.service_order(sched.running, over)
+
+    def prefill_chunk(self, sched: Scheduler, seq: Sequence) -> int:
+        return fair_chunk(sched, seq)
+
+    def take_victim(self, sched: Scheduler, out: SchedulerOutput, tenant: str | None) -> Sequence:
+        """The newest of the tenant furthest over its share (of `tenant`, if given) among the
+        sequences this step has not scheduled yet."""
+        scheduled = {item.seq for item in out.scheduled}
+        candidates = [s for s in sched.running if s not in scheduled and tenant in (None, s.tenant)]
+        victim = sched.share.pick_victim(candidates, blocks_by_tenant(sched), sched.block_manager.enable_prefix_caching)
+        sched.running.remove(victim)
+        return victim
+
+    def may_grow(self, sched: Scheduler, seq: Sequence, n: int) -> bool:
+        bm = sched.block_manager
+        num_new = bm.blocks_needed(seq.num_computed_tokens + n) - len(seq.block_table)
+        return num_new <= 0 or sched.share.within_quota(seq, sched.running, (), num_new, bm.num_blocks)
+
+    def schedule_waiting(self, sched: Scheduler, out: SchedulerOutput, budget: int, yielded: list[Sequence]) -> None:
+        schedule_waiting_fair(sched, out, budget, yielded)

@@ -8,10 +8,11 @@ computes its one new token, a prefix-cache hit starts with `num_computed_tokens`
 `max_prefill_chunk` caps the tokens one sequence computes per step, so a long prompt takes
 several steps and the decode streams batched with it keep getting a token every step.
 
-Two admission policies: "fcfs" admits in arrival order across everyone; "fair" admits from the
-tenant owed the most service, within its quotas, and inside a tenant prefers cached prefixes
-(fair_share.py holds that policy, sched/fair.py its steps here; this module keeps the queues
-and the blocks; sched/plan.py holds the plan a step returns, preemption.py how to preempt).
+This module is the mechanism (queues, budget, blocks, preemption); what differs between
+policies is asked of a SchedulingPolicy (policy.py): "fcfs" (fcfs.py) admits in arrival order
+across everyone; "fair" (fair.py, with tenancy/fair_share.py's accounting) admits from the
+tenant owed the most service, within its quotas. plan.py holds the plan a step returns,
+preemption.py how to preempt, groups.py what a request's samples share.
 """
 
 from __future__ import annotations
@@ -22,18 +23,11 @@ from collections import deque
 from streamengine.config import SCHEDULING_POLICIES
 from streamengine.kv.block_manager import BlockManager
 from streamengine.kv.free_blocks import KVBlock
-from streamengine.sched.fair import (
-    blocks_by_tenant,
-    count_prefills,
-    free_for_next_tokens,
-    over_block_share,
-    schedule_waiting_fair,
-    serve_underserved,
-    split_pool,
-    tenant_chunk,
-)
-from streamengine.sched.groups import cached_blocks, waits_for_sibling
+from streamengine.sched.fair import FairPolicy
+from streamengine.sched.fcfs import FcfsPolicy
+from streamengine.sched.groups import waits_for_sibling
 from streamengine.sched.plan import ScheduledSeq, SchedulerOutput
+from streamengine.sched.policy import SchedulingPolicy, StepCaps
 from streamengine.sched.preemption import PreemptionPolicy
 from streamengine.sequence import Sequence, SequenceStatus
 from streamengine.tenancy.fair_share import FairShare
@@ -64,7 +58,7 @@ class Scheduler:
     ) -> None:
         if policy not in SCHEDULING_POLICIES:
             raise ValueError(f"scheduling policy must be one of {SCHEDULING_POLICIES}, got {policy!r}")
-        self.policy = policy
+        self.policy: SchedulingPolicy = FairPolicy() if policy == "fair" else FcfsPolicy()
         self.share = FairShare(tenants if tenants is not None else Tenants(), prompt_token_weight, output_token_weight)
         self.block_manager = block_manager
         self.max_num_seqs = max_num_seqs
@@ -81,15 +75,7 @@ class Scheduler:
         # Admission keeps ~1% of the pool free so a new prompt does not force the very next
         # decode step to preempt (the same watermark vLLM uses).
         self.watermark_blocks = block_manager.num_blocks // 100
-        # "fair": each tenant's prompts in flight or waiting this step, for its chunk size.
-        self._prefills: dict[str, int] = {}
-        # "fair", when the step is full: each tenant's weighted slice of its prefill tokens
-        # (weighted_split), and what is left of it as the step hands tokens out.
-        self._slice_sizes: dict[str, int] = {}
-        # "fair": tenants with prompts running as the step began; fewer than two, and the
-        # step has no pool to split between them (split_pool skips its scan).
-        self._num_prefilling_tenants = 0
-        self._prefill_slices: dict[str, int] = {}
+        self.caps = StepCaps()  # the policy's limits for the step being scheduled
         # The waiting sequence whose admission the pool refused last this step (unfittable).
         self._refused: Sequence | None = None
 
@@ -141,8 +127,8 @@ class Scheduler:
         out = SchedulerOutput()
         self._refused = None
         self.share.start_step()
-        count_prefills(self)
-        budget = self.max_num_batched_tokens - serve_underserved(self, out)
+        self.caps = self.policy.begin_step(self)
+        budget = self.max_num_batched_tokens - self.policy.serve_first(self, out)
         # Tenants that gave way this step admit nothing in it (that would undo the yield), nor
         # does anyone served more than one of them: the room is lent only to those it owes.
         yielded = list(out.preempted)
@@ -157,10 +143,10 @@ class Scheduler:
             # Every running sequence is idle (beams waiting for a sibling's logits) while the
             # sibling cannot get blocks: recompute the newest idle one later, behind the
             # blocked one (ahead of it, it would take the same blocks back: a livelock).
-            victim = self._take_victim(out)
+            victim = self.policy.take_victim(self, out, None)
             self._preempt(victim, front=False)
             out.preempted.append(victim)
-            self._prefill_slices.clear()  # split for a step that scheduled nothing
+            self.caps.prefill_slices.clear()  # split for a step that scheduled nothing
             budget = self._schedule_swapped(out, self.max_num_batched_tokens)
             if not self.swapped:
                 self._schedule_waiting(out, budget, yielded)
@@ -216,22 +202,10 @@ class Scheduler:
         n = min(seq.num_tokens - num_computed, budget)
         if self.max_prefill_chunk is None:
             return n
-        n = min(n, self._prefill_chunk(seq))
-        if n > 1 and seq.tenant in self._prefill_slices:
-            n = min(n, max(0, self._prefill_slices[seq.tenant]))
-        return n
-
-    def _prefill_chunk(self, seq: Sequence) -> int:
-        """max_prefill_chunk; under "fair", the tenant's TENANT_PREFILL_CHUNKS chunks (or, in a
-        full step, its slice) shared by its prompts in flight or waiting (`seq` among them),
-        never less than one chunk each."""
-        if self.policy != "fair":
-            return self.max_prefill_chunk
-        return tenant_chunk(self, seq.tenant, self._slice_sizes.get(seq.tenant, 0))
+        return self.caps.cap(seq.tenant, min(n, self.policy.prefill_chunk(self, seq)))
 
     def _append(self, out: SchedulerOutput, seq: Sequence, n: int) -> None:
-        if n > 1 and seq.tenant in self._prefill_slices:
-            self._prefill_slices[seq.tenant] -= n
+        self.caps.spend(seq.tenant, n)
         item = ScheduledSeq.of(seq, n)
         out.scheduled.append(item)
         self.share.charge(seq, seq.num_computed_tokens, n, item.samples)
@@ -239,25 +213,10 @@ class Scheduler:
         self.block_manager.cache_full_blocks(seq, seq.num_computed_tokens + n)
 
     def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:
-        """Oldest first ("fcfs"). "fair": the tenants within their share of the pool first,
-        then those over it, least served first in each: when prompts in flight exceed the
-        budget, the tenants owed service get theirs computed, and when the pool runs out, the
-        sequences still unscheduled, among whom the victims are taken, are those of the
-        tenants holding the most memory. (By service alone, a quiet tenant's lone prompt,
-        charged in full as it starts, came last and was preempted step after step for the
-        growth of a busy tenant's many sequences.)"""
+        """The running sequences in the policy's order, each growing by its next tokens,
+        preempting (the policy's victims) when the pool runs out."""
         admitted = {item.seq for item in out.scheduled}  # this step's, scheduled already
-        if self.policy == "fair":
-            free_for_next_tokens(self, out, admitted)
-            # With one tenant running, its being over its share would move all or none: the
-            # order is the service order, without scanning every block table each step.
-            several = len({s.tenant for s in self.running}) > 1
-            over = over_block_share(self) if several else set()
-            split_pool(self, budget, admitted, over)
-            order = self.share.service_order(self.running, over)
-        else:
-            order = list(self.running)
-        for seq in order:
+        for seq in self.policy.running_order(self, out, budget, admitted):
             if seq in admitted:
                 continue
             if budget <= 0:
@@ -288,10 +247,10 @@ class Scheduler:
 
         A tenant at its KV quota makes room among its own sequences ("fair")."""
         while True:
-            over_quota = not self._may_grow(seq, n)
+            over_quota = not self.policy.may_grow(self, seq, n)
             if not over_quota and self.block_manager.allocate_slots(seq, n):
                 return True
-            victim = self._take_victim(out, seq.tenant if over_quota else None)
+            victim = self.policy.take_victim(self, out, seq.tenant if over_quota else None)
             if self.preemption.should_swap(victim, self.block_manager):
                 self._swap_out(victim, out)
             else:
@@ -299,9 +258,6 @@ class Scheduler:
             out.preempted.append(victim)
             if victim is seq:
                 return False
-
-    def _over_block_share(self) -> set[str]:
-        return over_block_share(self)
 
     def _admit_from_waiting(self, out: SchedulerOutput, seq: Sequence, cached: list[KVBlock], budget: int) -> int:
         """Starts waiting `seq` on its cache hits, up to `budget` tokens; the tokens it
@@ -318,25 +274,6 @@ class Scheduler:
 
     def _has_room(self, need: int) -> bool:
         return self.block_manager.num_free_blocks >= need and len(self.running) < self.max_num_seqs
-
-    def _take_victim(self, out: SchedulerOutput, tenant: str | None = None) -> Sequence:
-        """Takes out of `running` the sequence to preempt: the newest ("fcfs"), or the newest of
-        the tenant furthest over its share (of `tenant`, if given) among those this step has
-        not scheduled yet ("fair")."""
-        if self.policy == "fcfs":
-            return self.running.pop()
-        scheduled = {item.seq for item in out.scheduled}
-        candidates = [s for s in self.running if s not in scheduled and tenant in (None, s.tenant)]
-        victim = self.share.pick_victim(candidates, blocks_by_tenant(self), self.block_manager.enable_prefix_caching)
-        self.running.remove(victim)
-        return victim
-
-    def _may_grow(self, seq: Sequence, n: int) -> bool:
-        if self.policy == "fcfs":
-            return True
-        bm = self.block_manager
-        num_new = bm.blocks_needed(seq.num_computed_tokens + n) - len(seq.block_table)
-        return num_new <= 0 or self.share.within_quota(seq, self.running, (), num_new, bm.num_blocks)
 
     def _preempt(self, seq: Sequence, front: bool = True) -> None:
         """Recompute preemption: drop the blocks, keep the tokens, go back to the head of the
@@ -383,30 +320,7 @@ class Scheduler:
         return budget
 
     def _schedule_waiting(self, out: SchedulerOutput, budget: int, yielded: list[Sequence] | None = None) -> None:
-        if self.policy == "fair":
-            schedule_waiting_fair(self, out, budget, yielded or [])
-        else:
-            self._schedule_waiting_fcfs(out, budget)
-
-    def _schedule_waiting_fcfs(self, out: SchedulerOutput, budget: int) -> None:
-        bm = self.block_manager
-        in_flight = self._blocks_in_flight()
-        i = 0
-        while i < len(self.waiting) and budget > 0 and len(self.running) < self.max_num_seqs:
-            seq = self.waiting[i]
-            cached = cached_blocks(self, seq)
-            if self._waits_for_prefix(seq, len(cached), in_flight):
-                i += 1  # it keeps its place; those behind it that share nothing may start
-                continue
-            n = self._num_new_tokens(seq, len(cached) * bm.block_size, budget)
-            reserve = self.watermark_blocks if self.running else 0
-            if not bm.allocate_slots(seq, n, cached, reserve=reserve):
-                self._refused = seq
-                break  # FCFS: nobody overtakes the head of the line for blocks
-            del self.waiting[i]
-            self._admit(out, seq, n, len(cached) * bm.block_size)
-            in_flight.update(self._pending_hashes(seq))
-            budget -= n
+        self.policy.schedule_waiting(self, out, budget, yielded or [])
 
     def _admit(self, out: SchedulerOutput, seq: Sequence, n: int, num_hit_tokens: int) -> None:
         bm = self.block_manager

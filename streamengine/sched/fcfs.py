@@ -1,0 +1,55 @@
+"""The "fcfs" policy: everyone in arrival order; the newest running sequence is preempted."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from streamengine.sched.groups import cached_blocks
+from streamengine.sched.policy import StepCaps
+
+if TYPE_CHECKING:
+    from streamengine.sched.plan import SchedulerOutput
+    from streamengine.sched.scheduler import Scheduler
+    from streamengine.sequence import Sequence
+
+
+class FcfsPolicy:
+    def begin_step(self, sched: Scheduler) -> StepCaps:
+        return StepCaps()
+
+    def serve_first(self, sched: Scheduler, out: SchedulerOutput) -> int:
+        return 0
+
+    def running_order(self, sched: Scheduler, out: SchedulerOutput, budget: int, admitted: set[Sequence]) -> list[Sequence]:
+        return list(sched.running)
+
+    def prefill_chunk(self, sched: Scheduler, seq: Sequence) -> int:
+        return sched.max_prefill_chunk
+
+    def take_victim(self, sched: Scheduler, out: SchedulerOutput, tenant: str | None) -> Sequence:
+        return sched.running.pop()
+
+    def may_grow(self, sched: Scheduler, seq: Sequence, n: int) -> bool:
+        return True
+
+    def schedule_waiting(self, sched: Scheduler, out: SchedulerOutput, budget: int, yielded: list[Sequence]) -> None:
+        """The head of the line first; one waiting for a prefix in flight keeps its place
+        while those behind it that share nothing start."""
+        bm = sched.block_manager
+        in_flight = sched._blocks_in_flight()
+        i = 0
+        while i < len(sched.waiting) and budget > 0 and len(sched.running) < sched.max_num_seqs:
+            seq = sched.waiting[i]
+            cached = cached_blocks(sched, seq)
+            if sched._waits_for_prefix(seq, len(cached), in_flight):
+                i += 1
+                continue
+            n = sched._num_new_tokens(seq, len(cached) * bm.block_size, budget)
+            reserve = sched.watermark_blocks if sched.running else 0
+            if not bm.allocate_slots(seq, n, cached, reserve=reserve):
+                sched._refused = seq
+                break  # nobody overtakes the head of the line for blocks
+            del sched.waiting[i]
+            sched._admit(out, seq, n, len(cached) * bm.block_size)
+            in_flight.update(sched._pending_hashes(seq))
+            budget -= n
