@@ -246,12 +246,7 @@ class CallReader:
     # ---- one step per state: each reads from `pos` and returns where it stopped ----------------
 
     def _open(self, text: str, pos: int) -> int:
-        pos = _skip_whitespace(text, pos)
-        if pos < len(text):
-            if text[pos] != "{":
-                raise Invalid(pos)
-            self._step, pos = self._key_start, pos + 1
-        return pos
+        return self._expect(text, pos, "{", self._key_start)
 
     def _key_start(self, text: str, pos: int) -> int:
         pos = _skip_whitespace(text, pos)
@@ -272,11 +267,15 @@ class CallReader:
         return pos
 
     def _colon(self, text: str, pos: int) -> int:
+        return self._expect(text, pos, ":", self._value_start)
+
+    def _expect(self, text: str, pos: int, char: str, then: Step) -> int:
+        """Past whitespace, `char` and then the step `then`; Invalid at anything else."""
         pos = _skip_whitespace(text, pos)
         if pos < len(text):
-            if text[pos] != ":":
+            if text[pos] != char:
                 raise Invalid(pos)
-            self._step, pos = self._value_start, pos + 1
+            self._step, pos = then, pos + 1
         return pos
 
     def _value_start(self, text: str, pos: int) -> int:
