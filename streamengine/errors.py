@@ -19,6 +19,10 @@ class LimitExceededError(ValueError):
         self.limit = limit
 
 
+class PromptTooLong(ValueError):
+    """The prompt has more tokens (or characters) than the server's `max_prompt_tokens` allows."""
+
+
 class GrammarError(ValueError):
     """A structured-output spec that cannot be used: it does not compile, it did not compile
     within the engine's timeout (the message names it), or the model's vocabulary cannot carry

@@ -25,10 +25,11 @@ from streamengine.errors import (
     EngineDeadError,
     EngineOverloadedError,
     LimitExceededError,
+    PromptTooLong,
     RequestFailedError,
 )
 from streamengine.sample.outputs import CompletionOutput, RequestOutput
-from streamengine.server.state import STATE_KEY, PromptTooLong
+from streamengine.server.state import STATE_KEY
 from streamengine.server.streaming import RequestTimeoutError
 
 SHORT = {"max_tokens": 4, "ignore_eos": True, "temperature": 0}

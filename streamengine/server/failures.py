@@ -15,9 +15,9 @@ from streamengine.errors import (
     GrammarError,
     GrammarOverloadedError,
     LimitExceededError,
+    PromptTooLong,
 )
 from streamengine.server import protocol as p
-from streamengine.server.state import PromptTooLong
 from streamengine.server.streaming import RequestTimeoutError
 from streamengine.tenancy.tenants import TenantRateLimitError
 

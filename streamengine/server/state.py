@@ -5,15 +5,16 @@ from __future__ import annotations
 import functools
 import time
 import uuid
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from contextvars import ContextVar
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from aiohttp import web
 from jinja2 import TemplateError
 
 from streamengine.engine.intake import encode_prompt
+from streamengine.errors import PromptTooLong
 from streamengine.server.fair_pool import FairPool
 from streamengine.server.metrics import ServerMetrics
 from streamengine.server.security import ANONYMOUS, HostPolicy, KeyRing, OriginPolicy, Tenant
@@ -27,7 +28,6 @@ from streamengine.structured.tool_prompt import (
 
 if TYPE_CHECKING:  # the engine loads torch and the model code: the server's modules do not need it
     from streamengine.engine.async_engine import AsyncEngine
-    from streamengine.server.websocket import Connection
 
 DEFAULT_MAX_MESSAGE_BYTES = 1 << 20
 """WebSocket messages above this get a `message_too_large` error (the socket stays open)."""
@@ -85,8 +85,13 @@ DEFAULT_TOOL_PARSER = "hermes"
 """The format tools are rendered in for templates that cannot render them (tool_prompt.py)."""
 
 
-class PromptTooLong(ValueError):
-    """The prompt has more tokens than the server's `max_prompt_tokens`."""
+class Socket(Protocol):
+    """What the server's state and its drain use of an open WebSocket (websocket.Connection,
+    which imports this module: typed by what it offers, the two modules import one way)."""
+
+    live: Mapping[str, object]  # its requests in flight, by id
+
+    async def close(self, code: int, reason: str, *, request_error: tuple[str, str] | None = None) -> None: ...
 
 
 # Arguments of transformers' apply_chat_template that are not template variables: a client's
@@ -164,8 +169,8 @@ class ServerState:
     tenants: TenantsFile | None = None  # registered and pinned when the engine starts
     tool_parser: str = DEFAULT_TOOL_PARSER  # reads calls out of outputs with tool_choice "auto"
     created: int = field(default_factory=lambda: int(time.time()))
-    connections: set[Connection] = field(default_factory=set)  # every open WebSocket
-    unauthenticated: set[Connection] = field(default_factory=set)  # those still to authenticate
+    connections: set[Socket] = field(default_factory=set)  # every open WebSocket
+    unauthenticated: set[Socket] = field(default_factory=set)  # those still to authenticate
     # Engine request ids of HTTP requests in flight, each with a check that its client has left:
     # aborted on shutdown so handlers end fast, and when their client leaves (watch_http_clients).
     http_requests: dict[str, Callable[[], bool]] = field(default_factory=dict)

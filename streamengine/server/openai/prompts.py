@@ -7,8 +7,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from streamengine.errors import PromptTooLong
 from streamengine.server.openai.errors import OpenAIError
-from streamengine.server.state import PromptTooLong, ServerState
+from streamengine.server.state import ServerState
 
 MAX_PROMPTS = 256
 """Prompts one /v1/completions request may batch (each is its own engine request)."""
