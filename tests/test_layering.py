@@ -104,3 +104,35 @@ def test_no_import_circle():
 
     for name in sorted(graph):
         visit(name, [])
+
+
+def test_both_engines_provide_the_engine_client_protocol():
+    """The server is typed against EngineClient; AsyncEngine and ClusterEngine must each define
+    every member (parsed, so the Ray extra need not be installed)."""
+    from streamengine.engine.client import EngineClient
+
+    wanted = {name for name in vars(EngineClient) if not name.startswith("_")}
+    assert {"generate", "abort", "stats", "tokenizer"} <= wanted
+    for path, cls, bases in (("engine/async_engine.py", "AsyncEngine", ("engine/pin_keeper.py",)),
+                             ("ray/cluster_engine.py", "ClusterEngine", ())):
+        defined = _members(PACKAGE / path, cls)
+        for base in bases:
+            defined |= _members(PACKAGE / base, None)
+        assert wanted - defined == set(), f"{cls} lacks {sorted(wanted - defined)}"
+
+
+def _members(path: Path, cls: str | None) -> set[str]:
+    """Names a class defines (`cls`, or every class of the module): methods, properties,
+    class attributes, and attributes set on `self` in its methods."""
+    names: set[str] = set()
+    for node in ast.parse(path.read_text()).body:
+        if isinstance(node, ast.ClassDef) and cls in (None, node.name):
+            for item in ast.walk(node):
+                if isinstance(item, ast.FunctionDef | ast.AsyncFunctionDef):
+                    names.add(item.name)
+                elif isinstance(item, ast.Assign):
+                    names.update(t.id for t in item.targets if isinstance(t, ast.Name))
+                elif isinstance(item, ast.Attribute) and isinstance(item.value, ast.Name) and item.value.id == "self" \
+                        and isinstance(item.ctx, ast.Store):
+                    names.add(item.attr)
+    return names

@@ -52,7 +52,7 @@ from streamengine.server.websocket import stream_handler
 from streamengine.structured.tool_calls import get_tool_parser
 
 if TYPE_CHECKING:
-    from streamengine.engine.async_engine import AsyncEngine
+    from streamengine.engine.client import EngineClient
 
 log = logging.getLogger(__name__)
 
@@ -81,7 +81,7 @@ Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
 
 def create_app(
-    engine: AsyncEngine,
+    engine: EngineClient,
     *,
     api_key: str | Sequence[str] | None = None,
     allowed_origins: Sequence[str] = (),

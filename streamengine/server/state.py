@@ -27,7 +27,7 @@ from streamengine.structured.tool_prompt import (
 )
 
 if TYPE_CHECKING:  # the engine loads torch and the model code: the server's modules do not need it
-    from streamengine.engine.async_engine import AsyncEngine
+    from streamengine.engine.client import EngineClient
 
 DEFAULT_MAX_MESSAGE_BYTES = 1 << 20
 """WebSocket messages above this get a `message_too_large` error (the socket stays open)."""
@@ -149,7 +149,7 @@ DEFAULT_CHAT_TEMPLATE = ChatTemplateOptions()
 
 @dataclass(slots=True, eq=False)
 class ServerState:
-    engine: AsyncEngine  # tests may pass a stand-in with the same methods
+    engine: EngineClient  # AsyncEngine, ClusterEngine, or a test's stand-in
     model_name: str
     keys: KeyRing
     origins: OriginPolicy

@@ -22,7 +22,7 @@ from streamengine.sample.sampling_params import SamplingParams
 from streamengine.server.metrics import RequestRecorder
 
 if TYPE_CHECKING:
-    from streamengine.engine.async_engine import AsyncEngine
+    from streamengine.engine.client import EngineClient
 
 
 class RequestTimeoutError(Exception):
@@ -85,7 +85,7 @@ class _Progress:
 
 
 async def stream_request(
-    engine: AsyncEngine,
+    engine: EngineClient,
     prompt: str | list[int],
     params: SamplingParams,
     *,
@@ -151,7 +151,7 @@ async def _next_before(stream: AsyncIterator[Any], deadline: float, timeout: flo
         raise
 
 
-async def _close_quietly(engine: AsyncEngine, stream: Any, request_id: str) -> None:
+async def _close_quietly(engine: EngineClient, stream: Any, request_id: str) -> None:
     # Closing the engine's iterator aborts the request; the explicit abort is a belt-and-braces
     # guarantee that its blocks are freed even if the iterator was never started.
     aclose = getattr(stream, "aclose", None)

@@ -16,7 +16,7 @@ from streamengine.server.state import get_state
 from streamengine.server.tenants_file import TenantsFile, TenantsFileError
 
 if TYPE_CHECKING:
-    from streamengine.engine.async_engine import AsyncEngine
+    from streamengine.engine.client import EngineClient
 
 _USAGE_KEYS = (
     "num_running", "num_waiting", "num_requests", "prompt_tokens", "output_tokens",
@@ -26,7 +26,7 @@ _LIMIT_KEYS = ("max_running", "max_kv_fraction", "tokens_per_minute", "max_n", "
 _PIN_KEYS = ("pin_id", "tenant", "shared", "num_tokens", "num_blocks")  # PinnedPrefix's fields
 
 
-async def apply_tenants_file(engine: AsyncEngine, tenants: TenantsFile) -> None:
+async def apply_tenants_file(engine: EngineClient, tenants: TenantsFile) -> None:
     """Registers the file's tenants with the running engine, then pins the shared prefix
     (unsalted) and each tenant's system prompt (in that tenant). TenantsFileError when a pin
     is refused (past `max_pinned_fraction`, or too long for the model)."""
@@ -59,7 +59,7 @@ def system_prefix(tokenizer: Any, prompt: str) -> str:
     return tokenizer.apply_chat_template(message, tokenize=False, add_generation_prompt=False)
 
 
-def tenants_view(engine: AsyncEngine) -> dict[str, Any]:
+def tenants_view(engine: EngineClient) -> dict[str, Any]:
     """Every tenant the engine knows (configured or seen) with its share, usage and pins."""
     figures: dict[str, dict[str, Any]] = engine.stats().get("tenants") or {}
     configs = {config.name: config for config in engine.tenants}
