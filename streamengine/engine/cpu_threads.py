@@ -186,8 +186,8 @@ def release_openmp_pool() -> None:
     Why: the forward pass runs on the step thread, which gets its own pool; loading the model
     on this thread left another. With more OpenMP threads alive than CPUs, libgomp throttles
     the spin-wait of idle workers to ~100 iterations, so each of the ~150 parallel regions of
-    a step pays a futex wake-up: measured 45 ms instead of 37 ms per SmolLM2 decode step on 2
-    cores. The pool comes back if this thread runs parallel torch work again.
+    a step pays a futex wake-up. The pool comes back if this thread runs parallel torch work
+    again.
     """
     try:
         gomp = ctypes.CDLL("libgomp.so.1", mode=os.RTLD_NOLOAD)  # only the copy already loaded

@@ -164,8 +164,8 @@ def greedy_tokens(scores: torch.Tensor) -> torch.Tensor:
 
 def _row_arg(scores: torch.Tensor, numpy_arg, torch_arg) -> torch.Tensor:
     """Each row's argmax or argmin: NumPy's on CPU float tensors (the same index, first on ties
-    and at the first NaN, and several times faster than torch's reduction over a vocabulary on
-    CPU; docs/performance.md), torch's elsewhere."""
+    and at the first NaN, and faster than torch's reduction over a vocabulary on CPU), torch's
+    elsewhere."""
     if scores.device.type == "cpu" and scores.dtype in (torch.float32, torch.float64):
         return torch.from_numpy(numpy_arg(scores.numpy(), axis=-1))
     return torch_arg(scores, dim=-1)

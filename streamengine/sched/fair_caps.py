@@ -78,10 +78,9 @@ def cap_tenant_prefills(sched: Scheduler, caps: StepCaps, present: set[str]) -> 
     """With other tenants' sequences in the step, a tenant's prompts compute at most
     TENANT_PREFILL_CHUNKS chunks in all (times its weight over the least weight `present`),
     however many it has in flight; a full step's slice (split_full_step) can only lower
-    that. Without the cap each of a busy tenant's prompts took a chunk, so a burst of its
-    queued turns admitted together made one long step, and every other tenant's stream and
-    first token waited for it (docs/performance.md). A tenant alone keeps the whole
-    budget."""
+    that: otherwise each of a busy tenant's prompts takes a chunk, and a burst of its queued
+    turns admitted together makes one long step that every other tenant's stream and first
+    token waits for. A tenant alone keeps the whole budget."""
     weight = sched.share.tenants.get
     least = min(weight(tenant).weight for tenant in present)
     for tenant in caps.prefills:

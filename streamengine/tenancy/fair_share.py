@@ -121,11 +121,10 @@ class FairShare:
         paper, whose queue holds only requests not yet admitted; unless the last step
         admitted from its line (start_step): a line emptied by admission was served, not
         short of demand, and lifting it there would take from a backlogged tenant the
-        service it is owed. (Lifted only when it had no sequence at all, a bot that always
-        had a conversation running, one at a time, fell far behind the backlogged tenants
-        while its demand was light, then took every admission until that lead was spent when
-        its demand rose, and the tenants lifted meanwhile waited behind it:
-        docs/performance.md.)"""
+        service it is owed. (Lifting only a tenant with no sequence at all would let a bot
+        that always has one conversation running fall far behind while its demand is light,
+        then take every admission once its demand rises, the tenants lifted meanwhile
+        waiting behind it.)"""
         if seq in self._charged:
             return
         usage = self.usage_of(seq.tenant)
@@ -192,10 +191,9 @@ class FairShare:
     def committed(self, seqs: Iterable[Sequence]) -> dict[str, float]:
         """Per tenant, the weighted cost of the prompt tokens its `seqs` were admitted for and
         have not been charged yet: service promised, which admission counts as given (as VTC
-        charges a prompt when it is admitted). Counted only as chunks ran, a tenant kept the
-        least counter while its first admissions' prompts were still prefilling, and was
-        admitted again and again: a long-prompt tenant took the free room of several steps,
-        and the others' counters then had to catch up (docs/performance.md)."""
+        charges a prompt when it is admitted). Counted only as its chunks run, a long-prompt
+        tenant would keep the least counter while its first prompts prefill and be admitted
+        again and again, taking the free room of several steps."""
         cost: dict[str, float] = {}
         for seq in seqs:
             left = seq.num_prompt_tokens - self._charged.get(seq, seq.num_prompt_tokens)
