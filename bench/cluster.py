@@ -321,12 +321,12 @@ async def run_single(args, pool: Pool, workload: Workload, keys: dict[str, str],
     from aiohttp import web
 
     from streamengine import AsyncEngine
-    from streamengine.server import create_app
+    from streamengine.server import ServerConfig, create_app
 
     began = time.perf_counter()
     tenants = tenants_file(keys)
     engine = AsyncEngine(engine_config(args, REPLICAS * pool.blocks, args.single_threads, tenants))
-    runner = web.AppRunner(create_app(engine, tenants=tenants), handle_signals=False)
+    runner = web.AppRunner(create_app(engine, ServerConfig(tenants=tenants)), handle_signals=False)
     await runner.setup()
     port = free_port()
     await web.TCPSite(runner, "127.0.0.1", port).start()

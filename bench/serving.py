@@ -536,13 +536,13 @@ def lag_server_main(argv: list[str]) -> int:
 
     from streamengine.__main__ import build_parser, config_from_args
     from streamengine.engine.async_engine import AsyncEngine
-    from streamengine.server import _run, create_app
+    from streamengine.server import ServerConfig, _run, create_app
 
     a = build_parser().parse_args(["serve", *argv])
     if a.host != HOST:
         raise SystemExit("the lag server binds 127.0.0.1 only")
     engine = AsyncEngine(config_from_args(a))
-    app = create_app(engine, model_name=engine.model_name)
+    app = create_app(engine, ServerConfig(model_name=engine.model_name))
     probe = LagProbe(engine)
 
     async def lag(request: web.Request) -> web.Response:

@@ -17,6 +17,7 @@ from typing import Any
 
 from streamengine.config import FIELD_TYPES, EngineConfig
 from streamengine.server import _run  # the one event-loop runner (uvloop when installed)
+from streamengine.server.config import ServerConfig
 from streamengine.server.state import (
     DEFAULT_AUTH_TIMEOUT_S,
     DEFAULT_BODY_TIMEOUT_S,
@@ -198,22 +199,22 @@ def resolve_keys(cli: list[str] | None, env: str | None) -> list[str]:
     return [key.strip() for key in (env or "").split(",") if key.strip()]
 
 
-def server_options(a: argparse.Namespace, environ: Mapping[str, str] | None = None) -> dict[str, Any]:
-    """`run_server`'s keyword arguments from parsed `serve` options and the environment."""
+def server_config(a: argparse.Namespace, environ: Mapping[str, str] | None = None) -> ServerConfig:
+    """The server's options from parsed `serve` options, the environment and the tenants file."""
     env = os.environ if environ is None else environ
-    return {
-        "host": a.host, "port": a.port,
-        "api_key": resolve_keys(a.api_key, env.get("STREAMENGINE_API_KEY")),
-        "admin_keys": resolve_keys(a.admin_key, env.get("STREAMENGINE_ADMIN_KEY")),
-        "allow_unauthenticated": a.allow_unauthenticated,
-        "allowed_origins": list(a.allowed_origin), "allowed_hosts": list(a.allowed_host),
-        "max_prompt_tokens": a.max_prompt_tokens, "max_connections": a.max_connections,
-        "request_timeout": a.request_timeout, "stall_timeout": a.stall_timeout,
-        "shutdown_timeout": a.shutdown_timeout, "tenants": tenants_of(a),
-        "tool_parser": a.tool_parser, "max_unauthenticated": a.max_unauthenticated,
-        "auth_timeout": a.auth_timeout, "idle_timeout": a.idle_timeout, "body_timeout": a.body_timeout,
-        "write_timeout": a.write_timeout,
-    }
+    return ServerConfig(
+        host=a.host, port=a.port,
+        api_key=resolve_keys(a.api_key, env.get("STREAMENGINE_API_KEY")),
+        admin_keys=resolve_keys(a.admin_key, env.get("STREAMENGINE_ADMIN_KEY")),
+        allow_unauthenticated=a.allow_unauthenticated,
+        allowed_origins=list(a.allowed_origin), allowed_hosts=list(a.allowed_host),
+        max_prompt_tokens=a.max_prompt_tokens, max_connections=a.max_connections,
+        request_timeout=a.request_timeout, stall_timeout=a.stall_timeout,
+        shutdown_timeout=a.shutdown_timeout, tenants=tenants_of(a),
+        tool_parser=a.tool_parser, max_unauthenticated=a.max_unauthenticated,
+        auth_timeout=a.auth_timeout, idle_timeout=a.idle_timeout, body_timeout=a.body_timeout,
+        write_timeout=a.write_timeout,
+    )
 
 
 async def _generate(a: argparse.Namespace) -> None:
@@ -234,34 +235,23 @@ async def _generate(a: argparse.Namespace) -> None:
 
 def _serve_cluster(a: argparse.Namespace) -> None:
     """`serve --replicas N`: the same server options, on Ray Serve."""
-    from streamengine.server import app_options, check_tenant_pins
+    from streamengine.server import check_tenant_pins
     from streamengine.server.security import check_exposure
 
-    opts = server_options(a)
-    tenants = opts["tenants"]
-    has_keys = bool(opts["api_key"] or opts["admin_keys"] or (tenants is not None and tenants.keys))
-    check_exposure(a.host, has_keys=has_keys, allow_unauthenticated=a.allow_unauthenticated)
-    if tenants is not None:
-        check_tenant_pins(config_from_args(a), tenants)
+    server = server_config(a)
+    check_exposure(server.host, has_keys=server.has_keys, allow_unauthenticated=server.allow_unauthenticated)
+    if server.tenants is not None:
+        check_tenant_pins(config_from_args(a), server.tenants)
     try:
         from streamengine.ray.app import ClusterOptions, serve_cluster
     except ImportError as exc:
         raise ValueError(str(exc)) from None
-    server = app_options(a.host, **{k: opts[k] for k in _APP_OPTION_KEYS})
-    server.pop("tenants")
     options = ClusterOptions(
         replicas=a.replicas, router=a.router, host=a.host, port=a.port, replica_cpus=a.replica_cpus,
-        replica_gpus=a.replica_gpus,
-        graceful_shutdown_timeout_s=a.shutdown_timeout, server=server, tenants_file=tenants,
+        replica_gpus=a.replica_gpus, graceful_shutdown_timeout_s=a.shutdown_timeout,
+        server=dataclasses.replace(server, tenants=None), tenants_file=server.tenants,
     )
     serve_cluster(config_from_args(a), options, ray_address=a.ray_address)
-
-
-_APP_OPTION_KEYS = (
-    "api_key", "admin_keys", "allowed_origins", "allowed_hosts", "max_prompt_tokens", "stall_timeout",
-    "request_timeout", "max_connections", "tenants", "tool_parser", "max_unauthenticated", "auth_timeout",
-    "idle_timeout", "body_timeout", "write_timeout",
-)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -278,7 +268,7 @@ def main(argv: list[str] | None = None) -> int:
             else:
                 from streamengine.server import run_server
 
-                run_server(config_from_args(a), **server_options(a))
+                run_server(config_from_args(a), server_config(a))
     except (ValueError, FileNotFoundError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

@@ -18,6 +18,7 @@ from streamengine import AsyncEngine, EngineConfig
 from streamengine.ray.asgi_bridge import AiohttpBridge
 from streamengine.server import create_app
 from streamengine.server import protocol as p
+from streamengine.server.config import ServerConfig
 
 TIMEOUT = 10.0
 HOST = (b"host", b"127.0.0.1:8000")
@@ -341,7 +342,7 @@ def engine(tiny_llama_dir):
 
 @pytest.fixture
 async def server(engine, tmp_path) -> AsyncIterator[AiohttpBridge]:
-    app = create_app(engine, api_key=KEY, model_name="tiny", max_body_bytes=4096)
+    app = create_app(engine, ServerConfig(api_key=KEY, model_name="tiny", max_body_bytes=4096))
     bridge = AiohttpBridge(app, socket_dir=str(tmp_path))
     await asyncio.wait_for(bridge.start(), 60)
     try:

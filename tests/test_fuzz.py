@@ -30,6 +30,7 @@ from streamengine.sample.sampling_params import SamplingParams
 from streamengine.server import create_app
 from streamengine.server import openai as oa
 from streamengine.server import protocol as p
+from streamengine.server.config import ServerConfig
 from streamengine.server.websocket import MAX_ERROR_CHARS
 
 WS_ERROR_CODES = {
@@ -202,8 +203,8 @@ class Harness:
         self.runner.close()
 
     async def _start(self) -> None:
-        app = create_app(self.engine, model_name="tiny", max_message_bytes=MAX_MESSAGE_BYTES,
-                         max_body_bytes=MAX_BODY_BYTES, request_timeout=30.0)
+        app = create_app(self.engine, ServerConfig(model_name="tiny", max_message_bytes=MAX_MESSAGE_BYTES,
+                         max_body_bytes=MAX_BODY_BYTES, request_timeout=30.0))
         self.client = TestClient(TestServer(app))
         await self.client.start_server()
         await self._connect()

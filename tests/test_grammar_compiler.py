@@ -23,6 +23,7 @@ import pytest
 import streamengine.structured.compiler
 from streamengine import AsyncEngine, EngineConfig, SamplingParams
 from streamengine.errors import EngineDeadError, GrammarError, GrammarOverloadedError
+from streamengine.server.config import ServerConfig
 from streamengine.server.failures import classify
 from streamengine.server.openai.errors import failure_error
 from streamengine.structured.cache import ByteLRU, heap_bytes
@@ -405,7 +406,7 @@ async def test_over_http_a_grammar_that_gives_out_is_400_and_a_full_queue_429(ti
     from streamengine.server import create_app
 
     config = EngineConfig(model=str(tiny_llama_dir), num_gpu_blocks=128, grammar_max_queued_per_tenant=1)
-    async with AsyncEngine(config) as engine, TestClient(TestServer(create_app(engine, model_name="tiny"))) as http:
+    async with AsyncEngine(config) as engine, TestClient(TestServer(create_app(engine, ServerConfig(model_name="tiny")))) as http:
         async def complete(structured: dict) -> tuple[int, dict, str | None]:
             body = {"model": "tiny", "prompt": "JSON:", "max_tokens": 20, "structured": structured}
             response = await http.post("/v1/completions", json=body)

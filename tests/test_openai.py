@@ -21,6 +21,7 @@ from streamengine.errors import (
     RequestFailedError,
 )
 from streamengine.server import create_app
+from streamengine.server.config import ServerConfig
 
 openai = pytest.importorskip("openai")
 
@@ -37,7 +38,7 @@ def engine(tiny_llama_dir):
 async def live_server(engine, **options):
     """A real server on a free loopback port, and an AsyncOpenAI client pointed at it."""
     options.setdefault("api_key", KEY)
-    app = create_app(engine, model_name="tiny", max_body_bytes=64 * 1024, **options)
+    app = create_app(engine, ServerConfig(model_name="tiny", max_body_bytes=64 * 1024, **options))
     server = TestServer(app, host="127.0.0.1", port=0)
     await server.start_server()
     base = f"http://127.0.0.1:{server.port}"
@@ -223,7 +224,7 @@ async def test_client_disconnect_mid_stream_aborts(engine):
 
 
 async def test_shutdown_ends_streams_in_flight(engine):
-    server = TestServer(create_app(engine, model_name="tiny"), host="127.0.0.1", port=0)
+    server = TestServer(create_app(engine, ServerConfig(model_name="tiny")), host="127.0.0.1", port=0)
     await server.start_server()
     body = {"model": "tiny", "prompt": "Once upon a time", "max_tokens": 500, "stream": True, "ignore_eos": True}
     try:
@@ -252,7 +253,7 @@ ROUTES = [
 
 @contextlib.asynccontextmanager
 async def http_client(engine, **options):
-    async with TestClient(TestServer(create_app(engine, model_name="tiny", **options))) as client:
+    async with TestClient(TestServer(create_app(engine, ServerConfig(model_name="tiny", **options)))) as client:
         yield client
 
 

@@ -18,6 +18,7 @@ from test_openai import KEY, live_server
 import streamengine
 from streamengine import AsyncEngine, EngineConfig
 from streamengine.sample.sampling_params import SamplingParams
+from streamengine.server.config import ServerConfig
 from streamengine.server.openai import fields
 from streamengine.server.openai.schemas import ChatCompletionRequest, CompletionRequest
 
@@ -458,7 +459,7 @@ async def test_the_ray_ingress_engine_serves_the_same_routes(tiny_llama_dir, mon
     engine = ClusterEngine(handle=_NoHandle(), app_name="t", config=EngineConfig(model=str(tiny_llama_dir)))
     monkeypatch.setattr(engine, "_refresh", _idle)  # no cluster to read replica loads from
     engine._loads = {"r0": {"stats": {"max_model_len": 1024}}}
-    app = create_app(engine, model_name="tiny", api_key=KEY)
+    app = create_app(engine, ServerConfig(model_name="tiny", api_key=KEY))
     async with TestClient(TestServer(app)) as http:
         resp = await http.post("/tokenize", json={"prompt": "Hello world"}, headers=AUTH)
         body = await resp.json()

@@ -15,6 +15,7 @@ from test_server import connect, recv
 
 from streamengine import AsyncEngine, EngineConfig
 from streamengine.server import create_app
+from streamengine.server.config import ServerConfig
 
 openai = pytest.importorskip("openai")
 pydantic = pytest.importorskip("pydantic")
@@ -183,7 +184,7 @@ async def test_auto_parses_a_call_the_model_writes_and_none_does_not(engine):
 
 async def test_bad_requests_are_400s_with_a_clear_message(engine):
     with pytest.raises(ValueError, match="unknown tool parser 'nope'"):
-        create_app(engine, tool_parser="nope")
+        create_app(engine, ServerConfig(tool_parser="nope"))
     async with serve(engine) as (client, _):
         for stream in (False, True):
             with pytest.raises(openai.BadRequestError) as info:
@@ -231,7 +232,7 @@ async def _ws_generate(ws, requests: list[dict]) -> dict[str, tuple[str, list[di
 
 
 async def test_websocket_structured_and_tools(engine):
-    app = create_app(engine, model_name="tiny")
+    app = create_app(engine, ServerConfig(model_name="tiny"))
     async with TestClient(TestServer(app)) as client:
         ws = await connect(client)
         out = await _ws_generate(ws, [

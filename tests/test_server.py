@@ -15,6 +15,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from streamengine import AsyncEngine, EngineConfig
 from streamengine.server import create_app
+from streamengine.server.config import ServerConfig
 from streamengine.server.protocol import CLOSE_UNAUTHORIZED
 from streamengine.server.security import KeyRing, OriginPolicy, normalize_origin
 from streamengine.server.state import STATE_KEY
@@ -36,7 +37,7 @@ def engine(tiny_llama_dir):
 @contextlib.asynccontextmanager
 async def serve(engine, **options):
     options.setdefault("model_name", "tiny")
-    app = create_app(engine, **options)
+    app = create_app(engine, ServerConfig(**options))
     async with TestClient(TestServer(app)) as client:
         yield client
 
@@ -458,7 +459,7 @@ async def test_metrics_parse_and_count_tokens(engine):
         assert value("prefix_cache_queries", "prefix_cache_queries_total") == engine.stats()["prefix_cache_queries"]
         assert 0.0 <= value("kv_cache_usage_perc", "kv_cache_usage_perc") <= 1.0
         # a second app in the same process has its own registry: no clash, its own counts
-        other = create_app(engine, model_name="other")
+        other = create_app(engine, ServerConfig(model_name="other"))
         assert other[STATE_KEY].metrics.registry is not client.app[STATE_KEY].metrics.registry
         assert b"streamengine:generation_tokens_total 0.0" in other[STATE_KEY].metrics.render()
 
@@ -471,7 +472,7 @@ async def test_health(engine):
 
 
 async def test_graceful_shutdown_closes_sockets_going_away_and_aborts(engine):
-    app = create_app(engine, model_name="tiny")
+    app = create_app(engine, ServerConfig(model_name="tiny"))
     server = TestServer(app)
     client = TestClient(server)
     await client.start_server()

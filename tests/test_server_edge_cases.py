@@ -22,6 +22,7 @@ from conftest import slow_down_steps
 
 from streamengine import AsyncEngine, EngineConfig
 from streamengine.server import create_app
+from streamengine.server.config import ServerConfig
 from streamengine.server.state import STATE_KEY
 
 KEY = "hunt-key"
@@ -37,7 +38,7 @@ def one_slot_engine(tiny_llama_dir):
 @contextlib.asynccontextmanager
 async def production_server(engine, **options):
     """The app on a loopback port, run as `serve` runs it; yields (base url, app)."""
-    app = create_app(engine, model_name="tiny", api_key=KEY, **options)
+    app = create_app(engine, ServerConfig(model_name="tiny", api_key=KEY, **options))
     runner = web.AppRunner(app, handle_signals=False)
     await runner.setup()
     try:

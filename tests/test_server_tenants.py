@@ -19,6 +19,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from streamengine.errors import LimitExceededError
 from streamengine.sample.outputs import CompletionOutput, RequestOutput
 from streamengine.server import create_app
+from streamengine.server.config import ServerConfig
 from streamengine.server.protocol import kv_state_message
 from streamengine.server.tenancy import system_prefix
 from streamengine.server.tenants_file import TenantsFileError, parse_tenants
@@ -152,7 +153,7 @@ def tokenizer(tiny_llama_dir):
 async def serve(engine, tenants=None, **options):
     options.setdefault("api_key", ["legacy-key"])
     options.setdefault("admin_keys", ["admin-key"])
-    app = create_app(engine, model_name="tiny", tenants=tenants or tenants_file(), **options)
+    app = create_app(engine, ServerConfig(model_name="tiny", tenants=tenants or tenants_file(), **options))
     async with TestClient(TestServer(app)) as client:
         yield client
 
@@ -268,7 +269,7 @@ async def test_the_shared_prefix_and_system_prompts_are_pinned_at_start(tokenize
 
 async def test_a_refused_pin_stops_the_start_naming_the_tenant(tokenizer):
     engine = TenantEngine(tokenizer, pool_blocks=2 * len(tokenizer.encode(SHARED_PREFIX)) // 16)  # room for it alone
-    app = create_app(engine, model_name="tiny", tenants=tenants_file())
+    app = create_app(engine, ServerConfig(model_name="tiny", tenants=tenants_file()))
     server = TestServer(app)
     with pytest.raises(TenantsFileError, match=r"cannot pin the system_prompt of tenant 'bot-a'.*max_pinned_fraction"):
         await server.start_server()

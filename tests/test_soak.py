@@ -38,6 +38,7 @@ from aiohttp import web
 
 from streamengine import AsyncEngine, EngineConfig
 from streamengine.server import create_app
+from streamengine.server.config import ServerConfig
 from streamengine.server.state import STATE_KEY
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -150,7 +151,7 @@ async def test_soak_mixed_traffic_leaves_nothing_behind(tiny_llama_dir):
     # episodes time out). One torch thread: on 2 busy cores two OpenMP threads collapse into
     # futex waits (measured here: 5x slower per step).
     engine = AsyncEngine(EngineConfig(model=str(tiny_llama_dir), num_gpu_blocks=128, max_num_seqs=32, num_threads=1))
-    app = create_app(engine, model_name="tiny", max_message_bytes=MAX_MESSAGE_BYTES)
+    app = create_app(engine, ServerConfig(model_name="tiny", max_message_bytes=MAX_MESSAGE_BYTES))
     state = app[STATE_KEY]
     try:
         async with asyncio.timeout(WARMUP_S + 2 * SOAK_S + 90), serve(app) as port:

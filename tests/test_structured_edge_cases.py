@@ -24,6 +24,7 @@ from aiohttp.test_utils import TestClient, TestServer
 
 from streamengine import AsyncEngine, EngineConfig
 from streamengine.server import create_app
+from streamengine.server.config import ServerConfig
 
 ASK = [{"role": "user", "content": "Where?"}]
 BAD_GBNF = {
@@ -59,7 +60,7 @@ TOOLS = [
 async def client(tiny_llama_dir):
     config = EngineConfig(model=str(tiny_llama_dir), num_gpu_blocks=256, max_num_seqs=8)
     async with AsyncEngine(config) as engine:
-        async with TestClient(TestServer(create_app(engine, model_name="tiny"))) as http:
+        async with TestClient(TestServer(create_app(engine, ServerConfig(model_name="tiny")))) as http:
             yield http
 
 

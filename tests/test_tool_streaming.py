@@ -26,6 +26,7 @@ from test_server_limits import ScriptedEngine
 from streamengine import AsyncEngine, EngineConfig
 from streamengine.sample.outputs import CompletionOutput, RequestOutput
 from streamengine.server import create_app
+from streamengine.server.config import ServerConfig
 
 TOOLS = [{"type": "function", "function": {"name": f"fn_{i}", "parameters": {"type": "object"}}} for i in range(3)]
 ASK = [{"role": "user", "content": "Look it up."}]
@@ -209,7 +210,7 @@ async def test_forced_call_cut_by_max_tokens_is_a_partial_call(smollm):
 
 
 async def test_websocket_forced_call_cut_by_max_tokens(smollm):
-    app = create_app(smollm, model_name="tiny")
+    app = create_app(smollm, ServerConfig(model_name="tiny"))
     async with TestClient(TestServer(app)) as client:
         ws = await connect(client)
         for max_tokens in (24, 80):

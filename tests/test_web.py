@@ -14,6 +14,7 @@ from conftest import slow_down_steps
 
 from streamengine import AsyncEngine, EngineConfig
 from streamengine.server import create_app
+from streamengine.server.config import ServerConfig
 
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
 if CHROMIUM is None and os.path.exists("/usr/bin/chromium"):
@@ -36,7 +37,7 @@ def engine(tiny_llama_dir):
 
 @contextlib.asynccontextmanager
 async def browser_page(engine, **options):
-    app = create_app(engine, model_name="tiny", **options)
+    app = create_app(engine, ServerConfig(model_name="tiny", **options))
     server = TestServer(app, host="127.0.0.1", port=0)
     await server.start_server()
     try:

@@ -26,6 +26,7 @@ from streamengine.ray.directory import DIRECTORY_NAMESPACE, directory_name, get_
 from streamengine.ray.ingress import Ingress
 from streamengine.ray.replica import DEFAULT_REPORT_INTERVAL_S, EngineReplica, PinSpec
 from streamengine.ray.router import CachedBlockRouter
+from streamengine.server.config import ServerConfig
 from streamengine.server.tenants_file import TenantsFile
 
 ROUTERS = ("cached", "pow2", "ray_prefix")
@@ -47,7 +48,7 @@ class ClusterOptions:
     graceful_shutdown_timeout_s: float = 60.0  # a replica scaled down finishes its streams first
     report_interval_s: float = DEFAULT_REPORT_INTERVAL_S
     router_kwargs: dict[str, Any] = field(default_factory=dict)
-    server: dict[str, Any] = field(default_factory=dict)  # create_app's options (server.app_options)
+    server: ServerConfig = field(default_factory=ServerConfig)  # the ingress app's (its tenants: tenants_file)
     tenants_file: TenantsFile | None = None  # its prompts are pinned on every replica
 
     def __post_init__(self) -> None:
@@ -109,7 +110,7 @@ def build_app(config: EngineConfig, options: ClusterOptions) -> serve.Applicatio
         max_ongoing_requests=max(1000, options.max_ongoing_requests * options.replicas),
         graceful_shutdown_timeout_s=options.graceful_shutdown_timeout_s,
     )
-    server = dict(options.server, tenants=options.tenants_file)
+    server = dataclasses.replace(options.server, tenants=options.tenants_file)
     return ingress.bind(
         engine, options.app_name, config, pins, server, options.graceful_shutdown_timeout_s,
         prompt_text=options.router == "ray_prefix",  # the only router that reads prompt text

@@ -9,14 +9,13 @@ each HTTP request and WebSocket to it.
 
 from __future__ import annotations
 
-from typing import Any
-
 from ray.serve.handle import DeploymentHandle
 
 from streamengine.config import EngineConfig
 from streamengine.ray.asgi_bridge import AiohttpBridge
 from streamengine.ray.cluster_engine import ClusterEngine
 from streamengine.ray.replica import PinSpec
+from streamengine.server.config import ServerConfig
 
 
 class Ingress:
@@ -24,13 +23,13 @@ class Ingress:
 
     async def __init__(
         self, engine: DeploymentHandle, app_name: str, config: EngineConfig,
-        pins: tuple[PinSpec, ...] = (), server_options: dict[str, Any] | None = None,
+        pins: tuple[PinSpec, ...] = (), server: ServerConfig | None = None,
         drain_timeout_s: float = 5.0, prompt_text: bool = False,
     ) -> None:
         from streamengine.server import create_app
 
         self.engine = ClusterEngine(engine, app_name, config, pins, prompt_text=prompt_text)
-        self._app = create_app(self.engine, model_name=self.engine.model_name, **(server_options or {}))
+        self._app = create_app(self.engine, server)
         self._drain_s = drain_timeout_s
         # The bridge answers 413 for bodies past the app's own limit (client_max_size).
         self._bridge = AiohttpBridge(self._app)

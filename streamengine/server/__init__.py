@@ -5,86 +5,45 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import signal
-from collections.abc import Coroutine, Sequence
+from collections.abc import Coroutine
 from typing import Any
 
 from aiohttp import web
 
 from streamengine.config import EngineConfig
 from streamengine.server.app import create_app, drain
-from streamengine.server.security import check_exposure, hosts_for_bind
-from streamengine.server.state import (
-    DEFAULT_AUTH_TIMEOUT_S,
-    DEFAULT_BODY_TIMEOUT_S,
-    DEFAULT_IDLE_TIMEOUT_S,
-    DEFAULT_MAX_CONNECTIONS,
-    DEFAULT_MAX_UNAUTHENTICATED,
-    DEFAULT_SHUTDOWN_TIMEOUT_S,
-    DEFAULT_STALL_TIMEOUT_S,
-    DEFAULT_TOOL_PARSER,
-    DEFAULT_WRITE_TIMEOUT_S,
-)
+from streamengine.server.config import ServerConfig
+from streamengine.server.security import check_exposure
 from streamengine.server.tenancy import file_pins
 from streamengine.server.tenants_file import TenantsFile, TenantsFileError
 
-__all__ = ["app_options", "create_app", "drain", "run_server"]
+__all__ = ["ServerConfig", "create_app", "drain", "run_server"]
 
 _CLEANUP_TIMEOUT_S = 10.0
 """After the drain, how long aiohttp waits for handlers that are still running."""
 
 
-def run_server(
-    config: EngineConfig,
-    host: str = "127.0.0.1",
-    port: int = 8000,
-    api_key: str | Sequence[str] | None = None,
-    allowed_origins: Sequence[str] = (),
-    max_prompt_tokens: int | None = None,
-    *,
-    admin_keys: Sequence[str] = (),
-    allowed_hosts: Sequence[str] = (),
-    allow_unauthenticated: bool = False,
-    stall_timeout: float = DEFAULT_STALL_TIMEOUT_S,
-    shutdown_timeout: float = DEFAULT_SHUTDOWN_TIMEOUT_S,
-    request_timeout: float | None = None,
-    max_connections: int = DEFAULT_MAX_CONNECTIONS,
-    tenants: TenantsFile | None = None,
-    tool_parser: str = DEFAULT_TOOL_PARSER,
-    max_unauthenticated: int = DEFAULT_MAX_UNAUTHENTICATED,
-    auth_timeout: float = DEFAULT_AUTH_TIMEOUT_S,
-    idle_timeout: float = DEFAULT_IDLE_TIMEOUT_S,
-    body_timeout: float = DEFAULT_BODY_TIMEOUT_S,
-    write_timeout: float = DEFAULT_WRITE_TIMEOUT_S,
-) -> None:
+def run_server(config: EngineConfig, server: ServerConfig | None = None) -> None:
     """Loads the model, serves until SIGINT/SIGTERM, drains, then shuts down.
 
-    Binds 127.0.0.1 unless told otherwise, and refuses (ValueError, before loading anything)
-    a non-loopback address without a key unless `allow_unauthenticated`. The Host names
-    answered are the loopback ones, `host` itself when it is a specific address, and
-    `allowed_hosts`; on a wildcard address with no `allowed_hosts`, any. Runs on uvloop when
-    it is installed. `tenants` (a parsed `--tenants` file): keys that run requests as their
-    tenant, registered with the engine and their prompts pinned before serving. `tool_parser`
-    reads tool calls out of outputs with tool_choice "auto" (tool_calls.TOOL_PARSERS). The
-    connection bounds and timeouts are create_app's (see docs/operations.md).
+    Binds `server.host` (127.0.0.1 by default) and refuses (ValueError, before loading
+    anything) a non-loopback address without a key unless `server.allow_unauthenticated`,
+    and a tenants file whose pinned prompts are shorter than a block. Runs on uvloop when it
+    is installed; the tenants file's tenants are registered and their prompts pinned before
+    serving.
     """
-    has_keys = bool(api_key) or bool(admin_keys) or bool(tenants is not None and tenants.keys)
-    check_exposure(host, has_keys=has_keys, allow_unauthenticated=allow_unauthenticated)
-    if shutdown_timeout < 0:
-        raise ValueError(f"shutdown_timeout must be >= 0 seconds, got {shutdown_timeout}")
-    if tenants is not None:
-        check_tenant_pins(config, tenants)
+    server = server if server is not None else ServerConfig()
+    check_exposure(server.host, has_keys=server.has_keys, allow_unauthenticated=server.allow_unauthenticated)
+    if server.shutdown_timeout < 0:
+        raise ValueError(f"shutdown_timeout must be >= 0 seconds, got {server.shutdown_timeout}")
+    if server.tenants is not None:
+        check_tenant_pins(config, server.tenants)
     from streamengine.engine.async_engine import AsyncEngine
 
     print(f"streamengine: loading {config.model or 'the default model (SmolLM2-135M-Instruct)'} ...", flush=True)
     engine = AsyncEngine(config)
-    app = create_app(engine, model_name=engine.model_name, **app_options(
-        host, api_key=api_key, admin_keys=admin_keys, allowed_origins=allowed_origins,
-        allowed_hosts=allowed_hosts, max_prompt_tokens=max_prompt_tokens, stall_timeout=stall_timeout,
-        request_timeout=request_timeout, max_connections=max_connections, tenants=tenants,
-        tool_parser=tool_parser, max_unauthenticated=max_unauthenticated, auth_timeout=auth_timeout,
-        idle_timeout=idle_timeout, body_timeout=body_timeout, write_timeout=write_timeout,
-    ))
-    _run(_serve(app, host, port, engine.model_name, shutdown_timeout))
+    app = create_app(engine, server)
+    _run(_serve(app, server.host, server.port, server.model_name or engine.model_name, server.shutdown_timeout))
 
 
 def check_tenant_pins(config: EngineConfig, tenants: TenantsFile) -> None:
@@ -103,26 +62,6 @@ def check_tenant_pins(config: EngineConfig, tenants: TenantsFile) -> None:
                 f"tenants file {tenants.path!r}: {what} is {len(ids)} tokens as the chat template renders "
                 f"it, shorter than one KV block ({config.block_size} tokens): a pinned prefix needs at "
                 "least one full block; lengthen it or leave it out")
-
-
-def app_options(
-    host: str, *, api_key: str | Sequence[str] | None, admin_keys: Sequence[str],
-    allowed_origins: Sequence[str], allowed_hosts: Sequence[str], max_prompt_tokens: int | None,
-    stall_timeout: float, request_timeout: float | None, max_connections: int,
-    tenants: TenantsFile | None, tool_parser: str, max_unauthenticated: int = DEFAULT_MAX_UNAUTHENTICATED,
-    auth_timeout: float = DEFAULT_AUTH_TIMEOUT_S, idle_timeout: float = DEFAULT_IDLE_TIMEOUT_S,
-    body_timeout: float = DEFAULT_BODY_TIMEOUT_S, write_timeout: float = DEFAULT_WRITE_TIMEOUT_S,
-) -> dict[str, Any]:
-    """`create_app`'s keyword arguments for a server bound to `host` (the Host names it
-    answers follow from the bind address): shared by this server and the Ray ingress."""
-    return {
-        "api_key": api_key, "admin_keys": list(admin_keys), "allowed_origins": list(allowed_origins),
-        "allowed_hosts": hosts_for_bind(host, list(allowed_hosts)), "max_prompt_tokens": max_prompt_tokens,
-        "stall_timeout": stall_timeout, "request_timeout": request_timeout,
-        "max_connections": max_connections, "tenants": tenants, "tool_parser": tool_parser,
-        "max_unauthenticated": max_unauthenticated, "auth_timeout": auth_timeout, "idle_timeout": idle_timeout,
-        "body_timeout": body_timeout, "write_timeout": write_timeout,
-    }
 
 
 async def _serve(app: web.Application, host: str, port: int, model_name: str, shutdown_timeout: float) -> None:

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable
 from importlib import resources
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -23,22 +23,11 @@ from aiohttp.web_protocol import RequestPayloadError
 from prometheus_client import CONTENT_TYPE_LATEST
 
 from streamengine.server import openai, protocol
+from streamengine.server.config import ServerConfig
 from streamengine.server.metrics import ServerMetrics
 from streamengine.server.security import HostPolicy, KeyRing, OriginPolicy, is_same_origin
 from streamengine.server.state import (
     CLIENT,
-    DEFAULT_AUTH_TIMEOUT_S,
-    DEFAULT_BODY_TIMEOUT_S,
-    DEFAULT_HEARTBEAT_S,
-    DEFAULT_IDLE_TIMEOUT_S,
-    DEFAULT_MAX_BODY_BYTES,
-    DEFAULT_MAX_CONNECTIONS,
-    DEFAULT_MAX_MESSAGE_BYTES,
-    DEFAULT_MAX_PENDING_BYTES,
-    DEFAULT_MAX_UNAUTHENTICATED,
-    DEFAULT_STALL_TIMEOUT_S,
-    DEFAULT_TOOL_PARSER,
-    DEFAULT_WRITE_TIMEOUT_S,
     DRAIN_RETRY_AFTER_S,
     STATE_KEY,
     TENANT_KEY,
@@ -47,7 +36,6 @@ from streamengine.server.state import (
     get_state,
 )
 from streamengine.server.tenancy import apply_tenants_file, tenants_route
-from streamengine.server.tenants_file import TenantsFile
 from streamengine.server.websocket import stream_handler
 from streamengine.structured.tool_calls import get_tool_parser
 
@@ -80,79 +68,39 @@ CLIENT_WATCH_S = 0.2
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
 
-def create_app(
-    engine: EngineClient,
-    *,
-    api_key: str | Sequence[str] | None = None,
-    allowed_origins: Sequence[str] = (),
-    max_prompt_tokens: int | None = None,
-    model_name: str | None = None,
-    max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
-    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
-    max_pending_bytes: int = DEFAULT_MAX_PENDING_BYTES,
-    max_connections: int = DEFAULT_MAX_CONNECTIONS,
-    heartbeat_s: float = DEFAULT_HEARTBEAT_S,
-    request_timeout: float | None = None,
-    admin_keys: str | Sequence[str] | None = None,
-    allowed_hosts: Sequence[str] | None = None,
-    stall_timeout: float = DEFAULT_STALL_TIMEOUT_S,
-    web_dir: Path | str | None = None,
-    tenants: TenantsFile | None = None,
-    tool_parser: str = DEFAULT_TOOL_PARSER,
-    max_unauthenticated: int = DEFAULT_MAX_UNAUTHENTICATED,
-    auth_timeout: float = DEFAULT_AUTH_TIMEOUT_S,
-    idle_timeout: float = DEFAULT_IDLE_TIMEOUT_S,
-    body_timeout: float = DEFAULT_BODY_TIMEOUT_S,
-    write_timeout: float = DEFAULT_WRITE_TIMEOUT_S,
-) -> web.Application:
-    """The server for `engine`, started and stopped with the app (unless already running).
-
-    `api_key`: one key or several (each its own tenant with its own prefix-cache salt);
-    None = no auth. `admin_keys`: keys that also read /metrics and /v1/kv_state (with keys
-    configured, nobody else may). `allowed_origins`: extra browser origins allowed to call
-    the API and open the WebSocket (`*` = any); the server's own origin is always allowed.
-    `allowed_hosts`: Host names answered besides the loopback ones (`*` = any; None = loopback
-    only). `stall_timeout`: /ready is 503 once the engine has work but no progress for this
-    many seconds. `max_prompt_tokens`: prompts longer than this are refused with a structured
-    error. `model_name`: the id reported by /v1/models and required (when given) in OpenAI
-    requests; default `engine.model_name`. `tenants`: a parsed tenants file: its keys run
-    requests as their tenant, and its tenants are registered and their prompts pinned when
-    the engine starts (see tenants_file.py). `tool_parser`: how calls are read out of outputs
-    with tool_choice "auto" (a name in tool_calls.TOOL_PARSERS). `max_connections`: authenticated
-    WebSockets at once; `max_unauthenticated`: WebSockets still to authenticate, apart from them,
-    each closed `auth_timeout` seconds after its handshake unless it authenticates.
-    `idle_timeout`: an HTTP connection that has not sent a whole request head this long after
-    opening or after its previous response is closed; `body_timeout`: a POST body not whole this
-    long after its head gets 408; `write_timeout`: a streamed response whose client takes no bytes
-    this long is dropped and its request aborted (see docs/operations.md).
-    """
-    _check_options(max_prompt_tokens, max_message_bytes, max_body_bytes, stall_timeout)
-    _check_bounds(max_connections=max_connections, max_unauthenticated=max_unauthenticated,
-                  auth_timeout=auth_timeout, idle_timeout=idle_timeout, body_timeout=body_timeout,
-                  write_timeout=write_timeout)
-    get_tool_parser(tool_parser)  # an unknown name fails here, not in the first request
+def create_app(engine: EngineClient, config: ServerConfig | None = None) -> web.Application:
+    """The server for `engine` as `config` sets it (default: ServerConfig()), started and
+    stopped with the app (unless already running). Refuses (ValueError) a bound out of range
+    or an unknown tool parser before serving anything."""
+    c = config if config is not None else ServerConfig()
+    _check_options(c.max_prompt_tokens, c.max_message_bytes, c.max_body_bytes, c.stall_timeout)
+    _check_bounds(max_connections=c.max_connections, max_unauthenticated=c.max_unauthenticated,
+                  auth_timeout=c.auth_timeout, idle_timeout=c.idle_timeout, body_timeout=c.body_timeout,
+                  write_timeout=c.write_timeout)
+    get_tool_parser(c.tool_parser)  # an unknown name fails here, not in the first request
     state = ServerState(
         engine=engine,
-        model_name=model_name or engine.model_name,
-        keys=KeyRing(api_key, admin_keys, tenants.keys if tenants is not None else ()),
-        origins=OriginPolicy(allowed_origins),
-        max_prompt_tokens=max_prompt_tokens,
+        model_name=c.model_name or engine.model_name,
+        keys=KeyRing(c.api_key, c.admin_keys, c.tenants.keys if c.tenants is not None else ()),
+        origins=OriginPolicy(c.allowed_origins),
+        max_prompt_tokens=c.max_prompt_tokens,
         metrics=ServerMetrics(engine.stats),
-        max_message_bytes=max_message_bytes,
-        max_pending_bytes=max_pending_bytes,
-        max_connections=max_connections,
-        max_unauthenticated=max_unauthenticated,
-        auth_timeout=auth_timeout,
-        body_timeout=body_timeout,
-        write_timeout=write_timeout,
-        heartbeat_s=heartbeat_s,
-        request_timeout=request_timeout,
-        hosts=HostPolicy(allowed_hosts or ()),
-        stall_timeout=stall_timeout,
-        tenants=tenants,
-        tool_parser=tool_parser,
+        max_message_bytes=c.max_message_bytes,
+        max_pending_bytes=c.max_pending_bytes,
+        max_connections=c.max_connections,
+        max_unauthenticated=c.max_unauthenticated,
+        auth_timeout=c.auth_timeout,
+        body_timeout=c.body_timeout,
+        write_timeout=c.write_timeout,
+        heartbeat_s=c.heartbeat_s,
+        request_timeout=c.request_timeout,
+        hosts=HostPolicy(c.answered_hosts()),
+        stall_timeout=c.stall_timeout,
+        tenants=c.tenants,
+        tool_parser=c.tool_parser,
     )
-    return _build_app(state, max_body_bytes, Path(web_dir) if web_dir is not None else WEB_DIR, idle_timeout)
+    web_dir = Path(c.web_dir) if c.web_dir is not None else WEB_DIR
+    return _build_app(state, c.max_body_bytes, web_dir, c.idle_timeout)
 
 
 def _check_options(max_prompt_tokens: int | None, max_message_bytes: int, max_body_bytes: int,

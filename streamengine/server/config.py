@@ -1,0 +1,77 @@
+"""ServerConfig: every option of the server, built once (from the CLI, the environment and the
+tenants file, or by an embedding program) and passed whole to `run_server`, `create_app` and
+the Ray ingress. Bounds and what a client sees when one is hit: docs/operations.md."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+from streamengine.server.security import hosts_for_bind
+from streamengine.server.state import (
+    DEFAULT_AUTH_TIMEOUT_S,
+    DEFAULT_BODY_TIMEOUT_S,
+    DEFAULT_HEARTBEAT_S,
+    DEFAULT_IDLE_TIMEOUT_S,
+    DEFAULT_MAX_BODY_BYTES,
+    DEFAULT_MAX_CONNECTIONS,
+    DEFAULT_MAX_MESSAGE_BYTES,
+    DEFAULT_MAX_PENDING_BYTES,
+    DEFAULT_MAX_UNAUTHENTICATED,
+    DEFAULT_SHUTDOWN_TIMEOUT_S,
+    DEFAULT_STALL_TIMEOUT_S,
+    DEFAULT_TOOL_PARSER,
+    DEFAULT_WRITE_TIMEOUT_S,
+)
+from streamengine.server.tenants_file import TenantsFile
+
+
+@dataclass(frozen=True, slots=True)
+class ServerConfig:
+    """`api_key`: one key or several (each its own tenant with its own prefix-cache salt); None
+    = no auth. `admin_keys`: keys that also read /metrics, /v1/kv_state and /v1/tenants (with
+    keys configured, nobody else may). `allowed_origins`: browser origins allowed besides the
+    server's own (`*` = any). `host`, `allowed_hosts`: the Host names answered are the
+    loopback ones, `host` when it is a specific address, and `allowed_hosts` (`*` = any; on a
+    wildcard address with none given, any). `allow_unauthenticated`: serve a non-loopback
+    address without a key. `model_name`: the id /v1/models reports and OpenAI requests must
+    name (default: the engine's). `tenants`: a parsed tenants file, whose keys run requests as
+    their tenant and whose prompts are pinned when the engine starts. `tool_parser`: how tool
+    calls are read out of outputs with tool_choice "auto". `stall_timeout`: /ready is 503 once
+    the engine has work but no progress this long. `shutdown_timeout`: how long a drain lets
+    requests finish. The other bounds and timeouts: docs/operations.md."""
+
+    host: str = "127.0.0.1"
+    port: int = 8000
+    api_key: str | Sequence[str] | None = None
+    admin_keys: Sequence[str] = ()
+    allowed_origins: Sequence[str] = ()
+    allowed_hosts: Sequence[str] = ()
+    allow_unauthenticated: bool = False
+    model_name: str | None = None
+    max_prompt_tokens: int | None = None
+    max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES
+    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
+    max_pending_bytes: int = DEFAULT_MAX_PENDING_BYTES
+    max_connections: int = DEFAULT_MAX_CONNECTIONS
+    max_unauthenticated: int = DEFAULT_MAX_UNAUTHENTICATED
+    heartbeat_s: float = DEFAULT_HEARTBEAT_S
+    request_timeout: float | None = None  # seconds from arrival to the last token
+    stall_timeout: float = DEFAULT_STALL_TIMEOUT_S
+    shutdown_timeout: float = DEFAULT_SHUTDOWN_TIMEOUT_S
+    auth_timeout: float = DEFAULT_AUTH_TIMEOUT_S
+    idle_timeout: float = DEFAULT_IDLE_TIMEOUT_S
+    body_timeout: float = DEFAULT_BODY_TIMEOUT_S
+    write_timeout: float = DEFAULT_WRITE_TIMEOUT_S
+    web_dir: Path | str | None = None  # the chat page's folder (default: the packaged one)
+    tenants: TenantsFile | None = None
+    tool_parser: str = DEFAULT_TOOL_PARSER
+
+    @property
+    def has_keys(self) -> bool:
+        return bool(self.api_key) or bool(self.admin_keys) or bool(self.tenants is not None and self.tenants.keys)
+
+    def answered_hosts(self) -> list[str]:
+        """The Host names answered besides the loopback ones (security.hosts_for_bind)."""
+        return hosts_for_bind(self.host, list(self.allowed_hosts))
