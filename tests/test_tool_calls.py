@@ -354,10 +354,11 @@ class _TemplateEngine:
 
 
 def test_server_prompt_uses_a_tools_template_natively():
+    from streamengine.server.config import ServerConfig
     from streamengine.server.state import ServerState
 
     engine = _TemplateEngine("{% if tools %}{{ tools }}{% endif %}")
-    state = ServerState(engine, "m", None, None, None, None)  # type: ignore[arg-type]
+    state = ServerState(engine, ServerConfig(), "m", None, None, None)  # type: ignore[arg-type]
     call = {"id": "c", "type": "function", "function": {"name": "now", "arguments": '{"tz": "UTC"}'}}
     messages = [{"role": "user", "content": "t?"}, {"role": "assistant", "content": "", "tool_calls": [call]}]
     assert state.chat_prompt(messages, FUNCTIONS) == "prompt"

@@ -80,24 +80,12 @@ def create_app(engine: EngineClient, config: ServerConfig | None = None) -> web.
     get_tool_parser(c.tool_parser)  # an unknown name fails here, not in the first request
     state = ServerState(
         engine=engine,
+        config=c,
         model_name=c.model_name or engine.model_name,
         keys=KeyRing(c.api_key, c.admin_keys, c.tenants.keys if c.tenants is not None else ()),
         origins=OriginPolicy(c.allowed_origins),
-        max_prompt_tokens=c.max_prompt_tokens,
         metrics=ServerMetrics(engine.stats),
-        max_message_bytes=c.max_message_bytes,
-        max_pending_bytes=c.max_pending_bytes,
-        max_connections=c.max_connections,
-        max_unauthenticated=c.max_unauthenticated,
-        auth_timeout=c.auth_timeout,
-        body_timeout=c.body_timeout,
-        write_timeout=c.write_timeout,
-        heartbeat_s=c.heartbeat_s,
-        request_timeout=c.request_timeout,
         hosts=HostPolicy(c.answered_hosts()),
-        stall_timeout=c.stall_timeout,
-        tenants=c.tenants,
-        tool_parser=c.tool_parser,
     )
     web_dir = Path(c.web_dir) if c.web_dir is not None else WEB_DIR
     return _build_app(state, c.max_body_bytes, web_dir, c.idle_timeout)
@@ -167,8 +155,8 @@ async def _engine_lifespan(app: web.Application) -> AsyncIterator[None]:
         await engine.start()
     watch = asyncio.create_task(watch_http_clients(state), name="http-client-watch")
     try:
-        if state.tenants is not None:
-            await apply_tenants_file(engine, state.tenants)
+        if state.config.tenants is not None:
+            await apply_tenants_file(engine, state.config.tenants)
         yield
     finally:
         watch.cancel()
@@ -342,7 +330,7 @@ async def _admission(request: web.Request, handler: Handler) -> web.StreamRespon
     if state.shutting_down:
         return _draining()
     try:
-        await read_body(request, state.body_timeout)  # kept by aiohttp: the handler's read() returns it
+        await read_body(request, state.config.body_timeout)  # kept by aiohttp: the handler's read() returns it
     except openai.OpenAIError as exc:
         return await _refuse_body(request, exc)
     if state.shutting_down:  # the drain began while the body came in
@@ -455,9 +443,9 @@ def readiness(state: ServerState, health: dict[str, Any]) -> tuple[str, str | No
         return engine_state, f"engine {engine_state}" + (f": {detail}" if detail else "")
     stalled_s = float(health.get("seconds_since_progress") or 0.0)
     num_requests = int(health.get("num_requests") or 0)
-    if num_requests and stalled_s > state.stall_timeout:
+    if num_requests and stalled_s > state.config.stall_timeout:
         return "stalled", (f"engine holds {num_requests} requests but made no progress for "
-                           f"{stalled_s:.0f} s (--stall-timeout {state.stall_timeout:g} s)")
+                           f"{stalled_s:.0f} s (--stall-timeout {state.config.stall_timeout:g} s)")
     return "ready", None
 
 

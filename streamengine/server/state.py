@@ -18,7 +18,6 @@ from streamengine.errors import PromptTooLong
 from streamengine.server.fair_pool import FairPool
 from streamengine.server.metrics import ServerMetrics
 from streamengine.server.security import ANONYMOUS, HostPolicy, KeyRing, OriginPolicy, Tenant
-from streamengine.server.tenants_file import TenantsFile
 from streamengine.structured.tool_prompt import (
     needs_tools_template,
     render_messages,
@@ -28,6 +27,7 @@ from streamengine.structured.tool_prompt import (
 
 if TYPE_CHECKING:  # the engine loads torch and the model code: the server's modules do not need it
     from streamengine.engine.client import EngineClient
+    from streamengine.server.config import ServerConfig
 
 DEFAULT_MAX_MESSAGE_BYTES = 1 << 20
 """WebSocket messages above this get a `message_too_large` error (the socket stays open)."""
@@ -149,25 +149,17 @@ DEFAULT_CHAT_TEMPLATE = ChatTemplateOptions()
 
 @dataclass(slots=True, eq=False)
 class ServerState:
+    """The server's live state: its engine, its options (`config`) and what it built from them
+    once (the model name answered, the key ring, the origin and host policies, the metrics),
+    the sockets and requests in flight, and its tokenizer threads."""
+
     engine: EngineClient  # AsyncEngine, ClusterEngine, or a test's stand-in
-    model_name: str
+    config: ServerConfig
+    model_name: str  # config.model_name, or the engine's
     keys: KeyRing
     origins: OriginPolicy
-    max_prompt_tokens: int | None
     metrics: ServerMetrics
-    max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES
-    max_pending_bytes: int = DEFAULT_MAX_PENDING_BYTES
-    max_connections: int = DEFAULT_MAX_CONNECTIONS
-    max_unauthenticated: int = DEFAULT_MAX_UNAUTHENTICATED
-    auth_timeout: float = DEFAULT_AUTH_TIMEOUT_S
-    body_timeout: float = DEFAULT_BODY_TIMEOUT_S
-    write_timeout: float = DEFAULT_WRITE_TIMEOUT_S
-    heartbeat_s: float = DEFAULT_HEARTBEAT_S
-    request_timeout: float | None = None  # seconds from arrival to the last token; None = none
     hosts: HostPolicy = field(default_factory=HostPolicy)
-    stall_timeout: float = DEFAULT_STALL_TIMEOUT_S
-    tenants: TenantsFile | None = None  # registered and pinned when the engine starts
-    tool_parser: str = DEFAULT_TOOL_PARSER  # reads calls out of outputs with tool_choice "auto"
     created: int = field(default_factory=lambda: int(time.time()))
     connections: set[Socket] = field(default_factory=set)  # every open WebSocket
     unauthenticated: set[Socket] = field(default_factory=set)  # those still to authenticate
@@ -203,8 +195,8 @@ class ServerState:
         if self._context_tokens is None:
             self._context_tokens = int(self.engine.stats().get("max_model_len") or 0)
         limits = [(self._context_tokens, "the model's context of {} tokens")]
-        if check_limit and self.max_prompt_tokens is not None:
-            limits.append((self.max_prompt_tokens, "this server's limit of {} tokens (--max-prompt-tokens)"))
+        if check_limit and self.config.max_prompt_tokens is not None:
+            limits.append((self.config.max_prompt_tokens, "this server's limit of {} tokens (--max-prompt-tokens)"))
         tokens, limit = min(((n, what) for n, what in limits if n), default=(0, ""))
         if not tokens or len(prompt) <= tokens:  # one character per token at least: fits
             return
@@ -254,10 +246,10 @@ class ServerState:
 
     def check_length(self, ids: list[int]) -> None:
         """PromptTooLong past the server's `max_prompt_tokens`."""
-        if self.max_prompt_tokens is not None and len(ids) > self.max_prompt_tokens:
+        if self.config.max_prompt_tokens is not None and len(ids) > self.config.max_prompt_tokens:
             raise PromptTooLong(
                 f"prompt has {len(ids)} tokens, more than this server's limit of "
-                f"{self.max_prompt_tokens} (--max-prompt-tokens)"
+                f"{self.config.max_prompt_tokens} (--max-prompt-tokens)"
             )
 
     def chat_prompt(self, messages: Sequence[dict[str, Any]], functions: list[dict[str, Any]] | None = None,

@@ -11,14 +11,14 @@ heartbeat ping never queues behind more than those two small buffers and one mes
 
 Memory bound. The outbox keeps an estimate of its unsent bytes (text length, 8 bytes per token
 id, 24 per logprob entry, the exact encoded size of every other message, plus
-`ITEM_OVERHEAD` per message); past `state.max_pending_bytes` (8 MiB by default) the socket's
+`ITEM_OVERHEAD` per message); past `state.config.max_pending_bytes` (8 MiB by default) the socket's
 requests are aborted, its unsent messages dropped, and it is closed with 1008 ("client too
 slow"). So the output one socket holds is at most max_pending_bytes (as estimated; the Python
 objects behind it take a small multiple) + the one message being written (no larger than the
 estimate let it grow, give or take JSON escapes) + WRITE_BUFFER_HIGH + KERNEL_UNSENT_BYTES:
 about 2 x 8 MiB + 128 KiB with the defaults. Its input is one frame of at most 4 x
-max_message_bytes. The server holds at most `state.max_connections` (1024) authenticated
-sockets, and apart from them at most `state.max_unauthenticated` (64) still to authenticate:
+max_message_bytes. The server holds at most `state.config.max_connections` (1024) authenticated
+sockets, and apart from them at most `state.config.max_unauthenticated` (64) still to authenticate:
 handshakes beyond either are answered 503, and a socket that authenticates by message while
 the authenticated ones are at their limit is closed with 1013 (try again later). Request ids are capped at 256 characters
 (protocol.MAX_ID_CHARS) and error texts at `MAX_ERROR_CHARS`, so no input is multiplied into
@@ -27,7 +27,7 @@ what a socket holds.
 Security. Browser handshakes from a disallowed Origin get HTTP 403. With API keys, a client
 authenticates by `Authorization: Bearer` on the handshake, by offering the subprotocol
 `bearer.<key>` (next to `streamengine.v1`), or by an `auth` message first; anything else first,
-a wrong key, or silence for `state.auth_timeout` (10 s) closes the socket with 4001. `kv_state` (the
+a wrong key, or silence for `state.config.auth_timeout` (10 s) closes the socket with 4001. `kv_state` (the
 global block map) needs an admin tenant; without keys everyone is one.
 """
 
@@ -226,7 +226,7 @@ class Connection:
         self.tenant = tenant  # None until authenticated
         self.remote = remote  # the peer's address: whose turn its jobs wait for without keys
         self.codec = p.Codec()
-        self.outbox = Outbox(self._too_slow, state.max_pending_bytes, self.codec)
+        self.outbox = Outbox(self._too_slow, state.config.max_pending_bytes, self.codec)
         self.live: dict[str, _Live] = {}
         self._transport = transport
         self._writer: asyncio.Task | None = None
@@ -308,7 +308,7 @@ class Connection:
         log.warning("closing a WebSocket whose client does not read its messages")
         if self._writer is not None:
             self._writer.cancel()  # the outbox was dropped; only the close frame goes out now
-        reason = f"client too slow: over {self.state.max_pending_bytes} bytes unsent"
+        reason = f"client too slow: over {self.state.config.max_pending_bytes} bytes unsent"
         self._closing = asyncio.create_task(self.close(CLOSE_TOO_SLOW, reason))
 
     def _abort_transport(self) -> None:
@@ -338,7 +338,7 @@ class Connection:
 
     async def _authenticate(self) -> bool:
         try:
-            msg = await self.ws.receive(timeout=self.state.auth_timeout)
+            msg = await self.ws.receive(timeout=self.state.config.auth_timeout)
         except TimeoutError:
             await self._refuse("authentication timeout: send {\"type\": \"auth\", \"key\": ...} first")
             return False
@@ -357,10 +357,10 @@ class Connection:
             return False
         state = self.state
         state.unauthenticated.discard(self)
-        if len(state.connections) - len(state.unauthenticated) > state.max_connections:
+        if len(state.connections) - len(state.unauthenticated) > state.config.max_connections:
             state.unauthenticated.add(self)  # uncounted again: it is closing
             await self.ws.close(code=CLOSE_TRY_AGAIN,
-                                message=f"at most {state.max_connections} WebSocket connections".encode())
+                                message=f"at most {state.config.max_connections} WebSocket connections".encode())
             return False
         self.tenant = tenant
         return True
@@ -373,7 +373,7 @@ class Connection:
         return p.Ready(
             model=self.state.model_name,
             block_size=int(stats.get("block_size", 0)),
-            max_prompt_tokens=self.state.max_prompt_tokens,
+            max_prompt_tokens=self.state.config.max_prompt_tokens,
         )
 
     # -- messages
@@ -381,7 +381,7 @@ class Connection:
     async def _on_message(self, data: str | bytes) -> None:
         if self._closing is not None:
             return  # being closed (too slow): start no more work for it
-        limit = self.state.max_message_bytes
+        limit = self.state.config.max_message_bytes
         if (size := _size_over(data, limit)) is not None:
             self._error(None, p.MESSAGE_TOO_LARGE, f"message of {size} bytes exceeds the limit of {limit} bytes")
             return
@@ -436,7 +436,7 @@ class Connection:
     def _check(self, msg: p.Generate) -> tuple[SamplingParams, ToolPlan]:
         if (msg.prompt is None) == (msg.messages is None):
             raise ValueError("give exactly one of `prompt` and `messages`")
-        plan = _tool_plan(msg, self.state.tool_parser)
+        plan = _tool_plan(msg, self.state.config.tool_parser)
         fields = dict(msg.params)
         if fields.get("prompt_logprobs") is not None:
             raise ValueError("params.prompt_logprobs is not available on the WebSocket (its deltas carry no "
@@ -484,7 +484,7 @@ class Connection:
             request_id=live.engine_id,
             cache_salt=self.tenant.salt_for(user) if self.tenant else None,
             recorder=self.state.metrics.recorder(engine_tenant or DEFAULT_TENANT),
-            timeout=self.state.request_timeout,
+            timeout=self.state.config.request_timeout,
             tenant=engine_tenant,
         )
         async with contextlib.aclosing(updates):
@@ -595,8 +595,8 @@ async def stream_handler(request: web.Request) -> web.StreamResponse:
     _check_room(state, authenticated=tenant is not None)
     ws = web.WebSocketResponse(
         protocols=(p.PROTOCOL_NAME,),
-        max_msg_size=state.max_message_bytes * HARD_LIMIT_FACTOR,
-        heartbeat=state.heartbeat_s or None,
+        max_msg_size=state.config.max_message_bytes * HARD_LIMIT_FACTOR,
+        heartbeat=state.config.heartbeat_s or None,
     )
     conn = Connection(state, ws, tenant, request.transport, request.remote)
     # before the handshake's await, so concurrent ones count too
@@ -617,10 +617,10 @@ def _check_room(state: ServerState, *, authenticated: bool) -> None:
     """503 past the limit of the handshake's kind: sockets that proved a key count against
     `max_connections`, the others against `max_unauthenticated` until they authenticate."""
     waiting = len(state.unauthenticated)
-    if authenticated and len(state.connections) - waiting >= state.max_connections:
-        limit = f"at most {state.max_connections} WebSocket connections"
-    elif not authenticated and waiting >= state.max_unauthenticated:
-        limit = f"at most {state.max_unauthenticated} WebSocket connections waiting to authenticate"
+    if authenticated and len(state.connections) - waiting >= state.config.max_connections:
+        limit = f"at most {state.config.max_connections} WebSocket connections"
+    elif not authenticated and waiting >= state.config.max_unauthenticated:
+        limit = f"at most {state.config.max_unauthenticated} WebSocket connections waiting to authenticate"
     else:
         return
     raise web.HTTPServiceUnavailable(text=limit + "\n", headers={"Retry-After": "1"})

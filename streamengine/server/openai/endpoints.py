@@ -348,7 +348,7 @@ def _tool_plan(state: ServerState, body: s.ChatCompletionRequest) -> ToolPlan:
         return NO_TOOLS
     try:
         return plan_tools(body.tools or (), body.tool_choice, parallel=body.parallel_tool_calls is True,
-                          parser_name=state.tool_parser)
+                          parser_name=state.config.tool_parser)
     except ValueError as exc:
         raise OpenAIError(400, str(exc), param="tool_choice") from None
 

@@ -53,7 +53,7 @@ class _Runner:
                 request_id=engine_id,
                 cache_salt=salt,
                 recorder=state.metrics.recorder(engine_tenant or DEFAULT_TENANT),
-                timeout=state.request_timeout,
+                timeout=state.config.request_timeout,
                 tenant=engine_tenant,
             )
             for prompt, engine_id in zip(job.prompts, self.engine_ids, strict=True)
@@ -161,7 +161,7 @@ class _ReaderStalled(Exception):
 async def _stream(runner: _Runner, firsts: list[StepUpdate]) -> web.StreamResponse:
     response = web.StreamResponse(headers=_SSE_HEADERS)
     encoder = msgspec.json.Encoder()
-    write_timeout = runner.state.write_timeout
+    write_timeout = runner.state.config.write_timeout
 
     async def send(payload: msgspec.Struct | dict | str) -> None:
         data = payload.encode() if isinstance(payload, str) else encoder.encode(payload)

@@ -91,7 +91,7 @@ def _chat_text(state: ServerState, body: TokenizeRequest) -> str:
         raise OpenAIError(400, str(exc), param=exc.param) from None
     functions = None
     if body.tools:
-        functions = plan_tools(body.tools, None, parallel=False, parser_name=state.tool_parser).functions
+        functions = plan_tools(body.tools, None, parallel=False, parser_name=state.config.tool_parser).functions
     try:
         return state.chat_prompt(messages, functions, options)
     except ValueError as exc:
