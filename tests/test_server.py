@@ -16,11 +16,11 @@ from prometheus_client.parser import text_string_to_metric_families
 from streamengine import AsyncEngine, EngineConfig
 from streamengine.server import create_app
 from streamengine.server.config import ServerConfig
+from streamengine.server.outbox import Outbox
 from streamengine.server.protocol import CLOSE_UNAUTHORIZED
 from streamengine.server.security import KeyRing, OriginPolicy, normalize_origin
 from streamengine.server.state import STATE_KEY
 from streamengine.server.streaming import SampleDelta
-from streamengine.server.websocket import Outbox
 
 LONG = {"max_tokens": 400, "ignore_eos": True, "temperature": 0}
 SHORT = {"max_tokens": 4, "ignore_eos": True, "temperature": 0}

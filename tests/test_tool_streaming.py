@@ -244,8 +244,8 @@ def test_websocket_outbox_merges_the_parts_of_a_call():
     """Deltas of one sample that wait unsent are merged, and so are the parts of each call: one
     entry per call, opened by its id and name, its arguments joined in order."""
     from streamengine.server import protocol as p
+    from streamengine.server.outbox import Outbox
     from streamengine.server.streaming import SampleDelta
-    from streamengine.server.websocket import Outbox
 
     def part(index: int, arguments: str, name: str | None = None) -> p.DeltaToolCall:
         return p.DeltaToolCall(index=index, id=f"call_{index}" if name else None, type="function" if name else None,

@@ -36,7 +36,7 @@ from streamengine.server.state import (
     get_state,
 )
 from streamengine.server.tenancy import apply_tenants_file, tenants_route
-from streamengine.server.websocket import stream_handler
+from streamengine.server.ws_route import stream_handler
 from streamengine.structured.tool_calls import get_tool_parser
 
 if TYPE_CHECKING:

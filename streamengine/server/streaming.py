@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import socket
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -160,3 +161,19 @@ async def _close_quietly(engine: EngineClient, stream: Any, request_id: str) -> 
             await aclose()
     with contextlib.suppress(Exception):
         await engine.abort(request_id)
+
+
+KERNEL_UNSENT_BYTES = 64 * 1024  # TCP_NOTSENT_LOWAT: unsent bytes the kernel may hold
+
+
+def limit_kernel_unsent(transport: asyncio.BaseTransport | None) -> None:
+    """Caps what the kernel keeps unsent for this socket (TCP_NOTSENT_LOWAT). Without it the
+    kernel takes megabytes from a peer with a small window (about 3 MB on loopback), and every
+    heartbeat ping queues behind them (and a streamed response's writes never wait, so a reader
+    that stalled goes unnoticed); data in flight is not limited, so throughput is kept."""
+    option = getattr(socket, "TCP_NOTSENT_LOWAT", None)
+    sock = transport.get_extra_info("socket") if transport is not None else None
+    if option is None or sock is None or sock.family not in (socket.AF_INET, socket.AF_INET6):
+        return
+    with contextlib.suppress(OSError):
+        sock.setsockopt(socket.IPPROTO_TCP, option, KERNEL_UNSENT_BYTES)

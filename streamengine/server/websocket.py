@@ -4,18 +4,18 @@ Slow readers. Every request task pushes into the connection's `Outbox` without e
 so neither the engine nor other clients can be stalled by one socket. A single writer task
 drains the outbox, and hands a message to the transport only while the transport holds less
 than `WRITE_BUFFER_HIGH` unsent bytes; the kernel is told to hold at most
-`KERNEL_UNSENT_BYTES` unsent (TCP_NOTSENT_LOWAT, where the OS has it). Everything else waits
+`streaming.KERNEL_UNSENT_BYTES` unsent (TCP_NOTSENT_LOWAT, where the OS has it). Everything else waits
 in the outbox, where token deltas of the same (request, sample) merge into one pending message
 (text concatenated, token ids and logprobs appended): nothing is dropped, and an aiohttp
 heartbeat ping never queues behind more than those two small buffers and one message.
 
 Memory bound. The outbox keeps an estimate of its unsent bytes (text length, 8 bytes per token
 id, 24 per logprob entry, the exact encoded size of every other message, plus
-`ITEM_OVERHEAD` per message); past `state.config.max_pending_bytes` (8 MiB by default) the socket's
+`outbox.ITEM_OVERHEAD` per message); past `state.config.max_pending_bytes` (8 MiB by default) the socket's
 requests are aborted, its unsent messages dropped, and it is closed with 1008 ("client too
 slow"). So the output one socket holds is at most max_pending_bytes (as estimated; the Python
 objects behind it take a small multiple) + the one message being written (no larger than the
-estimate let it grow, give or take JSON escapes) + WRITE_BUFFER_HIGH + KERNEL_UNSENT_BYTES:
+estimate let it grow, give or take JSON escapes) + WRITE_BUFFER_HIGH + streaming.KERNEL_UNSENT_BYTES:
 about 2 x 8 MiB + 128 KiB with the defaults. Its input is one frame of at most 4 x
 max_message_bytes. The server holds at most `state.config.max_connections` (1024) authenticated
 sockets, and apart from them at most `state.config.max_unauthenticated` (64) still to authenticate:
@@ -37,9 +37,6 @@ import asyncio
 import contextlib
 import dataclasses
 import logging
-import socket
-from collections import OrderedDict
-from collections.abc import Callable
 from dataclasses import dataclass
 
 import msgspec
@@ -48,14 +45,12 @@ from aiohttp import WSCloseCode, WSMsgType, web
 from streamengine.sample.sampling_params import SamplingParams
 from streamengine.server import protocol as p
 from streamengine.server.failures import classify
-from streamengine.server.security import Tenant, bearer_token
+from streamengine.server.outbox import Outbox
+from streamengine.server.security import Tenant
 from streamengine.server.state import (
     CLIENT,
-    DEFAULT_MAX_PENDING_BYTES,
-    HARD_LIMIT_FACTOR,
     ServerState,
     client_key,
-    get_state,
     new_request_id,
 )
 from streamengine.server.streaming import SampleDelta, StepUpdate, stream_request
@@ -70,140 +65,7 @@ CLOSE_TOO_SLOW = WSCloseCode.POLICY_VIOLATION  # 1008
 CLOSE_TRY_AGAIN = WSCloseCode.TRY_AGAIN_LATER  # 1013: authenticated, but no room for another socket
 CLOSE_TIMEOUT_S = 10.0  # a peer that takes no close frame in this long has its transport aborted
 WRITE_BUFFER_HIGH = 64 * 1024  # transport bytes above which the writer leaves messages merging
-KERNEL_UNSENT_BYTES = 64 * 1024  # TCP_NOTSENT_LOWAT: unsent bytes the kernel may hold
-ITEM_OVERHEAD = 128  # estimated bytes of bookkeeping per queued message
 MAX_ERROR_CHARS = 512  # error texts may quote the input (a field name, a value): clip them
-LOGPROB_ENTRY_BYTES = 24
-TOKEN_ID_BYTES = 8
-
-
-# ---- outbox ---------------------------------------------------------------------------------
-
-
-@dataclass(slots=True)
-class _PendingDelta:
-    request_id: str
-    index: int
-    text: list[str]
-    token_ids: list[int]
-    logprobs: list[dict[int, float]] | None
-    nbytes: int = ITEM_OVERHEAD
-    tool_calls: list[p.DeltaToolCall] | None = None
-
-    def merge(self, delta: SampleDelta, tool_calls: list[p.DeltaToolCall] | None = None) -> int:
-        """Appends `delta` (and what it adds to the calls); returns the bytes it adds to the estimate."""
-        self.text.append(delta.text)
-        self.token_ids.extend(delta.token_ids)
-        if delta.logprobs is not None:
-            if self.logprobs is None:
-                self.logprobs = []
-            self.logprobs.extend(delta.logprobs)
-        added = _delta_bytes(delta)
-        for call in tool_calls or ():
-            added += self._merge_call(call)
-        self.nbytes += added
-        return added
-
-    def _merge_call(self, call: p.DeltaToolCall) -> int:
-        """Adds one call part: arguments join the unsent entry of the same call."""
-        if self.tool_calls is None:
-            self.tool_calls = []
-        last = self.tool_calls[-1] if self.tool_calls else None
-        if last is not None and last.index == call.index and call.id is None:
-            last.function.arguments += call.function.arguments
-            return len(call.function.arguments)
-        self.tool_calls.append(call)
-        return ITEM_OVERHEAD + len(call.function.name or "") + len(call.function.arguments)
-
-    def message(self) -> p.Delta:
-        return p.Delta(self.request_id, self.index, "".join(self.text), self.token_ids, self.logprobs,
-                       self.tool_calls)
-
-
-def _delta_bytes(delta: SampleDelta) -> int:
-    logprobs = delta.logprobs or ()
-    return (len(delta.text) + TOKEN_ID_BYTES * len(delta.token_ids)
-            + sum(TOKEN_ID_BYTES + LOGPROB_ENTRY_BYTES * len(entry) for entry in logprobs))
-
-
-class Outbox:
-    """Unsent messages of one socket, in order, and an estimate of their bytes.
-
-    Deltas of one (request, sample) coalesce into one pending message; other messages are kept
-    encoded. When `pending_bytes` would pass `max_bytes`, everything unsent is dropped, further
-    pushes are ignored and `on_overflow` is called once: the socket is to be closed.
-    """
-
-    def __init__(self, on_overflow: Callable[[], None], max_bytes: int = DEFAULT_MAX_PENDING_BYTES,
-                 codec: p.Codec | None = None) -> None:
-        self._items: OrderedDict[tuple, _PendingDelta | str] = OrderedDict()
-        self._ready = asyncio.Event()
-        self._serial = 0
-        self._codec = codec or p.Codec()
-        self._on_overflow = on_overflow
-        self.max_bytes = max_bytes
-        self.pending_bytes = 0
-        self.overflowed = False
-        self.num_coalesced = 0  # deltas merged into an unsent one (observable by tests)
-
-    def push_delta(self, request_id: str, delta: SampleDelta, tool_calls: list[p.DeltaToolCall] | None = None,
-                   *, run: str) -> None:
-        """Queues `delta` of sample `delta.index` of request `request_id`, merged into an unsent
-        delta of the same run. `run` (the engine's request id) differs between two requests
-        that reuse one client id: a later run's tokens must never merge into an earlier run's
-        unsent delta, which sits ahead of that run's `done`."""
-        if self.overflowed:
-            return
-        key = ("delta", run, delta.index)
-        pending = self._items.get(key)
-        if pending is not None:
-            self.num_coalesced += 1
-        else:
-            pending = _PendingDelta(request_id, delta.index, [], [], None, ITEM_OVERHEAD + len(request_id))
-            self._items[key] = pending
-            self._grow(pending.nbytes)
-            self._ready.set()
-        self._grow(pending.merge(delta, tool_calls))  # type: ignore[union-attr]
-
-    def push(self, message: p.ServerMessage, *, replace_key: str | None = None) -> None:
-        """Queue a non-delta message; with `replace_key`, a newer one replaces an unsent one."""
-        if self.overflowed:
-            return
-        text = self._codec.encode(message)
-        if replace_key is not None:
-            key: tuple = ("latest", replace_key)
-            replaced = self._items.get(key)
-            if isinstance(replaced, str):
-                self.pending_bytes -= ITEM_OVERHEAD + len(replaced)
-        else:
-            self._serial += 1
-            key = ("msg", self._serial)
-        self._items[key] = text  # a replacement keeps the unsent one's place in the order
-        self._ready.set()
-        self._grow(ITEM_OVERHEAD + len(text))
-
-    def _grow(self, nbytes: int) -> None:
-        self.pending_bytes += nbytes
-        if self.pending_bytes > self.max_bytes and not self.overflowed:
-            self.overflowed = True
-            self._items.clear()
-            self.pending_bytes = 0
-            self._on_overflow()
-
-    async def get(self) -> str:
-        """The next message, encoded."""
-        while not self._items:
-            self._ready.clear()
-            await self._ready.wait()
-        _, item = self._items.popitem(last=False)
-        if isinstance(item, _PendingDelta):
-            self.pending_bytes -= item.nbytes
-            return self._codec.encode(item.message())
-        self.pending_bytes -= ITEM_OVERHEAD + len(item)
-        return item
-
-    def __len__(self) -> int:
-        return len(self._items)
 
 
 # ---- one connection -------------------------------------------------------------------------
@@ -578,83 +440,3 @@ def _size_over(data: str | bytes, limit: int) -> int | None:
 
 def _clip(text: str) -> str:
     return text if len(text) <= MAX_ERROR_CHARS else text[: MAX_ERROR_CHARS - 3] + "..."
-
-
-# ---- the route ------------------------------------------------------------------------------
-
-
-async def stream_handler(request: web.Request) -> web.StreamResponse:
-    state = get_state(request)
-    if not state.origins.allows(request.headers.get("Origin"), request.headers.get("Host")):
-        raise web.HTTPForbidden(text="WebSocket origin not allowed (see --allowed-origin)\n")
-    if state.shutting_down:
-        raise web.HTTPServiceUnavailable(text="server shutting down\n")
-    tenant, offered_key = _handshake_tenant(state, request)
-    if offered_key and tenant is None:
-        raise web.HTTPUnauthorized(text="invalid API key\n")
-    _check_room(state, authenticated=tenant is not None)
-    ws = web.WebSocketResponse(
-        protocols=(p.PROTOCOL_NAME,),
-        max_msg_size=state.config.max_message_bytes * HARD_LIMIT_FACTOR,
-        heartbeat=state.config.heartbeat_s or None,
-    )
-    conn = Connection(state, ws, tenant, request.transport, request.remote)
-    # before the handshake's await, so concurrent ones count too
-    state.connections.add(conn)
-    if tenant is None:
-        state.unauthenticated.add(conn)
-    try:
-        await ws.prepare(request)
-        limit_kernel_unsent(request.transport)
-        await conn.serve()
-    finally:
-        state.connections.discard(conn)
-        state.unauthenticated.discard(conn)
-    return ws
-
-
-def _check_room(state: ServerState, *, authenticated: bool) -> None:
-    """503 past the limit of the handshake's kind: sockets that proved a key count against
-    `max_connections`, the others against `max_unauthenticated` until they authenticate."""
-    waiting = len(state.unauthenticated)
-    if authenticated and len(state.connections) - waiting >= state.config.max_connections:
-        limit = f"at most {state.config.max_connections} WebSocket connections"
-    elif not authenticated and waiting >= state.config.max_unauthenticated:
-        limit = f"at most {state.config.max_unauthenticated} WebSocket connections waiting to authenticate"
-    else:
-        return
-    raise web.HTTPServiceUnavailable(text=limit + "\n", headers={"Retry-After": "1"})
-
-
-def limit_kernel_unsent(transport: asyncio.BaseTransport | None) -> None:
-    """Caps what the kernel keeps unsent for this socket (TCP_NOTSENT_LOWAT). Without it the
-    kernel takes megabytes from a peer with a small window (about 3 MB on loopback), and every
-    heartbeat ping queues behind them (and a streamed response's writes never wait, so a reader
-    that stalled goes unnoticed); data in flight is not limited, so throughput is kept."""
-    option = getattr(socket, "TCP_NOTSENT_LOWAT", None)
-    sock = transport.get_extra_info("socket") if transport is not None else None
-    if option is None or sock is None or sock.family not in (socket.AF_INET, socket.AF_INET6):
-        return
-    with contextlib.suppress(OSError):
-        sock.setsockopt(socket.IPPROTO_TCP, option, KERNEL_UNSENT_BYTES)
-
-
-def _handshake_tenant(state: ServerState, request: web.Request) -> tuple[Tenant | None, bool]:
-    """The tenant proven by the handshake itself, and whether a key was offered there."""
-    if not state.keys.enabled:
-        return state.keys.lookup(None), False
-    key = _key_from_handshake(request)
-    if key is None:
-        return None, False
-    return state.keys.lookup(key), True
-
-
-def _key_from_handshake(request: web.Request) -> str | None:
-    auth = request.headers.get("Authorization")
-    if auth:
-        return bearer_token(auth) or ""
-    for proto in request.headers.get("Sec-WebSocket-Protocol", "").split(","):
-        proto = proto.strip()
-        if proto.startswith(p.BEARER_PROTOCOL_PREFIX):
-            return proto[len(p.BEARER_PROTOCOL_PREFIX) :]
-    return None

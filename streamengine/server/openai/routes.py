@@ -26,8 +26,7 @@ from streamengine.server.openai.errors import OpenAIError, failure_error
 from streamengine.server.openai.format import CollectedChoice, ResponseFormat, prompt_only
 from streamengine.server.openai.tokenize import detokenize, tokenize
 from streamengine.server.state import TENANT_KEY, ServerState, get_state, new_request_id
-from streamengine.server.streaming import StepUpdate, stream_request
-from streamengine.server.websocket import limit_kernel_unsent
+from streamengine.server.streaming import StepUpdate, limit_kernel_unsent, stream_request
 from streamengine.tenancy.tenants import DEFAULT_TENANT
 
 log = logging.getLogger(__name__)
