@@ -21,7 +21,7 @@ from test_server_edge_cases import wait_for
 from test_server_limits import ScriptedEngine
 
 from streamengine import AsyncEngine, EngineConfig
-from streamengine.server import app as app_module
+from streamengine.server import middlewares
 from streamengine.server.app import drain
 from streamengine.server.openai.format import ResponseFormat
 from streamengine.server.state import STATE_KEY
@@ -115,13 +115,13 @@ async def test_a_body_never_finished_gets_408_and_is_no_request_in_flight(engine
     # Before: the body was read by the handler with no bound, and the request counted as in
     # flight from its head on, so a drain waited its whole timeout for bodies that never came.
     reading = asyncio.Event()
-    read_body = app_module.read_body
+    read_body = middlewares.read_body
 
     async def watched(request, timeout):
         reading.set()
         return await read_body(request, timeout)
 
-    monkeypatch.setattr(app_module, "read_body", watched)
+    monkeypatch.setattr(middlewares, "read_body", watched)
     async with serve(engine, api_key=KEY, body_timeout=0.5) as client:
         state = client.app[STATE_KEY]
         reader, writer = await raw_connection(client)
@@ -143,7 +143,7 @@ async def test_a_body_without_a_key_is_not_read(engine, monkeypatch):
     async def never(request, timeout):
         raise AssertionError("the body of an unauthenticated request was read")
 
-    monkeypatch.setattr(app_module, "read_body", never)
+    monkeypatch.setattr(middlewares, "read_body", never)
     async with serve(engine, api_key=KEY) as client:
         resp = await client.post("/v1/completions", json={"prompt": "Hi"})
         assert resp.status == 401
