@@ -57,18 +57,18 @@ class ProcCpu:
 
     def __init__(self) -> None:
         self.cpus = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
+        self._cpu_names = {f"cpu{i}".encode() for i in self.cpus}  # their /proc/stat lines
         self.available = bool(self.cpus) and os.path.exists("/proc/stat") and self._run_delay_ns() is not None
 
     def idle_s(self) -> float:
         """Idle plus iowait seconds of the affinity CPUs since boot."""
-        wanted = {f"cpu{i}".encode() for i in self.cpus}
         total = 0
         with open("/proc/stat", "rb") as f:
             for line in f:
                 if not line.startswith(b"cpu"):
                     break
                 fields = line.split()
-                if fields[0] in wanted:
+                if fields[0] in self._cpu_names:
                     total += int(fields[4]) + int(fields[5])
         return total / USER_HZ
 

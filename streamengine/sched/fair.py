@@ -282,10 +282,8 @@ def may_admit(sched: Scheduler, seq: Sequence, cached: list[KVBlock]) -> bool:
 class FairPolicy:
     """Tenants by share (the functions above); a SchedulingPolicy."""
 
-    def begin_step(self, sched: Scheduler) -> StepCaps:
-        caps = sched.caps = StepCaps()  # tenant_chunk reads it while the caps are counted
+    def begin_step(self, sched: Scheduler, caps: StepCaps) -> None:
         count_prefills(sched, caps)
-        return caps
 
     def serve_first(self, sched: Scheduler, out: SchedulerOutput) -> int:
         return serve_underserved(sched, out)

@@ -14,8 +14,8 @@ if TYPE_CHECKING:
 
 
 class FcfsPolicy:
-    def begin_step(self, sched: Scheduler) -> StepCaps:
-        return StepCaps()
+    def begin_step(self, sched: Scheduler, caps: StepCaps) -> None:
+        pass  # no per-tenant limits
 
     def serve_first(self, sched: Scheduler, out: SchedulerOutput) -> int:
         return 0
@@ -35,7 +35,6 @@ class FcfsPolicy:
     def schedule_waiting(self, sched: Scheduler, out: SchedulerOutput, budget: int, yielded: list[Sequence]) -> None:
         """The head of the line first; one waiting for a prefix in flight keeps its place
         while those behind it that share nothing start."""
-        bm = sched.block_manager
         in_flight = sched._blocks_in_flight()
         i = 0
         while i < len(sched.waiting) and budget > 0 and len(sched.running) < sched.max_num_seqs:
@@ -44,12 +43,8 @@ class FcfsPolicy:
             if sched._waits_for_prefix(seq, len(cached), in_flight):
                 i += 1
                 continue
-            n = sched._num_new_tokens(seq, len(cached) * bm.block_size, budget)
-            reserve = sched.watermark_blocks if sched.running else 0
-            if not bm.allocate_slots(seq, n, cached, reserve=reserve):
-                sched._refused = seq
+            n = sched._admit_from_waiting(out, seq, cached, budget)
+            if n == 0:
                 break  # nobody overtakes the head of the line for blocks
-            del sched.waiting[i]
-            sched._admit(out, seq, n, len(cached) * bm.block_size)
             in_flight.update(sched._pending_hashes(seq))
             budget -= n

@@ -34,9 +34,10 @@ def cached_blocks(sched: Scheduler, seq: Sequence) -> list[KVBlock]:
 
 
 def waits_for_sibling(sched: Scheduler, seq: Sequence) -> bool:
-    """True while a running sibling is still computing the prompt `seq` would share."""
+    """True while a running sibling is still computing the prompt `seq` would share (asked
+    by Scheduler._waits_for_prefix, for a sequence that reads cached blocks)."""
     sibling = _furthest_sibling(sched, seq)
-    return sibling is not None and seq.reads_prefix_cache and sibling.num_computed_tokens < seq.num_prompt_tokens
+    return sibling is not None and sibling.num_computed_tokens < seq.num_prompt_tokens
 
 
 def _furthest_sibling(sched: Scheduler, seq: Sequence) -> Sequence | None:

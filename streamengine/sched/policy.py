@@ -45,7 +45,9 @@ class StepCaps:
 class SchedulingPolicy(Protocol):
     """The Scheduler's questions; each gets the scheduler to read its queues and pool."""
 
-    def begin_step(self, sched: Scheduler) -> StepCaps: ...
+    def begin_step(self, sched: Scheduler, caps: StepCaps) -> None:
+        """Sets this step's limits in `caps` (already `sched.caps`, which policy code reads)."""
+        ...
 
     def serve_first(self, sched: Scheduler, out: SchedulerOutput) -> int:
         """Admits whoever must start before the running sequences grow; the tokens scheduled."""

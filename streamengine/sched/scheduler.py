@@ -127,7 +127,8 @@ class Scheduler:
         out = SchedulerOutput()
         self._refused = None
         self.share.start_step()
-        self.caps = self.policy.begin_step(self)
+        self.caps = StepCaps()
+        self.policy.begin_step(self, self.caps)
         budget = self.max_num_batched_tokens - self.policy.serve_first(self, out)
         # Tenants that gave way this step admit nothing in it (that would undo the yield), nor
         # does anyone served more than one of them: the room is lent only to those it owes.
