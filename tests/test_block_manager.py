@@ -34,11 +34,11 @@ def make_seq(seq_id: int, tokens: list[int], salt: str | None = None) -> Sequenc
 
 
 def free_ids(bm: BlockManager) -> list[int]:
-    return [b.block_id for b in bm.free_blocks()]
+    return [b.block_id for b in bm.pool.free_blocks()]
 
 
 def refs(bm: BlockManager) -> list[int]:
-    return [b.ref_cnt for b in bm.blocks]
+    return [b.ref_cnt for b in bm.pool.blocks]
 
 
 def prefill(bm: BlockManager, seq: Sequence, cached: list[KVBlock] = ()) -> None:
@@ -137,12 +137,12 @@ def test_free_puts_cached_blocks_at_the_back_tail_first() -> None:
     # partial block 2 to the front; hashed blocks to the back, the tail block (1) first,
     # so the prefix block 0 is evicted last
     assert free_ids(bm) == [2, 3, 4, 5, 6, 7, 1, 0]
-    assert bm.block_states() == [1, 1, 0, 0, 0, 0, 0, 0]
+    assert bm.pool.block_states() == [1, 1, 0, 0, 0, 0, 0, 0]
     big = make_seq(1, [99] * 28)  # 7 blocks: everything uncached, then the LRU tail (1)
     assert bm.allocate_slots(big, 28)
     assert big.block_table == [2, 3, 4, 5, 6, 7, 1]
     assert free_ids(bm) == [0]
-    assert bm.blocks[0].block_hash is not None and bm.blocks[1].block_hash is None
+    assert bm.pool.blocks[0].block_hash is not None and bm.pool.blocks[1].block_hash is None
 
 
 def test_free_of_a_shared_block_only_drops_a_reference() -> None:
@@ -197,7 +197,7 @@ def test_prefix_hit_shares_blocks() -> None:
     assert b.block_table == [0, 1, 3]
     assert b.num_computed_tokens == 8 and b.num_cached_blocks == 2
     assert refs(bm)[:4] == [2, 2, 1, 1]
-    assert bm.block_states()[:4] == [3, 3, 2, 2]
+    assert bm.pool.block_states()[:4] == [3, 3, 2, 2]
 
 
 @pytest.mark.parametrize(
@@ -240,7 +240,7 @@ def test_hash_chain_depends_on_the_parent() -> None:
     prefill(bm, a)
     b = make_seq(1, [2, 2, 2, 2, 7, 7, 7, 7, 0])  # same second block, other parent
     bm.compute_block_hashes(b)
-    assert b.block_hashes[1] not in bm.cached
+    assert b.block_hashes[1] not in bm.pool.cached
     assert b.block_hashes[1] != a.block_hashes[1]
     assert bm.find_cached_blocks(b) == []
     assert a.block_hashes[1] == hash_block(a.block_hashes[0], [7, 7, 7, 7], None)
@@ -288,14 +288,14 @@ def test_cache_full_blocks_registers_only_computed_full_blocks() -> None:
     assert bm.allocate_slots(a, 10)
     a.num_computed_tokens = 7
     bm.cache_full_blocks(a)
-    assert a.num_cached_blocks == 1 and list(bm.cached.values()) == [bm.blocks[0]]
+    assert a.num_cached_blocks == 1 and list(bm.pool.cached.values()) == [bm.pool.blocks[0]]
     a.num_computed_tokens = 10
     bm.cache_full_blocks(a)
     assert a.num_cached_blocks == 2
-    assert {h: b.block_id for h, b in bm.cached.items()} == {
+    assert {h: b.block_id for h, b in bm.pool.cached.items()} == {
         a.block_hashes[0]: 0, a.block_hashes[1]: 1,
     }
-    assert bm.blocks[2].block_hash is None
+    assert bm.pool.blocks[2].block_hash is None
 
 
 def test_duplicate_content_keeps_the_first_block() -> None:
@@ -307,8 +307,8 @@ def test_duplicate_content_keeps_the_first_block() -> None:
     for s in (a, b):
         s.num_computed_tokens = 8
         bm.cache_full_blocks(s)
-    assert sorted(b.block_id for b in bm.cached.values()) == [0, 1]
-    assert bm.blocks[2].block_hash is None and bm.blocks[3].block_hash is None
+    assert sorted(b.block_id for b in bm.pool.cached.values()) == [0, 1]
+    assert bm.pool.blocks[2].block_hash is None and bm.pool.blocks[3].block_hash is None
     bm.free(b)
     assert free_ids(bm)[:2] == [2, 3]  # unhashed duplicates are reused first
 
@@ -320,8 +320,8 @@ def test_lazy_eviction_keeps_hash_until_reallocated() -> None:
     prefill(bm, a)
     bm.free(a)
     assert free_ids(bm) == [2, 3, 1, 0]
-    assert bm.block_states() == [1, 1, 0, 0]
-    assert len(bm.cached) == 2
+    assert bm.pool.block_states() == [1, 1, 0, 0]
+    assert len(bm.pool.cached) == 2
     # a hit while free: the block leaves the middle of the queue
     b = make_seq(1, list(range(5)))
     hits = bm.find_cached_blocks(b)
@@ -334,7 +334,7 @@ def test_lazy_eviction_keeps_hash_until_reallocated() -> None:
     c = make_seq(2, [50] * 16)
     assert bm.allocate_slots(c, 16)
     assert c.block_table == [2, 3, 1, 0]
-    assert bm.cached == {} and all(blk.block_hash is None for blk in bm.blocks)
+    assert bm.pool.cached == {} and all(blk.block_hash is None for blk in bm.pool.blocks)
     bm.free(c)
     assert bm.find_cached_blocks(make_seq(3, prompt)) == []
 
@@ -351,9 +351,9 @@ def test_hit_on_free_cached_blocks_counts_against_capacity() -> None:
     hits = bm.find_cached_blocks(b)
     assert [blk.block_id for blk in hits] == [0, 1]
     # 16 tokens = 4 blocks: 2 hits + 2 new, but only block 3 is free besides the hits
-    before = (refs(bm), free_ids(bm), dict(bm.cached))
+    before = (refs(bm), free_ids(bm), dict(bm.pool.cached))
     assert not bm.allocate_slots(b, 8, hits)
-    assert (refs(bm), free_ids(bm), dict(bm.cached)) == before
+    assert (refs(bm), free_ids(bm), dict(bm.pool.cached)) == before
     assert b.block_table == [] and b.num_computed_tokens == 0
     assert bm.allocate_slots(b, 4, hits)
     assert b.block_table == [0, 1, 3] and bm.num_free_blocks == 0
@@ -374,7 +374,7 @@ def test_prefix_caching_disabled() -> None:
     bm = BlockManager(8, BS, enable_prefix_caching=False)
     a = make_seq(0, list(range(9)))
     prefill(bm, a)
-    assert bm.cached == {} and a.num_cached_blocks == 0
+    assert bm.pool.cached == {} and a.num_cached_blocks == 0
     assert bm.find_cached_blocks(make_seq(1, list(range(9)))) == []
 
 
@@ -385,8 +385,8 @@ def test_reset_prefix_cache() -> None:
     b = make_seq(1, list(range(9)))
     prefill(bm, b, bm.find_cached_blocks(b))
     bm.free(a)
-    bm.reset_prefix_cache()
-    assert bm.cached == {} and all(blk.block_hash is None for blk in bm.blocks)
+    bm.pool.reset_prefix_cache()
+    assert bm.pool.cached == {} and all(blk.block_hash is None for blk in bm.pool.blocks)
     assert bm.find_cached_blocks(make_seq(2, list(range(9)))) == []
     assert b.block_table[:2] == [0, 1] and refs(bm)[:2] == [1, 1]  # data kept for b
 
@@ -403,14 +403,14 @@ def test_blocks_a_waiting_sequence_will_hit_are_evicted_last() -> None:
     bm.free(b)
     assert free_ids(bm) == [5, 2, 6, 7, 1, 0, 4, 3]  # LRU: a's chain would go first
     waiting = make_seq(2, list(range(9)) + [7])  # re-sends a's history: hits blocks 0 and 1
-    bm.want(waiting)
+    bm.retention.want(waiting)
     assert free_ids(bm) == [5, 2, 6, 7, 4, 3, 1, 0]  # a's chain behind, still tail first
     big = make_seq(3, [99] * 24)  # 6 blocks: b's chain is evicted, a's is kept
     assert bm.allocate_slots(big, 24)
     assert [blk.block_id for blk in bm.find_cached_blocks(waiting)] == [0, 1]
-    bm.unwant(waiting)
-    bm.unwant(waiting)  # idempotent
-    assert free_ids(bm) == [1, 0] and bm.wanted_queue.num_free == 0  # plain LRU again
+    bm.retention.unwant(waiting)
+    bm.retention.unwant(waiting)  # idempotent
+    assert free_ids(bm) == [1, 0] and bm.pool.wanted_queue.num_free == 0  # plain LRU again
 
 
 def tenant_seq(seq_id: int, tenant: str, tokens: list[int]) -> Sequence:
@@ -435,7 +435,7 @@ def test_wanted_blocks_go_in_the_order_the_waiting_line_is_served() -> None:
         bm.free(done)
     first, second, last = (make_seq(10 + i, tokens + [1]) for i, tokens in enumerate(histories))
     for seq in (first, second, last):
-        bm.want(seq)
+        bm.retention.want(seq)
     assert bm.allocate_slots(make_seq(20, [7] * 24), 24)  # 3 empty blocks, then 3 evicted
     assert [hits(bm, seq) for seq in (first, second, last)] == [2, 1, 0]
 
@@ -445,8 +445,8 @@ def test_wanted_blocks_go_in_the_order_the_waiting_line_is_served() -> None:
         prefill(bm, done)
         bm.free(done)
     waiting, resumed = make_seq(10, histories[0] + [1]), make_seq(11, histories[1] + [1])
-    bm.want(waiting)
-    bm.want(resumed, first=True)
+    bm.retention.want(waiting)
+    bm.retention.want(resumed, first=True)
     assert bm.allocate_slots(make_seq(20, [7] * 28), 28)  # 3 empty, the unwanted 2, then 2 more
     assert [hits(bm, waiting), hits(bm, resumed)] == [0, 2]
 
@@ -460,7 +460,7 @@ def test_eviction_takes_from_the_tenant_holding_the_most_free_cache() -> None:
     prefill(bm, a)
     bm.free(b)
     bm.free(a)
-    assert bm.free_queue.num_cached("a") == 6 and bm.free_queue.num_cached("b") == 2
+    assert bm.pool.free_queue.num_cached("a") == 6 and bm.pool.free_queue.num_cached("b") == 2
     # 8 blocks: the 4 holding nothing (2 never used, each sequence's last, partial one), then
     # A's 6 -> 2 tail first; plain LRU would have left A 4 and B none
     assert bm.allocate_slots(tenant_seq(2, "c", list(range(500, 532))), 32)
@@ -506,8 +506,8 @@ def test_a_tenants_wanted_blocks_count_toward_its_share_and_go_after_its_others(
     for seq in (b, kept, spare):
         bm.free(seq)
     waiting = tenant_seq(3, "a", list(range(16)) + [7])
-    bm.want(waiting)
-    assert bm.wanted_queue.num_cached("a") == 4 and bm.free_queue.num_cached("a") == 2
+    bm.retention.want(waiting)
+    assert bm.pool.wanted_queue.num_cached("a") == 4 and bm.pool.free_queue.num_cached("a") == 2
     assert bm.allocate_slots(tenant_seq(4, "c", list(range(500, 516))), 16)  # 2 empty + 2 evicted
     assert hits(bm, tenant_seq(5, "a", list(range(200, 208)) + [0])) == 0  # A's unwanted went
     assert hits(bm, waiting) == 4
@@ -520,13 +520,13 @@ def test_a_wanted_hash_cached_later_goes_to_the_wanted_queue() -> None:
     """A waiting sequence wants its whole prefix, also blocks a running one computes later."""
     bm = BlockManager(6, BS)
     waiting = make_seq(0, list(range(9)))
-    bm.want(waiting)
+    bm.retention.want(waiting)
     running = make_seq(1, list(range(9)))
     prefill(bm, running)
     bm.free(running)
-    assert bm.wanted_queue.num_free == 2 and free_ids(bm)[-2:] == [1, 0]
-    bm.reset_prefix_cache()  # no content is kept for anyone: they are plain free blocks
-    assert bm.wanted_queue.num_free == 0 and sorted(free_ids(bm)) == list(range(6))
+    assert bm.pool.wanted_queue.num_free == 2 and free_ids(bm)[-2:] == [1, 0]
+    bm.pool.reset_prefix_cache()  # no content is kept for anyone: they are plain free blocks
+    assert bm.pool.wanted_queue.num_free == 0 and sorted(free_ids(bm)) == list(range(6))
 
 
 def test_fork_shares_all_blocks_and_copies_on_write() -> None:
@@ -538,7 +538,7 @@ def test_fork_shares_all_blocks_and_copies_on_write() -> None:
     assert child.block_table == [0, 1] and refs(bm)[:2] == [2, 2]
     assert child.num_computed_tokens == 6 and child.block_hashes == parent.block_hashes
     assert child.num_cached_blocks == parent.num_cached_blocks == 1
-    assert bm.block_states()[:3] == [3, 3, 0]
+    assert bm.pool.block_states()[:3] == [3, 3, 0]
 
     append_token(bm, parent, 100)  # writes into the shared partial block: copy it first
     assert parent.block_table == [0, 2]
@@ -616,9 +616,9 @@ def test_block_states_codes() -> None:
     b = make_seq(2, list(range(10, 18)))
     prefill(bm, b)  # blocks 2, 3, both hashed
     bm.free(b)
-    assert bm.block_states() == [3, 3, 1, 1, 0]
+    assert bm.pool.block_states() == [3, 3, 1, 1, 0]
     bm.free(other)
-    assert bm.block_states() == [2, 2, 1, 1, 0]
+    assert bm.pool.block_states() == [2, 2, 1, 1, 0]
 
 
 # -- swapping ------------------------------------------------------------------------------
@@ -682,14 +682,14 @@ def test_pinned_blocks_stay_on_the_device_across_swap() -> None:
     bm = BlockManager(6, BS, num_cpu_blocks=4)
     system = make_seq(0, list(range(8)))
     prefill(bm, system)
-    bm.pin_blocks([0, 1])
+    bm.retention.pin_blocks([0, 1])
     bm.free(system)
     a = make_seq(1, list(range(8)) + [50, 51])
     prefill(bm, a, bm.find_cached_blocks(a))  # both pinned blocks hit, block 2 for the rest
     assert a.block_table == [0, 1, 2]
     assert bm.swap_out(a) == [(2, 0)]
     assert a.block_table == [0, 1] and refs(bm)[:3] == [2, 2, 0] and bm.num_free_blocks == 4
-    bm.unpin_blocks([0, 1])  # a still holds them: they stay
+    bm.retention.unpin_blocks([0, 1])  # a still holds them: they stay
     assert refs(bm)[:3] == [1, 1, 0] and bm.num_free_blocks == 4
     mapping = bm.swap_in(a)
     assert [cpu for cpu, _ in mapping] == [0] and a.block_table == [0, 1, mapping[0][1]]
@@ -809,8 +809,8 @@ class BlockManagerMachine(RuleBasedStateMachine):
     def _snapshot(self, seq: Sequence) -> tuple:
         bm = self.bm
         return (
-            refs(bm), free_ids(bm), {h: b.block_id for h, b in bm.cached.items()},
-            [b.block_hash for b in bm.blocks], list(bm.pending_copies),
+            refs(bm), free_ids(bm), {h: b.block_id for h, b in bm.pool.cached.items()},
+            [b.block_hash for b in bm.pool.blocks], list(bm.pending_copies),
             list(seq.block_table), seq.num_computed_tokens, seq.num_cached_blocks,
         )
 
@@ -881,7 +881,7 @@ class BlockManagerMachine(RuleBasedStateMachine):
     def want(self, tokens: list[int], salt: str | None) -> None:
         seq = Sequence(self.next_id, f"r{self.next_id}", tokens, cache_salt=salt)
         self.next_id += 1
-        self.bm.want(seq)
+        self.bm.retention.want(seq)
         self.waiting.append(seq)
 
     @precondition(lambda self: self.waiting)
@@ -889,11 +889,11 @@ class BlockManagerMachine(RuleBasedStateMachine):
     def unwant(self, data: st.DataObject) -> None:
         seq = data.draw(st.sampled_from(self.waiting))
         self.waiting.remove(seq)
-        self.bm.unwant(seq)
+        self.bm.retention.unwant(seq)
 
     @rule()
     def reset_prefix_cache(self) -> None:
-        self.bm.reset_prefix_cache()
+        self.bm.pool.reset_prefix_cache()
 
     @precondition(lambda self: self.live or self.swapped)
     @rule(data=st.data())
@@ -915,7 +915,7 @@ class BlockManagerMachine(RuleBasedStateMachine):
             return
         table = list(seq.block_table)
         kept = self.bm.num_kept_on_swap(seq)
-        assert all(self.bm.blocks[b].ref_cnt > 1 for b in table[:kept])
+        assert all(self.bm.pool.blocks[b].ref_cnt > 1 for b in table[:kept])
         mapping = self.bm.swap_out(seq)
         assert [dev for dev, _ in mapping] == table[kept:]
         for dev, cpu in mapping:  # the runner copies before the device blocks are reused
@@ -976,22 +976,22 @@ class BlockManagerMachine(RuleBasedStateMachine):
             return
         ids = free_ids(self.bm)
         assert len(ids) == len(set(ids)) == self.bm.num_free_blocks
-        assert set(ids) == {b.block_id for b in self.bm.blocks if b.ref_cnt == 0}
+        assert set(ids) == {b.block_id for b in self.bm.pool.blocks if b.ref_cnt == 0}
         # a free block waits in the second queue exactly when a waiting sequence wants its hash
         wanted = {h for seq in self.waiting for h in seq.block_hashes[: (seq.num_tokens - 1) // self.bm.block_size]}
-        for block in self.bm.free_blocks():
-            assert (block.queue is self.bm.wanted_queue) == (block.block_hash in wanted), block.block_id
+        for block in self.bm.pool.free_blocks():
+            assert (block.queue is self.bm.pool.wanted_queue) == (block.block_hash in wanted), block.block_id
 
     @invariant()
     def cache_dict_is_consistent(self) -> None:
         if self.bm is None:
             return
-        for h, block in self.bm.cached.items():
+        for h, block in self.bm.pool.cached.items():
             assert block.block_hash == h
-        hashed = [b for b in self.bm.blocks if b.block_hash is not None]
-        assert len(hashed) == len(self.bm.cached)
+        hashed = [b for b in self.bm.pool.blocks if b.block_hash is not None]
+        assert len(hashed) == len(self.bm.pool.cached)
         for block in hashed:
-            assert self.bm.cached[block.block_hash] is block
+            assert self.bm.pool.cached[block.block_hash] is block
             assert None not in self.store[block.block_id], "a cached block is not full"
 
     @invariant()
@@ -1010,7 +1010,7 @@ class BlockManagerMachine(RuleBasedStateMachine):
             return
         for seq in self.live:
             for i, h in enumerate(seq.block_hashes[: seq.num_computed_tokens // self.bm.block_size]):
-                block = self.bm.cached.get(h)
+                block = self.bm.pool.cached.get(h)
                 if block is not None:
                     last = self.store[block.block_id][-1]
                     assert last == (seq.cache_salt, tuple(seq.token_ids[: (i + 1) * self.bm.block_size]))
@@ -1021,8 +1021,8 @@ class BlockManagerMachine(RuleBasedStateMachine):
         for seq in self.live + self.swapped:
             self.bm.free(seq)
         for seq in self.waiting:
-            self.bm.unwant(seq)
-        assert self.bm.wanted_queue.num_free == 0  # nothing is wanted any more
+            self.bm.retention.unwant(seq)
+        assert self.bm.pool.wanted_queue.num_free == 0  # nothing is wanted any more
         # no leak: every block is back, exactly once
         assert sorted(self.bm.cpu_free) == list(range(self.bm.num_cpu_blocks))
         assert self.bm.num_free_blocks == self.bm.num_blocks

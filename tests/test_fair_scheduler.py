@@ -378,7 +378,7 @@ def test_nobody_yields_when_yielding_cannot_make_the_room() -> None:
               max_num_seqs=num_busy + 2)
     first = sim.add("busy", tokens(24) + [7], max_tokens=1)
     sim.run()  # caches the 6 blocks of the shared prefix
-    sim.bm.pin_blocks(sim.bm.cached_block_ids(first.block_hashes[:6]))
+    sim.bm.retention.pin_blocks(sim.bm.retention.cached_block_ids(first.block_hashes[:6]))
     busy = [sim.add("busy", tokens(24) + [50 + k], max_tokens=3) for k in range(num_busy)]
     sim.step()
     assert sim.bm.num_free_blocks == 4  # all but the pinned blocks and busy's last blocks

@@ -88,7 +88,7 @@ async def engine(tiny_llama_dir):
 
 async def test_a_prompt_is_stored_as_one_run_and_nothing_is_recorded_without_subscribers(engine):
     await run(engine, tokens(40, 100))
-    assert engine.core.block_manager.kv_events is None  # nobody subscribed: nothing recorded
+    assert engine.core.block_manager.pool.kv_events is None  # nobody subscribed: nothing recorded
     sub = engine.kv_events()
     assert (await next_batch(sub)).events[0] == AllBlocksCleared()  # the snapshot of what was cached
     prompt = tokens(3 * BS + 5, 1000)
@@ -100,7 +100,7 @@ async def test_a_prompt_is_stored_as_one_run_and_nothing_is_recorded_without_sub
     await run(engine, prompt[:48])  # the hit cap recomputes block 3, a duplicate: no batch either
     assert sub.num_pending == 0
     sub.close()
-    assert engine.core.block_manager.kv_events is None
+    assert engine.core.block_manager.pool.kv_events is None
 
 
 async def test_a_shared_prefix_then_new_blocks_gives_their_run_with_the_shared_parent(engine):
@@ -138,14 +138,14 @@ async def test_eviction_in_a_tiny_pool_removes_exactly_the_evicted_hashes(tiny_l
         sub = engine.kv_events()
         a, b = tokens(3 * BS + 5, 1000), tokens(6 * BS + 4, 3000)
         await run(engine, a)
-        before = set(engine.core.block_manager.cached)
+        before = set(engine.core.block_manager.pool.cached)
         await run(engine, b)  # 7 blocks of 8: a's free tail block, then its blocks 2 and 1 (tail first)
         ha, hb = engine.block_hashes(a), engine.block_hashes(b)
         assert await pending(sub) == [
             [stored(engine, ha, None, a[:48])],
             [BlockRemoved([ha[2], ha[1]], medium(engine)), stored(engine, hb, None, b[:96])],
         ]
-        assert before - set(engine.core.block_manager.cached) == {ha[2], ha[1]}
+        assert before - set(engine.core.block_manager.pool.cached) == {ha[2], ha[1]}
 
 
 async def test_a_failed_step_clears_everything_but_the_pinned_blocks(engine, monkeypatch):
@@ -164,7 +164,7 @@ async def test_a_failed_step_clears_everything_but_the_pinned_blocks(engine, mon
     # the failed step's own blocks were registered, then forgotten with the reset: only the
     # clear and the pinned blocks, which keep their hashes, reach the consumer
     assert await pending(sub) == [[AllBlocksCleared(), stored(engine, pinned, None, SYSTEM)]]
-    assert set(engine.core.block_manager.cached) == set(pinned)
+    assert set(engine.core.block_manager.pool.cached) == set(pinned)
 
 
 async def test_a_core_restart_clears_everything_and_events_go_on(engine, monkeypatch):
@@ -195,7 +195,7 @@ async def test_overflow_counts_drops_and_its_resync_batch_is_the_exact_cached_se
     # the resync was owed (dropped: the resync covers it)
     assert (slow.dropped, slow.num_pending, fast.dropped, fast.num_pending) == (3, 1, 0, 3)
     resync = (await next_batch(slow)).events
-    cached = engine.core.block_manager.cached
+    cached = engine.core.block_manager.pool.cached
     assert resync == [AllBlocksCleared()] + [stored(engine, engine.block_hashes(p), None, p[:48]) for p in prompts]
     assert apply(set(), resync) == set(cached) and len(cached) == 9
     assert apply(set(), [e for events in await pending(fast) for e in events]) == set(cached)
@@ -321,7 +321,7 @@ async def test_close_ends_a_waiting_consumer_and_stop_ends_every_subscription(en
     await engine.stop()
     batches = await asyncio.wait_for(draining, 5)  # what it had buffered, then the end
     assert [b.events for b in batches] == [[stored(engine, engine.block_hashes(tokens(BS + 1, 1000)), None, tokens(BS, 1000))]]
-    assert engine.core.block_manager.kv_events is None
+    assert engine.core.block_manager.pool.kv_events is None
     late = engine.kv_events()  # on a stopped engine: it lives until the next stop
     await engine.start()
     await engine.stop()
@@ -340,7 +340,7 @@ def test_prompt_block_hashes_equal_the_block_managers():
     assert prompt_block_hashes(ids, 4, segments, "tenant\x00user:u") == expected
     assert expected[0] == hash_block(None, ids[:4], None) and expected[1] == hash_block(expected[0], ids[4:8], "tenant")
     assert prompt_block_hashes(ids, 4) == prompt_block_hashes(ids, 4, (), None) != expected
-    assert bm.take_kv_events() == [] and bm.kv_events is None
+    assert bm.pool.take_kv_events() == [] and bm.pool.kv_events is None
 
 
 class KVEventsMachine(PinningMachine):
@@ -356,28 +356,28 @@ class KVEventsMachine(PinningMachine):
         if bm is None:
             return
         if self.view is None:  # right after setup: the pool is empty
-            bm.record_kv_events("CPU")
+            bm.pool.record_kv_events("CPU")
             self.view = set()
-        events = bm.take_kv_events()
+        events = bm.pool.take_kv_events()
         for event in events:
             if isinstance(event, BlockStored):
                 check_chain(event, bm.block_size)
-        assert apply(self.view, events) == set(bm.cached)
+        assert apply(self.view, events) == set(bm.pool.cached)
 
     @invariant()
     def a_snapshot_rebuilds_the_set_parents_first(self) -> None:
         if self.bm is None:
             return
-        snapshot = self.bm.kv_snapshot()
+        snapshot = self.bm.pool.kv_snapshot()
         assert snapshot[0] == AllBlocksCleared()
         seen: set[bytes] = set()
         for event in snapshot[1:]:
             check_chain(event, self.bm.block_size)
             assert event.parent_block_hash is None or event.parent_block_hash in seen or (
-                event.parent_block_hash not in self.bm.cached
+                event.parent_block_hash not in self.bm.pool.cached
             )
             seen.update(event.block_hashes)
-        assert seen == set(self.bm.cached) and sum(len(e.block_hashes) for e in snapshot[1:]) == len(seen)
+        assert seen == set(self.bm.pool.cached) and sum(len(e.block_hashes) for e in snapshot[1:]) == len(seen)
 
 
 def check_chain(event: BlockStored, block_size: int) -> None:

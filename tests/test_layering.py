@@ -136,3 +136,13 @@ def _members(path: Path, cls: str | None) -> set[str]:
                         and isinstance(item.ctx, ast.Store):
                     names.add(item.attr)
     return names
+
+
+def test_kv_cache_layers_import_downward():
+    """Inside kv/: the pool knows nothing of the manager or of retention, retention nothing of
+    the manager (block_manager.py > retention.py > block_pool.py)."""
+    order = ["streamengine.kv.block_pool", "streamengine.kv.retention", "streamengine.kv.block_manager"]
+    found = modules()
+    for rank, module in enumerate(order):
+        above = set(order[rank + 1:])
+        assert not imports(found[module], top_level_only=False) & above, module

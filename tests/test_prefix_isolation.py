@@ -42,7 +42,7 @@ def admit(bm: BlockManager, seq: Sequence) -> int:
 
 def table_refs(bm: BlockManager, seqs: list[Sequence]) -> list[int]:
     """What the engine's audit counts: block-table entries plus pins."""
-    counts = [bm.pin_count(i) for i in range(bm.num_blocks)]
+    counts = [bm.retention.pin_count(i) for i in range(bm.num_blocks)]
     for seq in seqs:
         for block_id in seq.block_table:
             counts[block_id] += 1
@@ -143,11 +143,11 @@ def test_pinned_blocks_survive_any_pressure() -> None:
     a = seq_of(0, prompt)
     admit(bm, a)
     assert a.block_table == [0, 1, 2]
-    hashes = [bm.blocks[0].block_hash, bm.blocks[1].block_hash]
-    bm.pin_blocks([0, 1])
-    assert bm.num_pinned_blocks == 2 and [bm.pin_count(i) for i in range(6)] == [1, 1, 0, 0, 0, 0]
+    hashes = [bm.pool.blocks[0].block_hash, bm.pool.blocks[1].block_hash]
+    bm.retention.pin_blocks([0, 1])
+    assert bm.retention.num_pinned_blocks == 2 and [bm.retention.pin_count(i) for i in range(6)] == [1, 1, 0, 0, 0, 0]
     assert refs(bm) == [2, 2, 1, 0, 0, 0] == table_refs(bm, [a])
-    assert bm.block_states() == [4, 4, 2, 0, 0, 0]
+    assert bm.pool.block_states() == [4, 4, 2, 0, 0, 0]
     bm.free(a)
     assert free_ids(bm) == [2, 3, 4, 5] and refs(bm)[:2] == [1, 1]
     for round_ in range(3):  # fill the pool with other content, free it, again
@@ -156,8 +156,8 @@ def test_pinned_blocks_survive_any_pressure() -> None:
         assert sorted(filler.block_table) == [2, 3, 4, 5] and bm.num_free_blocks == 0
         assert not bm.allocate_slots(seq_of(20, [7]), 1)
         bm.free(filler)
-    bm.reset_prefix_cache()  # a failed step forgets cached content, not pinned content
-    assert [bm.blocks[i].block_hash for i in (0, 1)] == hashes
+    bm.pool.reset_prefix_cache()  # a failed step forgets cached content, not pinned content
+    assert [bm.pool.blocks[i].block_hash for i in (0, 1)] == hashes
     again = seq_of(1, prompt + [9])
     assert hit_ids(bm, again) == [0, 1]
     # a hit on pinned blocks takes no free block: a full pool still admits it
@@ -174,14 +174,14 @@ def test_unpin_makes_pinned_blocks_evictable_tail_first() -> None:
     a = seq_of(0, prompt)
     admit(bm, a)
     assert a.block_table == [0, 1, 2, 3]
-    bm.pin_blocks([0, 1, 2])
-    bm.pin_blocks([0, 1])  # a second pin on the first two
+    bm.retention.pin_blocks([0, 1, 2])
+    bm.retention.pin_blocks([0, 1])  # a second pin on the first two
     bm.free(a)
-    assert bm.block_states() == [4, 4, 4, 0, 0]
-    bm.unpin_blocks([0, 1])
-    assert bm.num_pinned_blocks == 3 and bm.pin_count(0) == 1 and bm.num_free_blocks == 2
-    bm.unpin_blocks([0, 1, 2])
-    assert bm.num_pinned_blocks == 0 and bm.block_states() == [1, 1, 1, 0, 0]
+    assert bm.pool.block_states() == [4, 4, 4, 0, 0]
+    bm.retention.unpin_blocks([0, 1])
+    assert bm.retention.num_pinned_blocks == 3 and bm.retention.pin_count(0) == 1 and bm.num_free_blocks == 2
+    bm.retention.unpin_blocks([0, 1, 2])
+    assert bm.retention.num_pinned_blocks == 0 and bm.pool.block_states() == [1, 1, 1, 0, 0]
     assert free_ids(bm) == [3, 4, 2, 1, 0]  # the tail block (2) is evicted first
     b = seq_of(1, [99] * 12)
     assert bm.allocate_slots(b, 12) and b.block_table == [3, 4, 2]
@@ -195,14 +195,14 @@ def test_pin_and_unpin_are_all_or_nothing() -> None:
     before = refs(bm)
     for bad in ([0, 1], [0, 2], [0, 6], [-1]):  # partial, free, no such block
         with pytest.raises(ValueError):
-            bm.pin_blocks(bad)
-        assert refs(bm) == before and bm.num_pinned_blocks == 0
-    bm.pin_blocks([0])
+            bm.retention.pin_blocks(bad)
+        assert refs(bm) == before and bm.retention.num_pinned_blocks == 0
+    bm.retention.pin_blocks([0])
     with pytest.raises(ValueError):
-        bm.unpin_blocks([0, 0])  # one pin, two removals
+        bm.retention.unpin_blocks([0, 0])  # one pin, two removals
     with pytest.raises(ValueError):
-        bm.unpin_blocks([1])
-    assert bm.pin_count(0) == 1 and refs(bm)[0] == 2
+        bm.retention.unpin_blocks([1])
+    assert bm.retention.pin_count(0) == 1 and refs(bm)[0] == 2
     bm.free(a)
     assert refs(bm)[0] == 1 and 0 not in free_ids(bm)
 
@@ -213,9 +213,9 @@ def test_a_free_cached_block_can_be_pinned() -> None:
     admit(bm, b)
     bm.free(b)
     assert free_ids(bm) == [1, 2, 3, 0]
-    bm.pin_blocks([0])  # a hit that holds on: out of the queue
+    bm.retention.pin_blocks([0])  # a hit that holds on: out of the queue
     assert free_ids(bm) == [1, 2, 3] and refs(bm) == [1, 0, 0, 0]
-    assert bm.block_states() == [4, 0, 0, 0] and bm.block_tenants() == [None] * 4
+    assert bm.pool.block_states() == [4, 0, 0, 0] and bm.pool.block_tenants() == [None] * 4
     filler = seq_of(2, [1] * 12)
     assert bm.allocate_slots(filler, 12) and not bm.allocate_slots(seq_of(3, [2]), 1)
     assert hit_ids(bm, seq_of(4, [70] * 5)) == [0]
@@ -228,17 +228,17 @@ def test_pin_what_is_cached_when_a_prefix_was_computed_twice() -> None:
     admit(bm, a)
     b = seq_of(1, prompt)
     admit(bm, b)
-    assert b.block_table == [0, 2] and bm.blocks[2].block_hash is None
+    assert b.block_table == [0, 2] and bm.pool.blocks[2].block_hash is None
     with pytest.raises(ValueError):
-        bm.pin_blocks(b.block_table)
-    assert bm.cached_block_ids(b.block_hashes[:2]) == [0, 1]
-    bm.pin_blocks(bm.cached_block_ids(b.block_hashes))
+        bm.retention.pin_blocks(b.block_table)
+    assert bm.retention.cached_block_ids(b.block_hashes[:2]) == [0, 1]
+    bm.retention.pin_blocks(bm.retention.cached_block_ids(b.block_hashes))
     bm.free(a)
     bm.free(b)
     filler = seq_of(2, [9] * 16)
     assert bm.allocate_slots(filler, 16) and sorted(filler.block_table) == [2, 3, 4, 5]
     assert hit_ids(bm, seq_of(3, prompt + [8])) == [0, 1]
-    assert bm.cached_block_ids([hash_block(None, [5] * 4, None)]) == []
+    assert bm.retention.cached_block_ids([hash_block(None, [5] * 4, None)]) == []
 
 
 # -- eviction order ------------------------------------------------------------------------
@@ -246,7 +246,7 @@ def test_pin_what_is_cached_when_a_prefix_was_computed_twice() -> None:
 
 def cached_along(bm: BlockManager, seq: Sequence) -> list[bool]:
     """For each full block of `seq`, whether its hash is cached."""
-    return [h in bm.cached for h in bm.compute_block_hashes(seq)]
+    return [h in bm.pool.cached for h in bm.compute_block_hashes(seq)]
 
 
 def evict_one(bm: BlockManager, seq_id: int) -> int:
@@ -281,7 +281,7 @@ def test_a_duplicate_block_keeps_its_cached_twin_behind_the_twins_children() -> 
     admit(bm, a)
     b = seq_of(1, prompt)
     assert admit(bm, b) == 4 and b.block_table == [0, 2]
-    assert bm.blocks[2].block_hash is None  # a duplicate of block 1
+    assert bm.pool.blocks[2].block_hash is None  # a duplicate of block 1
     b.token_ids.extend([8, 9, 10, 11])  # four decode steps fill a block of b's own
     assert bm.allocate_slots(b, 4) and b.block_table == [0, 2, 3]
     b.num_computed_tokens = 12
@@ -308,24 +308,24 @@ def test_block_tenants() -> None:
     b = seq_of(1, SHARED + [3] * 5, ((0, None), (8, "sb")), tenant="b")
     admit(bm, b)
     assert b.block_table == [0, 1, 3, 4]
-    assert bm.block_tenants() == ["*", "*", "a", "b", "b", None, None, None]
+    assert bm.pool.block_tenants() == ["*", "*", "a", "b", "b", None, None, None]
     child = seq_of(2, SHARED + [3] * 5, ((0, None), (8, "sb")), tenant="b")
     bm.fork(b, child)
     child.token_ids.append(4)
     assert bm.allocate_slots(child, 1)  # copy-on-write of block 4 into block 5
     assert child.block_table == [0, 1, 3, 5]
-    assert bm.block_tenants() == ["*", "*", "a", "b", "b", "b", None, None]
+    assert bm.pool.block_tenants() == ["*", "*", "a", "b", "b", "b", None, None]
     bm.free(a)
-    assert bm.block_tenants()[:3] == ["b", "b", None]
-    bm.pin_blocks([0, 1, 3])  # b's own prefix: the owner is the holder, "b"
-    bm.pin_blocks([0, 1], owner="*")  # a platform preamble: blocks 0 and 1 have two owners
+    assert bm.pool.block_tenants()[:3] == ["b", "b", None]
+    bm.retention.pin_blocks([0, 1, 3])  # b's own prefix: the owner is the holder, "b"
+    bm.retention.pin_blocks([0, 1], owner="*")  # a platform preamble: blocks 0 and 1 have two owners
     for s in (b, child):
         bm.free(s)
-    assert bm.block_tenants() == ["*", "*", None, "b", None, None, None, None]
-    bm.unpin_blocks([0, 1])
-    assert bm.block_tenants()[:4] == ["*", "*", None, "b"]  # still pinned by both
-    bm.unpin_blocks([0, 1, 3])
-    assert bm.block_tenants() == [None] * 8 and bm.num_pinned_blocks == 0
+    assert bm.pool.block_tenants() == ["*", "*", None, "b", None, None, None, None]
+    bm.retention.unpin_blocks([0, 1])
+    assert bm.pool.block_tenants()[:4] == ["*", "*", None, "b"]  # still pinned by both
+    bm.retention.unpin_blocks([0, 1, 3])
+    assert bm.pool.block_tenants() == [None] * 8 and bm.retention.num_pinned_blocks == 0
 
 
 # -- the stateful machine, with pins -------------------------------------------------------
@@ -346,23 +346,23 @@ class PinningMachine(BlockManagerMachine):
     def pin(self, data: st.DataObject) -> None:
         seq = data.draw(st.sampled_from(self.live))
         computed = seq.block_hashes[: seq.num_computed_tokens // self.bm.block_size]
-        chain = self.bm.cached_block_ids(computed)  # may be free twins of seq's own blocks
+        chain = self.bm.retention.cached_block_ids(computed)  # may be free twins of seq's own blocks
         if not chain:
             return
         chain = chain[: data.draw(st.integers(1, len(chain)))]
-        self.bm.pin_blocks(chain)
+        self.bm.retention.pin_blocks(chain)
         self.pins.append(chain)
         for block_id in chain:
-            block = self.bm.blocks[block_id]
+            block = self.bm.pool.blocks[block_id]
             self.pinned_kv.setdefault(block_id, (block.block_hash, list(self.store[block_id])))
 
     @precondition(lambda self: self.pins)
     @rule(data=st.data())
     def unpin(self, data: st.DataObject) -> None:
         chain = self.pins.pop(data.draw(st.integers(0, len(self.pins) - 1)))
-        self.bm.unpin_blocks(chain)
+        self.bm.retention.unpin_blocks(chain)
         for block_id in chain:
-            if self.bm.pin_count(block_id) == 0:
+            if self.bm.retention.pin_count(block_id) == 0:
                 del self.pinned_kv[block_id]
 
     @invariant()
@@ -370,15 +370,15 @@ class PinningMachine(BlockManagerMachine):
         if self.bm is None:
             return
         assert refs(self.bm) == table_refs(self.bm, self.live + self.swapped)  # swapped: their shared head
-        assert self.bm.num_pinned_blocks == len(self.pinned_kv)
+        assert self.bm.retention.num_pinned_blocks == len(self.pinned_kv)
 
     @invariant()
     def pinned_blocks_keep_hash_and_kv(self) -> None:
         if self.bm is None:
             return
         for block_id, (block_hash, kv) in self.pinned_kv.items():
-            block = self.bm.blocks[block_id]
-            assert block.block_hash == block_hash and self.bm.cached[block_hash] is block
+            block = self.bm.pool.blocks[block_id]
+            assert block.block_hash == block_hash and self.bm.pool.cached[block_hash] is block
             assert self.store[block_id] == kv and block.prev is None and block.ref_cnt > 0
 
     @invariant()
@@ -388,20 +388,20 @@ class PinningMachine(BlockManagerMachine):
         bs = self.bm.block_size
         position = {block_id: i for i, block_id in enumerate(free_ids(self.bm))}
         for block_id in position:
-            block = self.bm.blocks[block_id]
+            block = self.bm.pool.blocks[block_id]
             if block.block_hash is None:
                 continue
             salt, prefix = self.store[block_id][-1]
             if len(prefix) == bs:
                 continue  # a root block
-            parent = self.bm.cached.get(_chain_hash(prefix[:-bs], bs, salt))
+            parent = self.bm.pool.cached.get(_chain_hash(prefix[:-bs], bs, salt))
             if parent is not None and parent.block_id in position:
                 assert position[parent.block_id] > position[block_id], "parent evicted first"
 
     def teardown(self) -> None:
         if self.bm is not None:
             for chain in self.pins:
-                self.bm.unpin_blocks(chain)
+                self.bm.retention.unpin_blocks(chain)
             self.pins = []
         super().teardown()
 

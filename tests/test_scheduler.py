@@ -90,16 +90,16 @@ class Sim:
                 assert seq.block_table == []
 
     def check_refcounts(self) -> None:
-        counts = [self.bm.pin_count(i) for i in range(self.bm.num_blocks)]
+        counts = [self.bm.retention.pin_count(i) for i in range(self.bm.num_blocks)]
         for seq in [*self.sched.running, *self.sched.swapped]:  # a swapped one keeps its shared head
             for block_id in seq.block_table:
                 counts[block_id] += 1
         for seq in self.sched.waiting:
             assert seq.block_table == []
         for seq in self.sched.swapped:
-            assert all(self.bm.blocks[b].ref_cnt >= 1 for b in seq.block_table)
+            assert all(self.bm.pool.blocks[b].ref_cnt >= 1 for b in seq.block_table)
             assert len(seq.block_table) + len(seq.cpu_block_table) == self.bm.blocks_needed(seq.num_computed_tokens)
-        assert [b.ref_cnt for b in self.bm.blocks] == counts
+        assert [b.ref_cnt for b in self.bm.pool.blocks] == counts
         assert self.bm.num_free_blocks == counts.count(0)
 
 
@@ -396,7 +396,7 @@ def test_prefix_hit_on_a_running_sequence_shares_its_blocks() -> None:
     out = sim.step()
     assert [(i.seq, i.num_new_tokens) for i in out.scheduled] == [(a, 1), (b, 1)]
     assert b.block_table[:2] == a.block_table[:2]
-    assert [sim.bm.blocks[i].ref_cnt for i in a.block_table[:2]] == [2, 2]
+    assert [sim.bm.pool.blocks[i].ref_cnt for i in a.block_table[:2]] == [2, 2]
     sim.run()
     assert sim.bm.num_free_blocks == 16
 
@@ -502,7 +502,7 @@ def test_a_recomputed_sample_starts_on_its_siblings_prompt_blocks() -> None:
     out = sim.step()
     assert [(i.seq, i.num_new_tokens) for i in out.scheduled] == [(parent, 1), (child, 2)]
     assert parent.block_table == [0, 1, 2] and child.block_table == [0, 1, 3]
-    assert [sim.bm.blocks[b].ref_cnt for b in range(4)] == [2, 2, 1, 1]
+    assert [sim.bm.pool.blocks[b].ref_cnt for b in range(4)] == [2, 2, 1, 1]
     sim.run()
     assert sim.bm.num_free_blocks == 8
 
@@ -592,8 +592,8 @@ def pin_prompt(sim: Sim, prompt: list[int]) -> list[int]:
     """Computes `prompt` and pins its full blocks, as EngineCore.pin_prefix does."""
     seq = sim.add(prompt, max_tokens=1)
     sim.run()
-    ids = sim.bm.cached_block_ids(sim.bm.compute_block_hashes(seq)[: len(prompt) // sim.bm.block_size])
-    sim.bm.pin_blocks(ids)
+    ids = sim.bm.retention.cached_block_ids(sim.bm.compute_block_hashes(seq)[: len(prompt) // sim.bm.block_size])
+    sim.bm.retention.pin_blocks(ids)
     return ids
 
 
@@ -611,12 +611,12 @@ def test_pinned_blocks_stay_shared_across_swap() -> None:
     assert out.preempted == [b] and b.status is SequenceStatus.SWAPPED
     assert b.num_computed_tokens == 20 and b.block_table == [0, 1]  # the pinned blocks stay, held by b
     assert out.blocks_to_swap_out == [(3, 0), (5, 1), (7, 2)] and b.cpu_block_table == [0, 1, 2]
-    assert [sim.bm.blocks[i].ref_cnt for i in (0, 1)] == [3, 3]  # the pin, a and b
+    assert [sim.bm.pool.blocks[i].ref_cnt for i in (0, 1)] == [3, 3]  # the pin, a and b
     assert sim.sched.unfittable() == []
     outs = sim.run()
     assert [o.blocks_to_swap_in for o in outs if o.blocks_to_swap_in] == [[(0, 3), (1, 5), (2, 7)]]
     assert a.num_output_tokens == b.num_output_tokens == 22
-    assert sim.bm.num_free_blocks == 6 and [sim.bm.blocks[i].ref_cnt for i in (0, 1)] == [1, 1]
+    assert sim.bm.num_free_blocks == 6 and [sim.bm.pool.blocks[i].ref_cnt for i in (0, 1)] == [1, 1]
     assert sim.bm.num_free_cpu_blocks == 8
 
 

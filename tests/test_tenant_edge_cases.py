@@ -212,7 +212,7 @@ async def test_an_unpin_during_the_repin_after_a_restart_sticks(engine, monkeypa
             break
         await asyncio.sleep(0.05)
     assert engine.core.pins.get(kept.pin_id) is not None and engine.core.pins.get(dropped.pin_id) is None
-    assert engine.core.block_manager.num_pinned_blocks == kept.num_blocks
+    assert engine.core.block_manager.retention.num_pinned_blocks == kept.num_blocks
     with pytest.raises(KeyError):
         await engine.unpin(dropped.pin_id)
     assert await cached_tokens(engine, PREAMBLE + SYSTEM + [5], tenant="a") == 96

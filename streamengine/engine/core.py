@@ -112,8 +112,8 @@ class EngineCore:
         dropped = list(self.requests)
         old = self.block_manager
         self.block_manager, self.scheduler = core_setup.fresh_bookkeeping(self)
-        if old.kv_events is not None:  # subscribers knew the old blocks: they are all gone
-            self.block_manager.record_kv_events(old.kv_medium, cleared=True)
+        if old.pool.kv_events is not None:  # subscribers knew the old blocks: they are all gone
+            self.block_manager.pool.record_kv_events(old.pool.kv_medium, cleared=True)
         self.requests.clear()
         self._owner.clear()
         self.pins.clear()  # their blocks went with the old block manager
@@ -294,7 +294,7 @@ class EngineCore:
         for pin in self.pins.all():
             for block_id in pin.block_ids:
                 counts[block_id] += 1
-        if [b.ref_cnt for b in bm.blocks] != counts or bm.num_free_blocks != counts.count(0):
+        if [b.ref_cnt for b in bm.pool.blocks] != counts or bm.num_free_blocks != counts.count(0):
             raise EngineStateError("KV block refcounts do not match the sequences' block tables")
         if num_cpu_held + bm.num_free_cpu_blocks != bm.num_cpu_blocks:
             raise EngineStateError("host swap blocks are lost or held twice")
@@ -316,7 +316,7 @@ class EngineCore:
     def fail(self, step: StepPlan) -> list[RequestOutput]:
         """A step raised: end the requests it touched with "error", keep the engine going.
         Blocks registered for this step may hold no K/V: forget all cached content."""
-        self.block_manager.reset_prefix_cache()
+        self.block_manager.pool.reset_prefix_cache()
         failed = {self._owner[s.seq.seq_id][0].request_id for s in step.plan.scheduled if s.seq.seq_id in self._owner}
         return [o for rid in failed if (o := self.abort_request(rid, reason="error")) is not None]
 
@@ -386,7 +386,7 @@ class EngineCore:
 
     def unpin(self, pin_id: str) -> None:
         """Makes a pinned prefix's blocks evictable again; KeyError for an unknown id."""
-        self.block_manager.unpin_blocks(self.pins.pop(pin_id).block_ids)
+        self.block_manager.retention.unpin_blocks(self.pins.pop(pin_id).block_ids)
 
     # -- introspection -------------------------------------------------------------------
 
@@ -404,15 +404,15 @@ class EngineCore:
     def record_kv_events(self, on: bool) -> None:
         """Starts (or stops) recording KV events; the medium named is where the pool lives."""
         if on:
-            self.block_manager.record_kv_events("GPU" if self.device.type == "cuda" else "CPU")
+            self.block_manager.pool.record_kv_events("GPU" if self.device.type == "cuda" else "CPU")
         else:
-            self.block_manager.stop_kv_events()
+            self.block_manager.pool.stop_kv_events()
 
     def take_kv_events(self) -> list[KVCacheEvent]:
-        return self.block_manager.take_kv_events()
+        return self.block_manager.pool.take_kv_events()
 
     def kv_snapshot(self) -> list[KVCacheEvent]:
-        return self.block_manager.kv_snapshot()
+        return self.block_manager.pool.kv_snapshot()
 
     def kv_state(self) -> dict:
         return core_stats.kv_state(self)

@@ -28,12 +28,12 @@ def fit_beside_pins(core: EngineCore, prompt_ids: list[int], segments: tuple, ma
     fit, or a prompt that does not, is refused."""
     bm, bs = core.block_manager, core.block_manager.block_size
     room = core.scheduler.room_for_one()
-    if not bm.num_pinned_blocks or bm.blocks_needed(len(prompt_ids) + max_tokens) <= room:
+    if not bm.retention.num_pinned_blocks or bm.blocks_needed(len(prompt_ids) + max_tokens) <= room:
         return max_tokens  # hits on pinned blocks can only lower the need
     # The last prompt token is always computed; a request wanting its prompt's logprobs
     # computes them all (Sequence.reads_prefix_cache).
     max_hits = (len(prompt_ids) - 1) // bs if reads_cache else 0
-    hits = bm.num_pinned_hits(prompt_block_hashes(prompt_ids[: max_hits * bs], bs, segments, seq_salt(segments)))
+    hits = bm.retention.num_pinned_hits(prompt_block_hashes(prompt_ids[: max_hits * bs], bs, segments, seq_salt(segments)))
     fits = (room + hits) * bs - len(prompt_ids)
     if fits >= max_tokens or (not explicit and fits >= 1):
         return min(max_tokens, fits)
@@ -53,7 +53,7 @@ def fail_unfittable(core: EngineCore) -> bool:
     bm = core.block_manager
     for request_id in stuck:
         core.fail_request(request_id, f"the request no longer fits in the KV pool: "
-                                      f"{bm.num_pinned_blocks} of its {bm.num_blocks} blocks are pinned")
+                                      f"{bm.retention.num_pinned_blocks} of its {bm.num_blocks} blocks are pinned")
     return bool(stuck)
 
 
@@ -79,10 +79,10 @@ def pin_prefix(core: EngineCore, pin: Pin, seq: Sequence) -> None:
     found by hash: a prompt already cached computes its last block again in a block of
     its own, which is not the cached one."""
     bm, n = core.block_manager, pin.info.num_blocks
-    block_ids = bm.cached_block_ids(bm.compute_block_hashes(seq)[:n])
+    block_ids = bm.retention.cached_block_ids(bm.compute_block_hashes(seq)[:n])
     if len(block_ids) != n:
         raise RuntimeError(f"pinned prefix {pin.info.pin_id}: only {len(block_ids)} of its {n} blocks are cached")
-    bm.pin_blocks(block_ids, owner="*" if pin.info.shared else pin.info.tenant)
+    bm.retention.pin_blocks(block_ids, owner="*" if pin.info.shared else pin.info.tenant)
     pin.block_ids = block_ids
     # The segments its blocks were hashed with: a shared pin made while this one computed
     # (pins made concurrently) must not change which hashes its tenant's requests look up.

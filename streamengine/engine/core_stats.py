@@ -21,7 +21,7 @@ def stats(core: EngineCore) -> dict[str, int | float]:
     return {
         "num_total_blocks": bm.num_blocks,
         "num_free_blocks": bm.num_free_blocks,
-        "num_cached_blocks": len(bm.cached),
+        "num_cached_blocks": len(bm.pool.cached),
         # Sharing: physical blocks in use vs the block-table entries that point at them.
         "num_used_blocks": bm.num_blocks - bm.num_free_blocks,
         "num_logical_blocks": sum(len(s.block_table) for s in live_seqs(core)),
@@ -39,7 +39,7 @@ def stats(core: EngineCore) -> dict[str, int | float]:
         "num_swap_blocks_free": bm.num_free_cpu_blocks,
         "block_size": bm.block_size,
         "max_model_len": core.max_model_len,
-        "num_pinned_blocks": bm.num_pinned_blocks,
+        "num_pinned_blocks": bm.retention.num_pinned_blocks,
         "tenants": tenant_stats(core),
     }
 
@@ -92,6 +92,6 @@ def live_seqs(core: EngineCore) -> Iterator[Sequence]:
 def kv_state(core: EngineCore) -> dict:
     bm = core.block_manager
     return {
-        "block_size": bm.block_size, "num_blocks": bm.num_blocks, "blocks": bm.block_states(),
-        "tenants": bm.block_tenants(),
+        "block_size": bm.block_size, "num_blocks": bm.num_blocks, "blocks": bm.pool.block_states(),
+        "tenants": bm.pool.block_tenants(),
     }

@@ -91,7 +91,7 @@ class PinKeeper:
         if num_blocks == 0:
             raise ValueError(f"a pinned prefix needs at least one full block ({self.config.block_size} tokens)")
         limit = int(self.config.max_pinned_fraction * self.core.kv_spec.num_blocks)
-        held = self.core.block_manager.num_pinned_blocks + self._pending_pin_blocks
+        held = self.core.block_manager.retention.num_pinned_blocks + self._pending_pin_blocks
         if held + num_blocks > limit:
             raise LimitExceededError(
                 "max_pinned_fraction",

@@ -1,8 +1,8 @@
-"""Recording the prefix cache's KV events: BlockManager's event methods.
+"""Recording the prefix cache's KV events: BlockPool's event methods.
 
 While recording (someone subscribed to the engine's KV events), every change to `cached` is
-noted as it happens: BlockStored when blocks get their hash in `cache_full_blocks`,
-BlockRemoved when lazy eviction forgets one in `_pop_free`, AllBlocksCleared (then the pinned
+noted as it happens: BlockStored when blocks get their hash (BlockManager.cache_full_blocks),
+BlockRemoved when lazy eviction forgets one in `pop_free`, AllBlocksCleared (then the pinned
 blocks, which keep their hashes) on `reset_prefix_cache`. Applied in order, they rebuild
 `cached`'s keys exactly; `kv_snapshot()` describes the whole set at once. Events carry hashes
 and token ids, never a salt.
@@ -12,11 +12,12 @@ from __future__ import annotations
 
 from streamengine.kv.events import AllBlocksCleared, BlockRemoved, BlockStored, KVCacheEvent
 from streamengine.kv.free_blocks import KVBlock
-from streamengine.sequence import Sequence
 
 
 class KVEventLogMixin:
-    """The KV-event half of BlockManager: needs its blocks, block_size and cached."""
+    """The KV-event part of BlockPool: needs its block_size, cached, kv_events and kv_medium."""
+
+    kv_events: list[KVCacheEvent] | None
 
     def record_kv_events(self, medium: str | None, cleared: bool = False) -> None:
         """Starts recording KV events, naming `medium` as where the pool lives. `cleared`:
@@ -59,13 +60,13 @@ class KVEventLogMixin:
             events.append(self._stored_event(run))
         return events
 
-    def _record_stored(self, seq: Sequence, indices: list[int]) -> None:
-        """One BlockStored per run of consecutive block indices of `seq` just cached."""
+    def record_stored(self, stored: list[tuple[int, KVBlock]]) -> None:
+        """One BlockStored per run of consecutive block-table indices among the (index,
+        block) pairs of one sequence just cached, in index order."""
         start = 0
-        for k in range(1, len(indices) + 1):
-            if k == len(indices) or indices[k] != indices[k - 1] + 1:
-                run = [self.blocks[seq.block_table[i]] for i in indices[start:k]]
-                self.kv_events.append(self._stored_event(run))
+        for k in range(1, len(stored) + 1):
+            if k == len(stored) or stored[k][0] != stored[k - 1][0] + 1:
+                self.kv_events.append(self._stored_event([block for _, block in stored[start:k]]))
                 start = k
 
     def _stored_event(self, run: list[KVBlock]) -> BlockStored:

@@ -7,7 +7,7 @@ from streamengine.sequence import Sequence
 
 
 class KVSwapMixin:
-    """The swap half of BlockManager: needs its blocks, cpu_free, _pop_free and _release_blocks."""
+    """The swap part of BlockManager: needs its pool, cpu_free and _release_blocks."""
 
     @property
     def num_free_cpu_blocks(self) -> int:
@@ -21,7 +21,7 @@ class KVSwapMixin:
         prompt, more than the pool leaves free of pins (the request could never come back)."""
         kept = 0
         for block_id in seq.block_table:
-            if self.blocks[block_id].ref_cnt < 2:
+            if self.pool.blocks[block_id].ref_cnt < 2:
                 break
             kept += 1
         return kept
@@ -51,7 +51,7 @@ class KVSwapMixin:
         kept: returns (host block, device block) copies to make before its next forward."""
         if not self.can_swap_in(seq):
             raise NoFreeBlocksError("not enough free KV blocks to swap in")
-        mapping = [(cpu, self._pop_free(seq.tenant).block_id) for cpu in seq.cpu_block_table]
+        mapping = [(cpu, self.pool.pop_free(seq.tenant).block_id) for cpu in seq.cpu_block_table]
         self.cpu_free.extend(reversed(seq.cpu_block_table))
         seq.cpu_block_table = []
         seq.block_table = [*seq.block_table, *(gpu for _, gpu in mapping)]

@@ -157,7 +157,7 @@ def yield_order(sched: Scheduler, candidates: list[Sequence]) -> Iterator[tuple[
 
 def over_block_share(sched: Scheduler) -> set[str]:
     bm = sched.block_manager
-    return sched.share.over_block_share(blocks_by_tenant(sched), sched.waiting, bm.num_blocks - bm.num_pinned_blocks)
+    return sched.share.over_block_share(blocks_by_tenant(sched), sched.waiting, bm.num_blocks - bm.retention.num_pinned_blocks)
 
 
 def owing_room(sched: Scheduler, tenant: str) -> list[Sequence]:
@@ -202,7 +202,7 @@ def blocks_by_tenant(sched: Scheduler) -> dict[str, tuple[int, int]]:
     its preemption could free (pinned blocks stay)."""
     held: dict[str, set[int]] = {}
     count: dict[str, int] = {}
-    blocks = sched.block_manager.blocks
+    blocks = sched.block_manager.pool.blocks
     for seq in sched.running:
         held.setdefault(seq.tenant, set()).update(b for b in seq.block_table if not blocks[b].pins)
         count[seq.tenant] = count.get(seq.tenant, 0) + 1

@@ -36,6 +36,6 @@ class PreemptionPolicy:
 def blocks_freed_by(block_manager: BlockManager, *seqs: Sequence) -> int:
     """Blocks that only `seqs` hold (no pin, no other sequence): what preempting them
     all frees."""
-    blocks = block_manager.blocks
+    blocks = block_manager.pool.blocks
     entries = Counter(b for seq in seqs for b in seq.block_table)
     return sum(1 for b, n in entries.items() if blocks[b].ref_cnt == n)

@@ -101,7 +101,7 @@ class Scheduler:
 
     def _want(self, seq: Sequence, first: bool) -> None:
         if self.retain_waiting_prefixes:
-            self.block_manager.want(seq, first)
+            self.block_manager.retention.want(seq, first)
 
     def has_work(self) -> bool:
         return bool(self.waiting or self.running or self.swapped)
@@ -114,7 +114,7 @@ class Scheduler:
             self.swapped.remove(seq)
         elif seq in self.waiting:
             self.waiting.remove(seq)
-        self.block_manager.unwant(seq)
+        self.block_manager.retention.unwant(seq)
         self.block_manager.free(seq)
         self.share.on_leave(seq)
         seq.status = SequenceStatus.FINISHED
@@ -171,7 +171,7 @@ class Scheduler:
     def room_for_one(self) -> int:
         """The blocks one sequence may hold with nothing else running (admission then keeps
         no watermark): those no pin holds."""
-        return self.block_manager.num_blocks - self.block_manager.num_pinned_blocks
+        return self.block_manager.num_blocks - self.block_manager.retention.num_pinned_blocks
 
     def unfittable(self) -> list[Sequence]:
         """Queued sequences that cannot start even in a pool holding nothing else: the blocks
@@ -195,7 +195,7 @@ class Scheduler:
         """Pinned blocks that queued `seq` holds (swapped) or will hit (waiting)."""
         bm = self.block_manager
         if seq.status is SequenceStatus.SWAPPED:
-            return sum(1 for block_id in seq.block_table if bm.blocks[block_id].pins)
+            return sum(1 for block_id in seq.block_table if bm.pool.blocks[block_id].pins)
         return sum(1 for block in bm.find_cached_blocks(seq) if block.pins)
 
     def _num_new_tokens(self, seq: Sequence, num_computed: int, budget: int) -> int:
@@ -332,7 +332,7 @@ class Scheduler:
             seq.num_cached_tokens = num_hit_tokens
         seq.status = SequenceStatus.RUNNING
         self.share.on_admit(seq)
-        bm.unwant(seq)
+        bm.retention.unwant(seq)
         # Running stays in arrival order: preemption takes the newest (least work lost),
         # so a re-admitted old request is not the next victim again (no thrash).
         bisect.insort(self.running, seq, key=_arrival)
