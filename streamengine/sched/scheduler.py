@@ -12,7 +12,8 @@ This module is the mechanism (queues, budget, blocks, preemption); what differs 
 policies is asked of a SchedulingPolicy (policy.py): "fcfs" (fcfs.py) admits in arrival order
 across everyone; "fair" (fair.py, with tenancy/fair_share.py's accounting) admits from the
 tenant owed the most service, within its quotas. plan.py holds the plan a step returns,
-preemption.py how to preempt, groups.py what a request's samples share.
+preemption.py how to preempt, groups.py what a request's samples and beams share and how
+they wait for each other.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ from streamengine.kv.block_manager import BlockManager
 from streamengine.kv.free_blocks import KVBlock
 from streamengine.sched.fair import FairPolicy
 from streamengine.sched.fcfs import FcfsPolicy
-from streamengine.sched.groups import waits_for_sibling
+from streamengine.sched.groups import make_way_for_siblings, waits_for_sibling
 from streamengine.sched.plan import ScheduledSeq, SchedulerOutput
 from streamengine.sched.policy import SchedulingPolicy, StepCaps
 from streamengine.sched.preemption import PreemptionPolicy
@@ -140,17 +141,8 @@ class Scheduler:
             budget = self._schedule_swapped(out, budget)
         if not pressed and not self.swapped:
             self._schedule_waiting(out, budget, yielded)
-        while not out.scheduled and self.running and (self.waiting or self.swapped):
-            # Every running sequence is idle (beams waiting for a sibling's logits) while the
-            # sibling cannot get blocks: recompute the newest idle one later, behind the
-            # blocked one (ahead of it, it would take the same blocks back: a livelock).
-            victim = self.policy.take_victim(self, out, None)
-            self._preempt(victim, front=False)
-            out.preempted.append(victim)
-            self.caps.prefill_slices.clear()  # split for a step that scheduled nothing
-            budget = self._schedule_swapped(out, self.max_num_batched_tokens)
-            if not self.swapped:
-                self._schedule_waiting(out, budget, yielded)
+        if not out.scheduled and self.running:
+            make_way_for_siblings(self, out, yielded)
         if not out.scheduled and not self.running and self.swapped:
             self._recompute_swapped(out, yielded)
         out.blocks_to_copy = self.block_manager.take_pending_copies()
