@@ -50,10 +50,6 @@ def longest_token_chars(tokenizer: Any) -> int:
     A byte-level BPE entry has one character per byte (at least as many as the text it decodes
     to); a SentencePiece entry one per character (byte fallbacks, like <0x0A>, more)."""
     return max((len(token) for token in tokenizer.get_vocab()), default=1)
-HARD_LIMIT_FACTOR = 4
-"""aiohttp closes the socket (1009) above this multiple, so no frame can balloon memory."""
-DRAIN_RETRY_AFTER_S = 5
-"""Retry-After sent with the 503 of requests refused during a drain."""
 
 
 class Socket(Protocol):
