@@ -1061,7 +1061,7 @@ async def streams_phase(session: aiohttp.ClientSession, base: str, n: int, args,
 async def traffic_phase(session: aiohttp.ClientSession, server, name: str, seconds: float, seed: int,
                         args, totals: RunTotals) -> dict:
     """`seconds` of MixedTraffic, with the server's RSS sampled alongside /health."""
-    from streamengine.server.state import DEFAULT_MAX_MESSAGE_BYTES  # the CLI's limit
+    from streamengine.server.config import DEFAULT_MAX_MESSAGE_BYTES  # the CLI's limit
 
     print(f"{name}: {seconds:g} s of mixed traffic from {args.clients} clients ...", file=sys.stderr)
     traffic = MixedTraffic(HOST, server.port, seed=seed, clients=args.clients, max_message_bytes=DEFAULT_MAX_MESSAGE_BYTES,

@@ -17,8 +17,7 @@ from typing import Any
 
 from streamengine.config import FIELD_TYPES, EngineConfig
 from streamengine.server import _run  # the one event-loop runner (uvloop when installed)
-from streamengine.server.config import ServerConfig
-from streamengine.server.state import (
+from streamengine.server.config import (
     DEFAULT_AUTH_TIMEOUT_S,
     DEFAULT_BODY_TIMEOUT_S,
     DEFAULT_IDLE_TIMEOUT_S,
@@ -27,6 +26,7 @@ from streamengine.server.state import (
     DEFAULT_SHUTDOWN_TIMEOUT_S,
     DEFAULT_STALL_TIMEOUT_S,
     DEFAULT_WRITE_TIMEOUT_S,
+    ServerConfig,
 )
 from streamengine.server.tenants_file import TenantsFile, TenantsFileError, load_tenants_file
 from streamengine.structured.tool_calls import TOOL_PARSERS

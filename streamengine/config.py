@@ -18,7 +18,7 @@ DEFAULT_GRAMMAR_CACHE_BYTES = 256 * 1024 * 1024
 DEFAULT_MAX_PREFILL_CHUNK = 64
 """Default prefill tokens per sequence and step: the largest value that kept decode streams'
 inter-token gaps short while a long prompt prefilled, at little cost to that prompt's time to
-first token (measurements: docs/performance.md, "Choosing max_prefill_chunk")."""
+first token (measurements: docs/design/step_length.md, "Choosing max_prefill_chunk")."""
 
 ATTENTION_BACKENDS = ("auto", "triton", "torch", "cpu")
 PREEMPTION_MODES = ("auto", "recompute", "swap")

@@ -15,7 +15,6 @@ from streamengine.server import openai
 from streamengine.server.security import is_same_origin
 from streamengine.server.state import (
     CLIENT,
-    DRAIN_RETRY_AFTER_S,
     TENANT_KEY,
     ServerState,
     client_key,
@@ -23,6 +22,9 @@ from streamengine.server.state import (
 )
 
 log = logging.getLogger("streamengine.server.app")  # the server's log, as before the split
+
+DRAIN_RETRY_AFTER_S = 5
+"""Retry-After sent with the 503 of requests refused during a drain."""
 
 
 _PUBLIC_PATHS = frozenset({"/", "/health", "/ready", "/favicon.ico", "/v1/stream"})

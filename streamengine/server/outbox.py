@@ -10,7 +10,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from streamengine.server import protocol as p
-from streamengine.server.state import DEFAULT_MAX_PENDING_BYTES
+from streamengine.server.config import DEFAULT_MAX_PENDING_BYTES
 from streamengine.server.streaming import SampleDelta
 
 ITEM_OVERHEAD = 128  # estimated bytes of bookkeeping per queued message

@@ -29,8 +29,6 @@ if TYPE_CHECKING:  # the engine loads torch and the model code: the server's mod
     from streamengine.engine.client import EngineClient
     from streamengine.server.config import ServerConfig
 
-DEFAULT_MAX_MESSAGE_BYTES = 1 << 20
-"""WebSocket messages above this get a `message_too_large` error (the socket stays open)."""
 INLINE_TOKENIZE_CHARS = 8192
 """Longer prompts are tokenized in a worker thread rather than on the event loop."""
 TOKENIZER_THREADS = 1
@@ -52,37 +50,6 @@ def longest_token_chars(tokenizer: Any) -> int:
     A byte-level BPE entry has one character per byte (at least as many as the text it decodes
     to); a SentencePiece entry one per character (byte fallbacks, like <0x0A>, more)."""
     return max((len(token) for token in tokenizer.get_vocab()), default=1)
-HARD_LIMIT_FACTOR = 4
-"""aiohttp closes the socket (1009) above this multiple, so no frame can balloon memory."""
-DEFAULT_MAX_BODY_BYTES = 4 << 20
-"""HTTP request bodies above this are answered 413."""
-DEFAULT_MAX_PENDING_BYTES = 8 << 20
-"""Unsent bytes one WebSocket may hold (merged deltas included) before it is closed with 1008."""
-DEFAULT_MAX_CONNECTIONS = 1024
-"""Authenticated WebSockets the server holds at once; more are answered 503."""
-DEFAULT_MAX_UNAUTHENTICATED = 64
-"""WebSockets still to authenticate (no key in their handshake) held at once, apart from
-`max_connections`: idle keyless sockets can never take an authenticated client's place."""
-DEFAULT_AUTH_TIMEOUT_S = 10.0
-"""A WebSocket that has not authenticated this long after its handshake is closed (4001)."""
-DEFAULT_IDLE_TIMEOUT_S = 30.0
-"""An HTTP connection that has not sent a complete request head this long after it opened, or
-after its previous response, is closed: idle keep-alive and slowly sent headers alike."""
-DEFAULT_BODY_TIMEOUT_S = 30.0
-"""An OpenAI POST whose body has not fully arrived this long after its head is answered 408."""
-DEFAULT_WRITE_TIMEOUT_S = 15.0
-"""A streamed (SSE) response whose client takes no bytes for this long is dropped and its
-request aborted, so the engine computes nothing for a reader that stalled."""
-DEFAULT_HEARTBEAT_S = 30.0
-"""WebSocket ping interval; a peer that answers no ping within half of it is dropped."""
-DEFAULT_STALL_TIMEOUT_S = 120.0
-"""/ready turns 503 when the engine has work but has made no progress for this long."""
-DEFAULT_SHUTDOWN_TIMEOUT_S = 30.0
-"""How long a drain lets requests in flight finish before it aborts them."""
-DRAIN_RETRY_AFTER_S = 5
-"""Retry-After sent with the 503 of requests refused during a drain."""
-DEFAULT_TOOL_PARSER = "hermes"
-"""The format tools are rendered in for templates that cannot render them (tool_prompt.py)."""
 
 
 class Socket(Protocol):

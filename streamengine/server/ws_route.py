@@ -8,9 +8,13 @@ from aiohttp import web
 
 from streamengine.server import protocol as p
 from streamengine.server.security import Tenant, bearer_token
-from streamengine.server.state import HARD_LIMIT_FACTOR, ServerState, get_state
+from streamengine.server.state import ServerState, get_state
 from streamengine.server.streaming import limit_kernel_unsent
 from streamengine.server.websocket import Connection
+
+HARD_LIMIT_FACTOR = 4
+"""aiohttp closes the socket (1009) above this multiple of `max_message_bytes`, so no frame can
+balloon memory."""
 
 
 async def stream_handler(request: web.Request) -> web.StreamResponse:
