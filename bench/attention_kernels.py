@@ -19,7 +19,7 @@ K/V gathered from the cache), on SmolLM2-135M's heads (9/3/64), a float32 cache 
 blocks. A prompt is prefilled whole or in chunks, every chunk timed (median of --iters) and
 summed; one more case prefills several prompts in one step.
 
-    python bench/attention_kernels.py --cpu-prefill [--threads 2] [--json bench/results/prefill_cpu.json]
+    python bench/attention_kernels.py --cpu-prefill [--threads 2] [--json bench/results/kernels_cpu_prefill.json]
 """
 
 from __future__ import annotations
