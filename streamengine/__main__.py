@@ -10,12 +10,13 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import os
 import sys
 from collections.abc import Mapping
 from typing import Any
 
-from streamengine.config import FIELD_TYPES, EngineConfig
+from streamengine.config import FIELD_TYPES, EngineConfig, SpeculativeConfig
 from streamengine.server import _run  # the one event-loop runner (uvloop when installed)
 from streamengine.server.config import (
     DEFAULT_AUTH_TIMEOUT_S,
@@ -36,6 +37,7 @@ from streamengine.tenancy.tenants import TenantConfig
 _OPTION_NAMES = {
     "num_gpu_blocks": ("--num-blocks", "--num-gpu-blocks"),
     "enable_prefix_caching": ("--prefix-caching", "--enable-prefix-caching"),  # and --no-...
+    "speculative": ("--speculative", "--speculative-config"),
 }
 
 
@@ -46,6 +48,19 @@ def _int_or_none(text: str) -> int | None:
         return int(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected an integer or 'none', got {text!r}") from None
+
+
+def _speculative_config(text: str) -> SpeculativeConfig | None:
+    """vLLM's --speculative-config: a JSON object of SpeculativeConfig's fields, or 'none'."""
+    if text.strip().lower() == "none":
+        return None
+    try:
+        values = json.loads(text)
+        if not isinstance(values, dict):
+            raise ValueError(f"expected a JSON object, got {text!r}")
+        return SpeculativeConfig.from_mapping(values)
+    except (ValueError, TypeError) as exc:
+        raise argparse.ArgumentTypeError(f"--speculative: {exc}") from None
 
 
 def _tenants_file(path: str) -> TenantsFile:
@@ -59,12 +74,16 @@ def _tenants_file(path: str) -> TenantsFile:
 _PARSERS: dict[Any, Any] = {
     int: int, int | None: _int_or_none, float: float, str: str, str | None: str,
     tuple[TenantConfig, ...]: _tenants_file,
+    SpeculativeConfig | None: _speculative_config,
 }
-_METAVARS: dict[Any, str] = {int: "N", int | None: "N", float: "X", tuple[TenantConfig, ...]: "FILE"}
+_METAVARS: dict[Any, str] = {int: "N", int | None: "N", float: "X", tuple[TenantConfig, ...]: "FILE",
+                             SpeculativeConfig | None: "JSON"}
 _MORE_HELP = {
     "tenants": "; FILE is TOML: [[tenants]] tables of name, api_key or api_key_sha256, weight, max_running, "
                "max_kv_fraction, tokens_per_minute, max_n, max_best_of, system_prompt (pinned at start), and an optional "
                "top-level shared_prefix (pinned for every tenant)",
+    "speculative": '; JSON as vLLM\'s --speculative-config, e.g. \'{"method": "ngram", "num_speculative_tokens": 4, '
+                   '"prompt_lookup_min": 2, "prompt_lookup_max": 4}\', or none',
 }
 
 

@@ -27,6 +27,44 @@ KV_CACHE_DTYPES = ("auto", *DTYPES)
 MODEL_IMPLS = ("auto", "native", "transformers")
 WEIGHT_FORMATS = ("auto", "dequantized", "packed", "int8")
 SCHEDULING_POLICIES = ("fair", "fcfs")
+SPECULATIVE_METHODS = ("ngram",)
+
+
+@dataclass(frozen=True, slots=True)
+class SpeculativeConfig:
+    """Speculative decoding: each step, a decoding request's next `num_speculative_tokens`
+    tokens are proposed and verified in the same forward pass as its next one; a verified
+    token costs no step of its own. Outputs are those the engine gives without it.
+
+    "ngram" (prompt lookup) proposes what followed the most recent earlier occurrence of the
+    request's last n tokens (prompt and output), the longest n in [prompt_lookup_min,
+    prompt_lookup_max] that occurs."""
+
+    method: str = "ngram"
+    num_speculative_tokens: int = 4
+    prompt_lookup_min: int = 2
+    prompt_lookup_max: int = 4
+
+    def __post_init__(self) -> None:
+        if self.method not in SPECULATIVE_METHODS:
+            raise ValueError(f"SpeculativeConfig.method must be one of {SPECULATIVE_METHODS}, got {self.method!r}")
+        for name, low, high in (("num_speculative_tokens", 1, 16), ("prompt_lookup_min", 1, 64),
+                                ("prompt_lookup_max", 1, 64)):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or not low <= value <= high:
+                raise ValueError(f"SpeculativeConfig.{name} must be an integer in [{low}, {high}], got {value!r}")
+        if self.prompt_lookup_min > self.prompt_lookup_max:
+            raise ValueError(f"SpeculativeConfig.prompt_lookup_min ({self.prompt_lookup_min}) must be <= "
+                             f"prompt_lookup_max ({self.prompt_lookup_max})")
+
+    @classmethod
+    def from_mapping(cls, values: Mapping[str, Any]) -> SpeculativeConfig:
+        """From a mapping (the CLI's JSON); an unknown key is refused by name."""
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(values) - known)
+        if unknown:
+            raise ValueError(f"SpeculativeConfig has no field {unknown[0]!r} (fields: {sorted(known)})")
+        return cls(**values)
 
 
 def _option(
@@ -166,6 +204,8 @@ class EngineConfig:
         "Longest a structured-output spec waits for a compile thread; past it the request fails with "
         "EngineOverloadedError (429 with Retry-After).",
         minimum=0.001)
+    speculative: SpeculativeConfig | None = _option(
+        None, "speculative decoding (SpeculativeConfig); None: off")
     grammar_mask_budget_ms: float = _option(
         100.0,
         "Longest the grammar masks of one request's rows may take within one decode step (the whole "
@@ -175,6 +215,8 @@ class EngineConfig:
     def __post_init__(self) -> None:
         for f in fields(self):
             _check_field(f, getattr(self, f.name))
+        if self.speculative is not None and not isinstance(self.speculative, SpeculativeConfig):
+            raise ValueError("EngineConfig.speculative must be a SpeculativeConfig or None")
         self.tenants = tuple(self.tenants)
         if not all(isinstance(t, TenantConfig) for t in self.tenants):
             raise ValueError("EngineConfig.tenants must be TenantConfig records")

@@ -49,6 +49,9 @@ class Sequence:
     # (SamplingParams.prompt_logprobs), else None: every prompt position must then run, so the
     # sequence reads no prefix-cache hits (it still caches its own blocks).
     prompt_logprobs: int | None = None
+    # Speculative decoding: tokens proposed to follow `token_ids`, for the next step to verify
+    # (the scheduler verifies those the budget and the pool hold room for).
+    spec_token_ids: list[int] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         if not self.token_ids:

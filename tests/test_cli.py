@@ -8,7 +8,7 @@ import dataclasses
 import pytest
 
 from streamengine import __main__ as cli
-from streamengine.config import FIELD_TYPES, EngineConfig
+from streamengine.config import FIELD_TYPES, EngineConfig, SpeculativeConfig
 from streamengine.server.tenants_file import load_tenants_file
 
 
@@ -153,6 +153,10 @@ def non_default_argv(tmp_path) -> tuple[list[str], dict]:
             argv += [option_of(f.name), str(path)]
             expected[f.name] = load_tenants_file(path).tenants
             continue
+        elif f.name == "speculative":
+            argv += [option_of(f.name), '{"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 5}']
+            expected[f.name] = SpeculativeConfig(num_speculative_tokens=3, prompt_lookup_max=5)
+            continue
         else:
             value = "some-value"
         argv += [option_of(f.name), str(value)]
@@ -168,6 +172,14 @@ def test_options_build_the_config_they_name(tmp_path):
     assert cli.config_from_args(serve_args(*argv)) == EngineConfig(**expected)
     assert cli.config_from_args(serve_args("--num-blocks", "9", "--no-prefix-caching")) == EngineConfig(
         num_gpu_blocks=9, enable_prefix_caching=False)
+
+
+def test_speculative_config_is_vllms_json_and_bad_json_is_a_usage_error(capsys):
+    assert cli.config_from_args(serve_args("--speculative-config", "none")).speculative is None
+    for bad, why in (('{"method": "eagle"}', "method"), ('{"k": 2}', "'k'"), ("[1]", "JSON object"), ("{", "Expecting")):
+        with pytest.raises(SystemExit):
+            serve_args("--speculative-config", bad)
+        assert why in capsys.readouterr().err
 
 
 def test_serve_help_in_a_real_process_lists_every_field():

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 import torch
 
 from streamengine.config import EngineConfig
-from streamengine.engine import core_pins, core_setup, core_stats, step_outputs
+from streamengine.engine import core_pins, core_setup, core_stats, speculation, step_outputs
 from streamengine.engine.core_pins import seq_salt
 from streamengine.engine.intake import Intake
 from streamengine.engine.step_outputs import drawing_children
@@ -37,6 +37,7 @@ from streamengine.sample.sampling_params import SamplingParams
 from streamengine.sample.stop_rules import StopRules
 from streamengine.sched.scheduler import SchedulerOutput
 from streamengine.sequence import Sequence
+from streamengine.spec.acceptance import ProposalGate, SpecStats, StepCost
 from streamengine.structured.cache import HeapTrim
 from streamengine.structured.compiler import GrammarCompiler
 from streamengine.structured.grammar import CompiledGrammar, GrammarMatcher
@@ -99,6 +100,8 @@ class EngineCore:
         self.failures: dict[str, str | GrammarError] = {}
         self._heap_trim = HeapTrim()
         self._grammar_freed = False  # a request with a grammar ended since the last trim
+        self.spec_stats = SpecStats()  # speculative decoding: drafts, proposed and accepted tokens
+        self.step_cost = StepCost()  # what a step's rows cost, for how long drafts are
 
     def _tenant_weight(self, tenant: str) -> float:
         """A tenant's weight; 1 for names no request used (a block shared by several)."""
@@ -197,6 +200,8 @@ class EngineCore:
                 params, sample_generator(params, i, self.device), prompt_ids, sample.token_ids,
                 matcher=grammar.matcher(account) if grammar is not None else None, min_tokens_stop_ids=early_stops,
             )
+            if self.config.speculative is not None and speculation.speculates(params):
+                sample.spec_gate = ProposalGate()
             req.samples.append(sample)
             self._owner[seq.seq_id] = (req, sample)
         req.pending_children = req.samples[1:]  # forked from sample 0 once its prompt is computed
@@ -333,6 +338,8 @@ class EngineCore:
         return self.process(step, self.execute(step))
 
     def schedule(self) -> StepPlan:
+        if self.config.speculative is not None:
+            speculation.propose(self, self.config.speculative)
         step = StepPlan(self.scheduler.schedule())
         now = time.monotonic()
         for item in step.plan.scheduled:
@@ -340,16 +347,23 @@ class EngineCore:
             if owner is not None and owner[0].metrics.first_scheduled_time is None:
                 owner[0].metrics.first_scheduled_time = now
             if item.samples:  # one lookup for both: a sampling sequence always has its owner
-                self._plan_sampling(step, item.seq, owner if owner is not None else self._owner[item.seq.seq_id])
+                owner = owner if owner is not None else self._owner[item.seq.seq_id]
+                self._plan_sampling(step, item.seq, owner, item.num_spec_tokens)
         return step
 
-    def _plan_sampling(self, step: StepPlan, seq: Sequence, owner: tuple[Request, Sample | None]) -> None:
+    def _plan_sampling(self, step: StepPlan, seq: Sequence, owner: tuple[Request, Sample | None],
+                       num_spec: int = 0) -> None:
         """Gives `seq`'s last logits row to its beam search (`owner`: its request and sample),
         or to its sample's sampling row; right after sample 0's prompt the children draw their
-        first tokens from it too."""
+        first tokens from it too. A sequence verifying `num_spec` proposed tokens samples at
+        each of them too, with the same row (speculation.take_verified)."""
         source = step.num_logits
-        step.num_logits += 1
+        step.num_logits += 1 + num_spec
         req, sample = owner
+        if num_spec:
+            step.rows.extend([sample.row] * (1 + num_spec))
+            step.row_sources.extend(range(source, source + 1 + num_spec))
+            return
         if sample is None:
             step.beam_sources.append(source)
             step.beam_matchers.append(req.beam.matcher(seq))
@@ -359,7 +373,11 @@ class EngineCore:
             step.row_sources.append(source)
 
     def execute(self, step: StepPlan) -> StepResult:
-        return self.runner.execute(step.plan, step.rows, step.row_sources, step.beam_sources, step.beam_matchers)
+        start = time.perf_counter()
+        result = self.runner.execute(step.plan, step.rows, step.row_sources, step.beam_sources, step.beam_matchers)
+        if self.config.speculative is not None and _decode_only(step.plan):  # prompts cost less per row
+            self.step_cost.observe(step.plan.num_batched_tokens, time.perf_counter() - start)
+        return result
 
     def process(self, step: StepPlan, result: StepResult) -> list[RequestOutput]:
         """Appends the step's tokens and returns the outputs of the requests it advanced
@@ -416,3 +434,8 @@ class EngineCore:
 
     def kv_state(self) -> dict:
         return core_stats.kv_state(self)
+
+
+def _decode_only(plan: SchedulerOutput) -> bool:
+    """True if every sequence computes only its last token (and the tokens proposed after it)."""
+    return all(item.num_new_tokens - item.num_spec_tokens == 1 for item in plan.scheduled)

@@ -40,6 +40,12 @@ def stats(core: EngineCore) -> dict[str, int | float]:
         "block_size": bm.block_size,
         "max_model_len": core.max_model_len,
         "num_pinned_blocks": bm.retention.num_pinned_blocks,
+        # Speculative decoding, as vLLM counts it (zeros while off).
+        "spec_decode_num_drafts": core.spec_stats.num_drafts,
+        "spec_decode_num_draft_tokens": core.spec_stats.num_draft_tokens,
+        "spec_decode_num_accepted_tokens": core.spec_stats.num_accepted_tokens,
+        "spec_decode_num_accepted_tokens_per_pos": list(core.spec_stats.accepted_per_pos),
+        "spec_decode_mean_accepted_length": core.spec_stats.mean_accepted_length,
         "tenants": tenant_stats(core),
     }
 

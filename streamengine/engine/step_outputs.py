@@ -13,6 +13,7 @@ import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, TypeVar
 
+from streamengine.engine import speculation
 from streamengine.errors import GrammarError
 from streamengine.models.model_runner import PromptLogprobs
 from streamengine.sample.output_processor import make_output
@@ -48,7 +49,8 @@ def process(core: EngineCore, step: StepPlan, result: StepResult) -> list[Reques
             entries = next(prompt_rows)  # taken first: a fault cannot shift another's rows
             req = core._owner[item.seq.seq_id][0]
             guarded(core, faults, req, add_prompt_logprobs, req, item.seq, entries)
-        item.seq.num_computed_tokens += item.num_new_tokens
+        # Proposed tokens count as computed once verified (speculation.take_verified).
+        item.seq.num_computed_tokens += item.num_new_tokens - item.num_spec_tokens
         if not item.samples:
             continue
         req, sample = core._owner[item.seq.seq_id]
@@ -57,8 +59,12 @@ def process(core: EngineCore, step: StepPlan, result: StepResult) -> list[Reques
             beam_reqs[req.request_id] = req
             continue
         # Rows are taken before anything can fail, so a fault cannot shift another's rows.
-        taken = [next(draws) for _ in range(1 + len(drawing_children(req, sample)))]
-        guarded(core, faults, req, take_samples, core, req, sample, taken)
+        if item.num_spec_tokens:
+            taken = [next(draws) for _ in range(1 + item.num_spec_tokens)]
+            guarded(core, faults, req, speculation.take_verified, core, req, sample, item, taken)
+        else:
+            taken = [next(draws) for _ in range(1 + len(drawing_children(req, sample)))]
+            guarded(core, faults, req, take_samples, core, req, sample, taken)
         touched[req.request_id] = req
     for req in beam_reqs.values():
         if req.beam.ready and guarded(core, faults, req, beam_step, core, req):

@@ -196,6 +196,13 @@ class BlockManager(KVSwapMixin):
         seq.cpu_block_table = []
         self._release_blocks(seq)
 
+    def free_unused(self, seq: Sequence) -> None:
+        """Gives back the blocks past those `seq`'s tokens fill (held for proposed tokens
+        that were rejected, speculative decoding)."""
+        keep = self.blocks_needed(seq.num_tokens)
+        if len(seq.block_table) > keep:
+            self._release_blocks(seq, keep)
+
     def _release_blocks(self, seq: Sequence, start: int = 0) -> None:
         """Drops `seq`'s references to its blocks from index `start` on, tail first."""
         hashes = seq.block_hashes

@@ -161,7 +161,8 @@ class PackedBatch:
     query_lens: list[int] = field(default_factory=list)
     seq_lens: list[int] = field(default_factory=list)
     block_tables: list[list[int]] = field(default_factory=list)
-    logits_indices: list[int] = field(default_factory=list)  # the last token of each sampling sequence
+    # The last known token of each sampling sequence, then each of its proposed tokens.
+    logits_indices: list[int] = field(default_factory=list)
     prompt_rows: PromptRows | None = None  # positions whose logits give prompt logprobs
 
 
@@ -192,14 +193,23 @@ def pack_batch(plan: SchedulerOutput, block_size: int) -> PackedBatch:
             rows = batch.prompt_rows = batch.prompt_rows or PromptRows()
             targets = seq.token_ids[start + 1:start + 1 + item.num_prompt_logprobs]
             rows.add(len(batch.token_ids), targets, seq.prompt_logprobs or 0)
-        batch.token_ids.extend(seq.token_ids[start:start + n])
+        k = item.num_spec_tokens
+        batch.token_ids.extend(seq.token_ids[start:start + n - k])
+        if k:
+            batch.token_ids.extend(seq.spec_token_ids[:k])
         batch.positions.extend(range(start, start + n))
         batch.slot_mapping.extend(table[p // block_size] * block_size + p % block_size for p in range(start, start + n))
-        batch.query_lens.append(n)
-        batch.seq_lens.append(start + n)
-        batch.block_tables.append(table)
-        if item.samples:
-            batch.logits_indices.append(len(batch.token_ids) - 1)
+        # Each proposed token is a row of its own over the same blocks, its context ending
+        # at itself: causal among the proposals, and a decode row for the attention kernels.
+        end = start + n - k
+        for query_len in (n - k, *[1] * k):
+            batch.query_lens.append(query_len)
+            batch.seq_lens.append(end)
+            batch.block_tables.append(table)
+            end += 1
+        if item.samples:  # the last known token's row, then each proposed token's
+            last = len(batch.token_ids) - 1
+            batch.logits_indices.extend(range(last - k, last + 1))
     return batch
 
 

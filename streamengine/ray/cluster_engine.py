@@ -268,11 +268,20 @@ def merge_stats(stats: list[dict[str, Any]]) -> dict[str, Any]:
                     tenants[name] = _summed(tenants.get(name, {}), row)
             elif key in ("block_size", "max_model_len"):
                 merged[key] = value
+            elif key == "spec_decode_num_accepted_tokens_per_pos":
+                merged[key] = _summed_lists(merged.get(key, []), value)
             elif isinstance(value, (int, float)) and not isinstance(value, bool):
                 merged[key] = merged.get(key, 0) + value
     if stats and "kv_cache_usage" in merged:
         merged["kv_cache_usage"] /= len(stats)
+    if merged.get("spec_decode_num_drafts"):  # a mean: of the summed counts, not a sum of means
+        merged["spec_decode_mean_accepted_length"] = (
+            1.0 + merged["spec_decode_num_accepted_tokens"] / merged["spec_decode_num_drafts"])
     return merged
+
+
+def _summed_lists(a: list[int], b: list[int]) -> list[int]:
+    return [x + y for x, y in zip(a + [0] * (len(b) - len(a)), b + [0] * (len(a) - len(b)), strict=True)]
 
 
 def _summed(into: dict[str, Any], row: dict[str, Any]) -> dict[str, Any]:

@@ -35,9 +35,13 @@ class RequestMetrics:
     first_scheduled_time: float | None = None  # the first step that computed any of its tokens
     first_token_time: float | None = None  # the step whose output carried its first token(s)
     finished_time: float | None = None  # the step it finished in, or when it was aborted
+    # Speculative decoding: its proposed tokens verified, and of those accepted.
+    spec_draft_tokens: int = 0
+    spec_accepted_tokens: int = 0
 
     def snapshot(self) -> RequestMetrics:
-        return RequestMetrics(self.arrival_time, self.first_scheduled_time, self.first_token_time, self.finished_time)
+        return RequestMetrics(self.arrival_time, self.first_scheduled_time, self.first_token_time, self.finished_time,
+                              self.spec_draft_tokens, self.spec_accepted_tokens)
 
     @property
     def queue_time(self) -> float | None:

@@ -16,6 +16,7 @@ from streamengine.sample.outputs import RequestMetrics
 from streamengine.sample.sampler import SamplingRow
 from streamengine.sample.sampling_params import SamplingParams
 from streamengine.sequence import Sequence
+from streamengine.spec.acceptance import ProposalGate
 from streamengine.structured.grammar import GrammarMatcher
 from streamengine.tenancy.pinning import Pin
 
@@ -34,6 +35,7 @@ class Sample:
     num_sent_tokens: int = 0  # tokens (and logprobs) already in an output (delta outputs)
     num_sent_chars: int = 0  # characters of text already in an output
     finish_sent: bool = False  # its finish reason is out: no further delta
+    spec_gate: ProposalGate | None = None  # set when its request may speculate
 
     @property
     def finished(self) -> bool:

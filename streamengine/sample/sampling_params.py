@@ -104,6 +104,10 @@ class SamplingParams(msgspec.Struct, kw_only=True, forbid_unknown_fields=True, d
     # What each output of the request's stream carries: everything so far, or only what is new
     # since the previous output (vLLM's RequestOutputKind).
     output_kind: Literal["cumulative", "delta"] = "cumulative"
+    # False: this request never uses speculative decoding (EngineConfig.speculative), whose
+    # outputs are the same; greedy requests without penalties, biases, min_tokens, logprobs
+    # or a grammar use it, others decode as without it.
+    speculate: bool = True
     # Constrained decoding: the output must match this spec (structured/params.py).
     structured: StructuredOutput | None = None
 

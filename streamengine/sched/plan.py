@@ -17,15 +17,20 @@ class ScheduledSeq:
     # The first this many positions computed give prompt logprobs: position p's logits give
     # prompt token p + 1's (only while `seq.prompt_logprobs` asks for them).
     num_prompt_logprobs: int = 0
+    # Of `num_new_tokens`, the last this many are proposed tokens (`seq.spec_token_ids`),
+    # verified by this step's logits at them and at the last known token.
+    num_spec_tokens: int = 0
 
     @classmethod
-    def of(cls, seq: Sequence, num_new_tokens: int) -> ScheduledSeq:
+    def of(cls, seq: Sequence, num_new_tokens: int, num_spec_tokens: int = 0) -> ScheduledSeq:
+        """`num_new_tokens` known tokens of `seq` from its first not computed, then
+        `num_spec_tokens` proposed ones (only after its last known token)."""
         start = seq.num_computed_tokens
         end = start + num_new_tokens
         prompt_rows = 0
         if seq.prompt_logprobs is not None:
             prompt_rows = max(0, min(end, seq.num_prompt_tokens - 1) - start)
-        return cls(seq, num_new_tokens, end == seq.num_tokens, prompt_rows)
+        return cls(seq, num_new_tokens + num_spec_tokens, end == seq.num_tokens, prompt_rows, num_spec_tokens)
 
 
 @dataclass(slots=True)

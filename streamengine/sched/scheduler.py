@@ -197,12 +197,14 @@ class Scheduler:
             return n
         return self.caps.cap(seq.tenant, min(n, self.policy.prefill_chunk(self, seq)))
 
-    def _append(self, out: SchedulerOutput, seq: Sequence, n: int) -> None:
+    def _append(self, out: SchedulerOutput, seq: Sequence, n: int, num_spec: int = 0) -> None:
+        """Schedules `n` of `seq`'s tokens, then `num_spec` proposed ones (slots allocated)."""
         self.caps.spend(seq.tenant, n)
-        item = ScheduledSeq.of(seq, n)
+        item = ScheduledSeq.of(seq, n, num_spec)
         out.scheduled.append(item)
-        self.share.charge(seq, seq.num_computed_tokens, n, item.samples)
-        # Full blocks this step will compute become hits for requests admitted after it.
+        self.share.charge(seq, seq.num_computed_tokens, n, item.samples)  # accepted proposals: charge_accepted
+        # Full blocks this step will compute become hits for requests admitted after it (not
+        # those holding proposed tokens: those may be rejected).
         self.block_manager.cache_full_blocks(seq, seq.num_computed_tokens + n)
 
     def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:
@@ -222,9 +224,23 @@ class Scheduler:
             if n > 1:
                 n = self._fit_chunk(seq, n)
             if self._make_room(seq, n, out):
-                self._append(out, seq, n)
-                budget -= n
+                num_spec = self._fit_proposals(seq, n, budget - n)
+                self._append(out, seq, n, num_spec)
+                budget -= n + num_spec
         return budget
+
+    def _fit_proposals(self, seq: Sequence, n: int, budget: int) -> int:
+        """How many of `seq`'s proposed tokens (speculative decoding) to verify with its next
+        `n`, slots allocated: those the budget and the free blocks beyond the watermark hold.
+        Proposals never preempt anyone: they only use room nobody else asked for."""
+        if not seq.spec_token_ids or seq.num_computed_tokens + n != seq.num_tokens:
+            return 0
+        bm = self.block_manager
+        free_slots = (len(seq.block_table) + bm.num_free_blocks - self.watermark_blocks) * bm.block_size
+        k = max(0, min(len(seq.spec_token_ids), budget, free_slots - seq.num_tokens))
+        if k and not bm.allocate_slots(seq, n + k):  # cannot fail: the slots were counted
+            raise RuntimeError("no room for proposed tokens that were counted free")
+        return k
 
     def _fit_chunk(self, seq: Sequence, n: int) -> int:
         """A running prompt's chunk of `n` tokens, shrunk to what its blocks and the free ones

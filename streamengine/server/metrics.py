@@ -51,7 +51,21 @@ class _EngineStatsCollector(Collector):
         yield _counter("prefix_cache_hits", "Prompt tokens found in the prefix cache.", stats.get("prefix_cache_hits", 0))
         # CounterMetricFamily appends `_total`, giving vLLM's `num_preemptions_total`.
         yield _counter("num_preemptions", "Preemptions since start.", stats.get("num_preemptions", 0))
+        yield from _spec_decode_families(stats)
         yield from _tenant_families(stats.get("tenants") or {})
+
+
+def _spec_decode_families(stats: dict[str, Any]) -> Iterator[Metric]:
+    """Speculative decoding's counters under vLLM's names (`spec_decode_*_total`)."""
+    for name, doc in (("spec_decode_num_drafts", "Verifications of at least one proposed token."),
+                      ("spec_decode_num_draft_tokens", "Proposed tokens verified."),
+                      ("spec_decode_num_accepted_tokens", "Proposed tokens accepted.")):
+        yield _counter(name, doc, stats.get(name, 0))
+    per_pos = CounterMetricFamily(PREFIX + "spec_decode_num_accepted_tokens_per_pos",
+                                  "Proposed tokens accepted, by their position in the draft.", labels=["position"])
+    for position, count in enumerate(stats.get("spec_decode_num_accepted_tokens_per_pos") or ()):
+        per_pos.add_metric([str(position)], float(count))
+    yield per_pos
 
 
 # (series name, stats key, help, counter?) of the per-tenant figures of `engine.stats()`.

@@ -181,6 +181,15 @@ class FairShare:
         cost = prompt * self.prompt_token_weight + generated * self.output_token_weight
         usage.virtual_time += cost / self.tenants.get(seq.tenant).weight
 
+    def charge_accepted(self, seq: Sequence, num_tokens: int) -> None:
+        """Counts `num_tokens` accepted proposed tokens of `seq` (speculative decoding) as
+        output tokens, as if each had been sampled in a step of its own."""
+        if seq not in self._charged:
+            return
+        usage = self.usage_of(seq.tenant)
+        usage.output_tokens += num_tokens
+        usage.virtual_time += num_tokens * self.output_token_weight / self.tenants.get(seq.tenant).weight
+
     def count_admission(self, seq: Sequence, num_hit_tokens: int) -> None:
         usage = self.usage_of(seq.tenant)
         usage.prefix_cache_queries += seq.num_tokens

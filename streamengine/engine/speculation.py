@@ -1,0 +1,82 @@
+"""Speculative decoding in the core: proposing before a step, verifying after it.
+
+Before each step, every running request that may speculate (`speculates`) and whose gate is
+open gets proposed tokens (`seq.spec_token_ids`); the scheduler verifies as many as its
+budget and the free blocks hold (Scheduler._fit_proposals), in the same forward pass as the
+request's next token. The logits at the last known token and at each proposed one are sampled
+like any row; the sampled tokens are the target model's choices at those positions. A
+proposal is accepted while it equals the token sampled before it; the first sampled token
+that differs (or the one after the last proposal) is appended too, so a step yields between 1
+and k + 1 tokens, and they are exactly the tokens decoding one at a time would give.
+
+Exactness needs the sampled token to be a function of the logits alone: requests that
+speculate are greedy, without penalties, logit biases, min_tokens, logprobs or a grammar
+(those decode as without speculation). Rejected positions' K/V is never read: the sequence
+counts only verified positions as computed, the next step overwrites the rest, and the blocks
+past its tokens go back to the pool.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from streamengine.config import SpeculativeConfig
+from streamengine.sample.request import Request, Sample
+from streamengine.sample.sampling_params import SamplingParams
+from streamengine.sched.plan import ScheduledSeq
+from streamengine.sequence import SequenceStatus
+from streamengine.spec.ngram import propose_ngram
+
+if TYPE_CHECKING:
+    from streamengine.engine.core import EngineCore
+
+
+def speculates(params: SamplingParams) -> bool:
+    """Whether a request with `params` uses speculative decoding when the engine has it on."""
+    return (
+        params.speculate and params.n == 1 and params.beam_width == 1 and params.greedy
+        and not params.has_penalties and not params.logit_bias and params.min_tokens == 0
+        and params.logprobs is None and params.structured is None
+    )
+
+
+def propose(core: EngineCore, config: SpeculativeConfig) -> None:
+    """Fills `spec_token_ids` of each running sequence whose sample may speculate now, as
+    many as pay at this batch size (spec.acceptance)."""
+    threshold = core.step_cost.threshold(len(core.scheduler.running))
+    for seq in core.scheduler.running:
+        owner = core._owner.get(seq.seq_id)
+        sample = owner[1] if owner is not None else None
+        if sample is None or sample.spec_gate is None or seq.num_computed_tokens != seq.num_tokens - 1:
+            seq.spec_token_ids = []
+            continue
+        room = core.max_model_len - seq.num_tokens  # proposals past the context could not be kept
+        left = owner[0].max_tokens - len(sample.token_ids) - 1  # the step's own token comes first
+        k = min(config.num_speculative_tokens, room, left)
+        if k > 0:
+            k = sample.spec_gate.draft_length(k, threshold)
+        seq.spec_token_ids = propose_ngram(seq.token_ids, k, config.prompt_lookup_min, config.prompt_lookup_max) if k > 0 else []
+
+
+def take_verified(core: EngineCore, req: Request, sample: Sample, item: ScheduledSeq,
+                  draws: list[tuple[int, Any]]) -> None:
+    """Appends the tokens a verified step yields: the sampled token at the last known token,
+    then, while each proposal equals the token sampled before it, the token sampled at it."""
+    seq, k = item.seq, item.num_spec_tokens
+    proposed = seq.spec_token_ids[:k]
+    seq.spec_token_ids = []
+    accepted = 0
+    while accepted < k and proposed[accepted] == draws[accepted][0]:
+        accepted += 1
+    core.spec_stats.record(k, accepted)
+    req.metrics.spec_draft_tokens += k
+    req.metrics.spec_accepted_tokens += accepted
+    sample.spec_gate.record(k, accepted)
+    core.scheduler.share.charge_accepted(seq, accepted)
+    for i, (token, logprobs) in enumerate(draws[:accepted + 1]):
+        seq.num_computed_tokens += i > 0  # the accepted proposal before it was computed right
+        core._append_token(req, sample, token, logprobs)
+        if sample.finished:
+            return
+    if seq.status is SequenceStatus.RUNNING:
+        core.block_manager.free_unused(seq)

@@ -1,0 +1,1 @@
+"""Speculative decoding: proposing a request's next tokens, and verifying them exactly."""

@@ -1,0 +1,204 @@
+"""Speculative decoding (n-gram prompt lookup): the same tokens as decoding one at a time.
+
+Each scenario runs the same requests through an engine with and without speculation and
+compares every request's tokens and finish reason, while auditing the block bookkeeping after
+every step and checking that every block comes back at the end. The prompts repeat themselves
+and the tiny random model falls into loops, so proposals are made and accepted: each scenario
+asserts that speculation really verified and accepted tokens (a test that never speculated
+would prove nothing).
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from streamengine.config import EngineConfig, SpeculativeConfig
+from streamengine.engine.core import EngineCore
+from streamengine.engine.speculation import speculates
+from streamengine.sample.sampling_params import SamplingParams
+from streamengine.spec.acceptance import ProposalGate, StepCost
+from streamengine.spec.ngram import propose_ngram
+
+NGRAM = SpeculativeConfig(method="ngram", num_speculative_tokens=4, prompt_lookup_min=1, prompt_lookup_max=3)
+
+
+def greedy(max_tokens: int = 40, **kw) -> SamplingParams:
+    return SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True, **kw)
+
+
+def prompts() -> list[list[int]]:
+    """Prompts that quote themselves: a run of tokens, then the same run again."""
+    out = []
+    for i in range(4):
+        run = list(range(300 + 40 * i, 300 + 40 * i + 23 + 3 * i))
+        out.append(run + [11, 12] + run[: 9 + i])
+    return out
+
+
+def run(core: EngineCore, requests: dict[str, tuple[list[int] | str, SamplingParams]]) -> dict[str, tuple]:
+    core.accepted_by_request = {}
+    for rid, (prompt, params) in requests.items():
+        core.add_request(rid, prompt, params)
+    final = {}
+    for _ in range(2000):  # a bound, not a hang
+        if not core.has_work():
+            break
+        for out in core.step():
+            if out.finished:
+                final[out.request_id] = (tuple(out.outputs[0].token_ids), out.outputs[0].finish_reason, out.outputs[0].text)
+                core.accepted_by_request[out.request_id] = out.metrics.spec_accepted_tokens
+        core.audit()  # refcounts match the block tables after every step
+    assert not core.has_work()
+    bm = core.block_manager
+    assert bm.num_free_blocks == bm.num_blocks  # every block back, none held for a rejected proposal
+    return final
+
+
+class FixedBar:
+    """A StepCost stand-in: every draft as long as the lookup gives (the verifier's worst case)."""
+
+    def threshold(self, batch_size: int) -> float:
+        return 0.0
+
+    def observe(self, rows: int, seconds: float) -> None:
+        pass
+
+
+def both(config: dict, requests) -> tuple[dict, dict, EngineCore]:
+    plain = run(EngineCore(EngineConfig(**config)), requests)
+    spec_core = EngineCore(EngineConfig(**config, speculative=NGRAM))
+    spec_core.step_cost = FixedBar()
+    spec = run(spec_core, requests)
+    return plain, spec, spec_core
+
+
+def assert_same_and_speculated(plain: dict, spec: dict, core: EngineCore) -> None:
+    assert spec == plain
+    stats = core.spec_stats
+    assert stats.num_drafts > 0 and stats.num_accepted_tokens > 0, stats
+    assert sum(core.accepted_by_request.values()) == stats.num_accepted_tokens  # RequestOutput.metrics
+    figures = core.stats()
+    assert figures["spec_decode_num_accepted_tokens"] == stats.num_accepted_tokens
+    assert sum(figures["spec_decode_num_accepted_tokens_per_pos"]) == stats.num_accepted_tokens
+
+
+@pytest.fixture
+def base(tiny_llama_dir):
+    return dict(model=str(tiny_llama_dir), num_gpu_blocks=256, seed=0)
+
+
+@pytest.mark.parametrize("prefix_caching", [True, False])
+def test_greedy_outputs_identical_with_and_without_speculation(base, prefix_caching):
+    requests = {f"r{i}": (p, greedy(30 + 7 * i)) for i, p in enumerate(prompts())}
+    # a sampled request decodes as without speculation, beside those that speculate
+    requests["sampled"] = (prompts()[0], SamplingParams(temperature=0.8, seed=5, max_tokens=20, ignore_eos=True))
+    plain, spec, core = both(dict(base, enable_prefix_caching=prefix_caching), requests)
+    assert_same_and_speculated(plain, spec, core)
+    stats = core.spec_stats
+    assert stats.num_accepted_tokens < stats.num_draft_tokens  # rejections were verified too
+    assert stats.accepted_per_pos[3] > 0  # whole drafts of 4 were accepted
+
+
+def test_identical_under_chunked_prefill_and_a_small_token_budget(base):
+    requests = {f"r{i}": (p, greedy(25)) for i, p in enumerate(prompts())}
+    config = dict(base, max_num_batched_tokens=24, max_prefill_chunk=8)
+    plain, spec, core = both(config, requests)
+    assert_same_and_speculated(plain, spec, core)
+
+
+@pytest.mark.parametrize("mode", ["recompute", "swap"])
+def test_identical_under_preemption(base, mode):
+    # 10 blocks of 16 tokens for four requests growing to ~70 tokens each: they preempt each other.
+    requests = {f"r{i}": (p, greedy(40)) for i, p in enumerate(prompts())}
+    config = dict(base, num_gpu_blocks=10, preemption_mode=mode, swap_space_bytes=(64 << 20) if mode == "swap" else 0)
+    plain, spec, core = both(config, requests)
+    assert_same_and_speculated(plain, spec, core)
+    assert core.scheduler.num_preemptions > 0
+
+
+def test_max_tokens_and_stop_strings_landing_inside_an_accepted_run(base):
+    prompt = prompts()[1]
+    plain = run(EngineCore(EngineConfig(**base)), {"probe": (prompt, greedy(40))})
+    text = plain["probe"][2]
+    stop = text[len(text) // 2: len(text) // 2 + 3]  # ends the output mid-way, at a token nobody chose
+    requests = {f"len{n}": (prompt, greedy(n)) for n in range(1, 14)}
+    requests["stop"] = (prompt, greedy(40, stop=[stop]))
+    plain, spec, core = both(base, requests)
+    assert_same_and_speculated(plain, spec, core)
+    assert plain["stop"][1] == "stop" and all(len(plain[f"len{n}"][0]) == n for n in range(1, 14))
+
+
+def test_requests_that_cannot_be_verified_exactly_do_not_speculate():
+    assert speculates(greedy())
+    assert not speculates(greedy(speculate=False))
+    for params in (SamplingParams(temperature=0.7), greedy(logprobs=2), greedy(n=2), greedy(repetition_penalty=1.2),
+                   greedy(min_tokens=3), greedy(logit_bias={5: 1.0}), greedy(beam_width=2)):
+        assert not speculates(params), params
+
+
+def test_opted_out_requests_propose_nothing(base):
+    core = EngineCore(EngineConfig(**base, speculative=NGRAM))
+    run(core, {"r": (prompts()[0], greedy(30, speculate=False))})
+    assert core.spec_stats.num_drafts == 0
+
+
+def test_ngram_lookup_proposes_what_followed_the_latest_earlier_occurrence():
+    assert propose_ngram([1, 2, 3, 4, 1, 2, 3], 3, 1, 3) == [4, 1, 2]
+    assert propose_ngram([1, 2, 3, 9, 2, 3, 7, 2, 3], 2, 2, 2) == [7, 2]  # the most recent match
+    # the most recent match that k tokens follow, over a later one with fewer after it
+    assert propose_ngram([5, 6, 7, 5, 9, 5], 3, 1, 1) == [6, 7, 5]
+    assert propose_ngram([5, 6, 7, 5, 9, 5], 6, 1, 1) == [9, 5]  # none has 6 after it: the most recent
+    assert propose_ngram([1, 2, 3, 4, 5, 2, 3], 3, 1, 3) == [4, 5, 2]  # n = 2 after n = 3 fails
+    assert propose_ngram([1, 2, 3], 3, 2, 3) == []
+    assert propose_ngram([7, 8, 9, 1, 8, 9], 1, 3, 3) == []  # no 3-gram repeats
+    # 512 then 0 pack as 00 02 00 00 00 00 00 00, holding 2's bytes across the boundary:
+    # no match there, only at whole tokens
+    assert propose_ngram([512, 0, 5, 2], 1, 1, 1) == []
+    assert propose_ngram([2, 9, 512, 0, 5, 2], 1, 1, 1) == [9]
+
+
+def test_drafts_are_as_long_as_their_chance_of_acceptance_pays():
+    gate = ProposalGate()
+    assert gate.draft_length(4, threshold=0.27) == 4  # a new request: c = 3/4, 0.75**4 = 0.32
+    assert gate.draft_length(4, threshold=0.5) == 2  # 0.75**2 = 0.56, 0.75**3 = 0.42
+    for _ in range(10):
+        gate.record(4, 4)
+    assert gate.continuation > 0.9 and gate.draft_length(4, threshold=0.5) == 4
+    for _ in range(30):
+        gate.record(4, 0)
+    assert gate.continuation < 0.25
+
+
+def test_a_gate_that_does_not_pay_probes_with_one_token_then_waits_longer_each_time():
+    gate = ProposalGate()
+    for _ in range(10):
+        gate.record(4, 0)
+    lengths = [gate.draft_length(4, threshold=0.5) for _ in range(11)]
+    assert lengths == [1, 0, 1, 0, 0, 1, 0, 0, 0, 0, 1]  # a probe, then waits of 1, 2, 4 steps
+
+
+def test_step_cost_fits_fixed_and_per_row_time_and_sets_the_bar_by_batch_size():
+    cost = StepCost()
+    assert cost.ratio == 2.7  # the prior until steps are measured
+    for rows in [1, 5, 2, 8, 3, 1, 6, 4] * 3:
+        cost.observe(rows, 0.004 + 0.001 * rows)  # fixed 4 ms, 1 ms per row
+    assert cost.ratio == pytest.approx(4.0)
+    assert cost.threshold(1) == pytest.approx(0.2)
+    assert cost.threshold(8) == pytest.approx(2 / 3)
+    flat = StepCost()
+    for _ in range(30):
+        flat.observe(8, 0.01)  # every step the same size: nothing to fit, the prior stays
+    assert flat.ratio == 2.7
+
+
+def test_config_is_checked_by_name():
+    with pytest.raises(ValueError, match="method"):
+        SpeculativeConfig(method="eagle")
+    with pytest.raises(ValueError, match="num_speculative_tokens"):
+        SpeculativeConfig(num_speculative_tokens=0)
+    with pytest.raises(ValueError, match="prompt_lookup_min"):
+        SpeculativeConfig(prompt_lookup_min=5, prompt_lookup_max=2)
+    with pytest.raises(ValueError, match="'k'"):
+        SpeculativeConfig.from_mapping({"k": 3})
+    with pytest.raises(ValueError, match="speculative"):
+        EngineConfig(speculative={"method": "ngram"})
