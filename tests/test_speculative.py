@@ -159,8 +159,8 @@ def test_ngram_lookup_proposes_what_followed_the_latest_earlier_occurrence():
 
 def test_drafts_are_as_long_as_their_chance_of_acceptance_pays():
     gate = ProposalGate()
-    assert gate.draft_length(4, threshold=0.27) == 4  # a new request: c = 3/4, 0.75**4 = 0.32
-    assert gate.draft_length(4, threshold=0.5) == 2  # 0.75**2 = 0.56, 0.75**3 = 0.42
+    assert gate.draft_length(4, threshold=0.2) == 3  # a new request: c = 0.6, 0.6**3 = 0.216, 0.6**4 = 0.13
+    assert gate.draft_length(4, threshold=0.5) == 1  # 0.6 > 0.5 > 0.36
     for _ in range(10):
         gate.record(4, 4)
     assert gate.continuation > 0.9 and gate.draft_length(4, threshold=0.5) == 4
@@ -173,8 +173,8 @@ def test_a_gate_that_does_not_pay_probes_with_one_token_then_waits_longer_each_t
     gate = ProposalGate()
     for _ in range(10):
         gate.record(4, 0)
-    lengths = [gate.draft_length(4, threshold=0.5) for _ in range(11)]
-    assert lengths == [1, 0, 1, 0, 0, 1, 0, 0, 0, 0, 1]  # a probe, then waits of 1, 2, 4 steps
+    lengths = [gate.draft_length(4, threshold=0.5) for _ in range(17)]
+    assert lengths == [1, 0, 0, 1, 0, 0, 0, 0, 1, 0, 0, 0, 0, 0, 0, 0, 0]  # a probe, then waits of 2, 4, 8 steps
 
 
 def test_step_cost_fits_fixed_and_per_row_time_and_sets_the_bar_by_batch_size():

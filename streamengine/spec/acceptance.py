@@ -22,8 +22,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-PRIOR_ACCEPTED = 1.5  # a new request's drafts are assumed to go on with chance 3/4
-PRIOR_REJECTED = 0.5
+PRIOR_ACCEPTED = 0.6  # a new request's drafts are assumed to go on with chance 0.6,
+PRIOR_REJECTED = 0.4  # an assumption its first drafts soon outweigh
 DECAY = 0.85  # weight of a request's older drafts, per draft: the estimate follows its text
 MAX_COOLDOWN = 64  # steps
 FIXED_PER_ROW = 2.7  # fixed / per-row cost before the engine has measured its own steps
@@ -34,7 +34,7 @@ class ProposalGate:
     accepted: float = 0.0  # decayed count of accepted draft positions
     rejected: float = 0.0  # decayed count of drafts cut short by a rejection
     cooldown: int = 0  # steps left without proposing
-    next_cooldown: int = 1
+    next_cooldown: int = 2
 
     @property
     def continuation(self) -> float:
@@ -52,7 +52,7 @@ class ProposalGate:
             length += 1
             reach *= c
         if length:
-            self.next_cooldown = 1
+            self.next_cooldown = 2
             return length
         self.cooldown = self.next_cooldown  # not worth it now: probe with one token, then wait
         self.next_cooldown = min(2 * self.next_cooldown, MAX_COOLDOWN)
