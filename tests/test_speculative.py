@@ -128,12 +128,91 @@ def test_max_tokens_and_stop_strings_landing_inside_an_accepted_run(base):
     assert plain["stop"][1] == "stop" and all(len(plain[f"len{n}"][0]) == n for n in range(1, 14))
 
 
-def test_requests_that_cannot_be_verified_exactly_do_not_speculate():
-    assert speculates(greedy())
+def test_requests_whose_tokens_depend_on_more_than_their_logits_do_not_speculate():
+    for params in (greedy(), greedy(logprobs=2), greedy(logit_bias={5: 1.0}), SamplingParams(temperature=0.7, top_k=5)):
+        assert speculates(params), params
     assert not speculates(greedy(speculate=False))
-    for params in (SamplingParams(temperature=0.7), greedy(logprobs=2), greedy(n=2), greedy(repetition_penalty=1.2),
-                   greedy(min_tokens=3), greedy(logit_bias={5: 1.0}), greedy(beam_width=2)):
+    for params in (SamplingParams(temperature=0.7, seed=3), greedy(n=2), greedy(repetition_penalty=1.2),
+                   greedy(min_tokens=3), greedy(beam_width=2)):
         assert not speculates(params), params
+
+
+def test_greedy_logprobs_and_logit_bias_are_the_same_with_speculation(base):
+    requests = {f"r{i}": (p, greedy(24, logprobs=3, logit_bias={300 + i: 0.5})) for i, p in enumerate(prompts())}
+    cores = {}
+    for name, spec in (("plain", None), ("spec", NGRAM)):
+        core = cores[name] = EngineCore(EngineConfig(**base, speculative=spec))
+        core.step_cost = FixedBar()
+        for rid, (prompt, params) in requests.items():
+            core.add_request(rid, prompt, params)
+    outs = {name: {} for name in cores}
+    for name, core in cores.items():
+        while core.has_work():
+            for out in core.step():
+                if out.finished:
+                    outs[name][out.request_id] = out.outputs[0]
+    assert cores["spec"].spec_stats.num_accepted_tokens > 0
+    for rid in requests:
+        plain, spec = outs["plain"][rid], outs["spec"][rid]
+        assert spec.token_ids == plain.token_ids
+        for a, b in zip(plain.logprobs, spec.logprobs, strict=True):
+            assert a.keys() == b.keys()
+            assert all(abs(a[t] - b[t]) < 1e-4 for t in a)  # the same position's logits, another batch shape
+
+
+def chi_square_p(counts_a: dict[int, int], counts_b: dict[int, int]) -> float:
+    """The p-value of a chi-square test that two samples of tokens come from one distribution."""
+    import torch
+
+    # Tokens seen fewer than 10 times in both samples together share one cell, so that every
+    # cell's expected count is large enough for the chi-square approximation.
+    cells: dict[int, tuple[int, int]] = {}
+    for t in set(counts_a) | set(counts_b):
+        a, b = counts_a.get(t, 0), counts_b.get(t, 0)
+        key = t if a + b >= 10 else -1
+        pa, pb = cells.get(key, (0, 0))
+        cells[key] = (pa + a, pb + b)
+    n_a, n_b = sum(counts_a.values()), sum(counts_b.values())
+    stat = 0.0
+    for a, b in cells.values():
+        for count, n in ((a, n_a), (b, n_b)):
+            expected = (a + b) * n / (n_a + n_b)
+            stat += (count - expected) ** 2 / expected
+    dof = max(1, len(cells) - 1)
+    return float(torch.special.gammaincc(torch.tensor(dof / 2), torch.tensor(stat / 2)))
+
+
+def token_counts(config: dict, params: SamplingParams, num: int, spec: SpeculativeConfig | None) -> tuple[list, EngineCore]:
+    """Per output position, how often each token came out of `num` requests of one prompt."""
+    core = EngineCore(EngineConfig(**config, speculative=spec))
+    core.step_cost = FixedBar()
+    prompt = prompts()[0]
+    for i in range(num):
+        core.add_request(f"r{i}", prompt, params)
+    counts: list[dict[int, int]] = [{} for _ in range(params.max_tokens)]
+    while core.has_work():
+        for out in core.step():
+            if out.finished:
+                for position, token in enumerate(out.outputs[0].token_ids):
+                    counts[position][token] = counts[position].get(token, 0) + 1
+    return counts, core
+
+
+def test_sampled_tokens_keep_their_distribution_under_speculation(tiny_llama_dir):
+    """Speculative sampling with a one-token-per-position draft: the tokens at every position
+    are distributed as without speculation (chi-square, 600 requests each), while drafts are
+    both accepted and rejected; the same test tells a different distribution apart."""
+    config = dict(model=str(tiny_llama_dir), num_gpu_blocks=2048, max_num_seqs=600, max_num_batched_tokens=4096)
+    params = SamplingParams(temperature=1.0, top_k=4, max_tokens=5, ignore_eos=True)
+    plain, _ = token_counts(dict(config, seed=1), params, 600, None)
+    spec, core = token_counts(dict(config, seed=2), params, 600, NGRAM)
+    stats = core.spec_stats
+    assert 0 < stats.num_accepted_tokens < stats.num_draft_tokens, stats
+    for position in range(1, params.max_tokens):  # where drafts are verified
+        assert chi_square_p(plain[position], spec[position]) > 1e-4, position
+    colder = SamplingParams(temperature=0.5, top_k=4, max_tokens=5, ignore_eos=True)
+    other, _ = token_counts(dict(config, seed=3), colder, 600, None)
+    assert min(chi_square_p(plain[p], other[p]) for p in range(1, 5)) < 1e-4  # the test has power
 
 
 def test_opted_out_requests_propose_nothing(base):

@@ -9,9 +9,14 @@ proposal is accepted while it equals the token sampled before it; the first samp
 that differs (or the one after the last proposal) is appended too, so a step yields between 1
 and k + 1 tokens, and they are exactly the tokens decoding one at a time would give.
 
-Exactness needs the sampled token to be a function of the logits alone: requests that
-speculate are greedy, without penalties, logit biases, min_tokens, logprobs or a grammar
-(those decode as without speculation). Rejected positions' K/V is never read: the sequence
+Greedy requests get exactly the tokens of one-at-a-time decoding. A sampled request gets
+exactly its distribution: a draft from lookup is one token per position (a point mass), for
+which speculative sampling's rule (accept x with chance p(x), else draw from p without x)
+is the same as drawing y from p at that position and accepting x iff y == x, emitting y
+otherwise; every row draws its own noise, so the emitted tokens are distributed as sequential
+sampling (tests/test_speculative.py checks it by a chi-square test). Logprobs are each row's,
+the target model's at that position. Requests whose token depends on more than the position's
+logits and noise do not speculate (`speculates`). Rejected positions' K/V is never read: the sequence
 counts only verified positions as computed, the next step overwrites the rest, and the blocks
 past its tokens go back to the pool.
 """
@@ -32,11 +37,15 @@ if TYPE_CHECKING:
 
 
 def speculates(params: SamplingParams) -> bool:
-    """Whether a request with `params` uses speculative decoding when the engine has it on."""
+    """Whether a request with `params` uses speculative decoding when the engine has it on:
+    one whose token at each position depends only on that position's logits and its own
+    noise. Penalties and min_tokens depend on the tokens before, a grammar on its matcher's
+    state; a seeded request's stream of draws would depend on how many proposals each step
+    verified (its tokens would change with the batch)."""
     return (
-        params.speculate and params.n == 1 and params.beam_width == 1 and params.greedy
-        and not params.has_penalties and not params.logit_bias and params.min_tokens == 0
-        and params.logprobs is None and params.structured is None
+        params.speculate and params.n == 1 and params.beam_width == 1
+        and (params.greedy or params.seed is None)
+        and not params.has_penalties and params.min_tokens == 0 and params.structured is None
     )
 
 
