@@ -4,8 +4,8 @@ Workloads (greedy, `max_tokens` each, chat template of the default model):
 
   quote   edits of code given in the prompt ("rename f to g and print the whole code"): the
           answer repeats its input, the case prompt lookup is for
-  json    answers constrained by a JSON schema (structured outputs); requests with a grammar do
-          not speculate yet, so this row shows what speculation costs them (nothing, ideally)
+  json    answers constrained by a JSON schema (structured outputs): the grammar's forced tokens
+          (jump-forward) are proposed first, then lookup
   chat    free questions: lookup rarely matches; the draft-length rule must keep it from costing
 
 Systems, one engine each, on the same prompts: `engine` (no speculation) and `engine_ngram`

@@ -281,3 +281,25 @@ def test_config_is_checked_by_name():
         SpeculativeConfig.from_mapping({"k": 3})
     with pytest.raises(ValueError, match="speculative"):
         EngineConfig(speculative={"method": "ngram"})
+
+
+def test_grammar_forced_tokens_and_lookup_under_a_grammar_keep_the_same_tokens(base):
+    """Jump-forward: a grammar's forced tokens are proposed and verified with lookup's, each
+    row masked by the grammar's state after the proposals before it; proposals the grammar
+    refuses are cut. Outputs equal those of decoding without speculation."""
+    from streamengine.structured.params import JsonSchema, Regex
+
+    schema = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 12},
+                                               "tags": {"type": "array", "items": {"type": "string", "maxLength": 6},
+                                                        "maxItems": 3}},
+              "required": ["name", "tags"], "additionalProperties": False}
+    requests = {f"json{i}": (p, greedy(48, structured=JsonSchema(schema))) for i, p in enumerate(prompts()[:2])}
+    # the prompt's tokens, which lookup proposes, are never digits: the grammar cuts them
+    requests["digits"] = (prompts()[2], greedy(24, structured=Regex(r"[0-9]{4,30}")))
+    requests["sampled"] = (prompts()[3], SamplingParams(temperature=0.9, top_k=3, max_tokens=30,
+                                                        structured=JsonSchema(schema)))
+    plain, spec, core = both(base, {k: v for k, v in requests.items() if k != "sampled"})
+    assert_same_and_speculated(plain, spec, core)
+    _, spec_sampled, sampled_core = both(base, {"sampled": requests["sampled"]})
+    assert sampled_core.spec_stats.num_drafts > 0  # a sampled request under a grammar speculates too
+    assert spec_sampled["sampled"][1] in ("stop", "length")

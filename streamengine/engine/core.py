@@ -9,6 +9,7 @@ and the output processor turns each advanced request into its next output (`proc
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import logging
 import time
@@ -361,7 +362,11 @@ class EngineCore:
         step.num_logits += 1 + num_spec
         req, sample = owner
         if num_spec:
-            step.rows.extend([sample.row] * (1 + num_spec))
+            step.rows.append(sample.row)
+            if sample.matcher is not None:  # each proposal's row masked by the state it leads to
+                step.rows.extend(dataclasses.replace(sample.row, matcher=m) for m in sample.spec_matchers[:num_spec])
+            else:
+                step.rows.extend([sample.row] * num_spec)
             step.row_sources.extend(range(source, source + 1 + num_spec))
             return
         if sample is None:

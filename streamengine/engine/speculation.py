@@ -9,6 +9,12 @@ proposal is accepted while it equals the token sampled before it; the first samp
 that differs (or the one after the last proposal) is appended too, so a step yields between 1
 and k + 1 tokens, and they are exactly the tokens decoding one at a time would give.
 
+Under a grammar, the tokens it forces next are proposed first (jump-forward), then lookup goes
+on after them; each verified row is masked by the grammar's state after the proposals before
+it (a fork of the sample's matcher), so a forced token is accepted when the model's masked
+choice is that token (another tokenization of the same bytes is not), and the request keeps
+exactly the tokens it would have drawn.
+
 Greedy requests get exactly the tokens of one-at-a-time decoding. A sampled request gets
 exactly its distribution: a draft from lookup is one token per position (a point mass), for
 which speculative sampling's rule (accept x with chance p(x), else draw from p without x)
@@ -45,7 +51,7 @@ def speculates(params: SamplingParams) -> bool:
     return (
         params.speculate and params.n == 1 and params.beam_width == 1
         and (params.greedy or params.seed is None)
-        and not params.has_penalties and params.min_tokens == 0 and params.structured is None
+        and not params.has_penalties and params.min_tokens == 0
     )
 
 
@@ -64,7 +70,29 @@ def propose(core: EngineCore, config: SpeculativeConfig) -> None:
         k = min(config.num_speculative_tokens, room, left)
         if k > 0:
             k = sample.spec_gate.draft_length(k, threshold)
-        seq.spec_token_ids = propose_ngram(seq.token_ids, k, config.prompt_lookup_min, config.prompt_lookup_max) if k > 0 else []
+        seq.spec_token_ids = draft(sample, seq.token_ids, k, config) if k > 0 else []
+
+
+def draft(sample: Sample, token_ids: list[int], k: int, config: SpeculativeConfig) -> list[int]:
+    """Up to `k` proposed tokens: under a grammar, first the tokens it forces (jump-forward),
+    then lookup over the tokens with them; cut where the grammar refuses one (it could not be
+    accepted), with the matcher's state after each kept in `sample.spec_matchers`."""
+    matcher = sample.matcher
+    if matcher is None:
+        return propose_ngram(token_ids, k, config.prompt_lookup_min, config.prompt_lookup_max)
+    forced = matcher.forced_tokens()[:k]
+    proposed = forced
+    if len(forced) < k:
+        proposed = forced + propose_ngram(token_ids + forced, k - len(forced), config.prompt_lookup_min,
+                                          config.prompt_lookup_max)
+    states, state = [], matcher
+    for token in proposed:
+        state = state.fork()
+        if not state.try_accept(token):
+            break
+        states.append(state)
+    sample.spec_matchers = states
+    return proposed[:len(states)]
 
 
 def take_verified(core: EngineCore, req: Request, sample: Sample, item: ScheduledSeq,
@@ -73,7 +101,7 @@ def take_verified(core: EngineCore, req: Request, sample: Sample, item: Schedule
     then, while each proposal equals the token sampled before it, the token sampled at it."""
     seq, k = item.seq, item.num_spec_tokens
     proposed = seq.spec_token_ids[:k]
-    seq.spec_token_ids = []
+    seq.spec_token_ids, sample.spec_matchers = [], []
     accepted = 0
     while accepted < k and proposed[accepted] == draws[accepted][0]:
         accepted += 1

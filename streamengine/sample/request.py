@@ -36,6 +36,8 @@ class Sample:
     num_sent_chars: int = 0  # characters of text already in an output
     finish_sent: bool = False  # its finish reason is out: no further delta
     spec_gate: ProposalGate | None = None  # set when its request may speculate
+    # With a grammar: its matcher's state after each proposed token, for that row's mask.
+    spec_matchers: list[GrammarMatcher] = field(default_factory=list)
 
     @property
     def finished(self) -> bool:

@@ -55,6 +55,16 @@ class GrammarMatcher:
                 f"{_llg_error(self._ll)}"
             )
 
+    def forced_tokens(self) -> list[int]:
+        """The tokens the grammar forces next (llguidance's fast-forward tokens: the bytes only
+        one continuation allows, tokenized), [] when none is forced or the grammar is complete."""
+        return [] if self._ll.is_stopped() else list(self._ll.compute_ff_tokens())
+
+    def try_accept(self, token_id: int) -> bool:
+        """Advances past `token_id` if the grammar allows it; False (and no change) if not.
+        For checking a draft on a fork, never on a sample's own matcher."""
+        return self._ll.try_consume_tokens([token_id]) == 1
+
     def fork(self) -> GrammarMatcher:
         """An independent copy in the same state (a beam forked from this one)."""
         return GrammarMatcher(self._ll.deep_copy(), self.account)
