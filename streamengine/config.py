@@ -27,7 +27,7 @@ KV_CACHE_DTYPES = ("auto", *DTYPES)
 MODEL_IMPLS = ("auto", "native", "transformers")
 WEIGHT_FORMATS = ("auto", "dequantized", "packed", "int8")
 SCHEDULING_POLICIES = ("fair", "fcfs")
-SPECULATIVE_METHODS = ("ngram",)
+SPECULATIVE_METHODS = ("ngram", "suffix")
 
 
 @dataclass(frozen=True, slots=True)
@@ -38,18 +38,20 @@ class SpeculativeConfig:
 
     "ngram" (prompt lookup) proposes what followed the most recent earlier occurrence of the
     request's last n tokens (prompt and output), the longest n in [prompt_lookup_min,
-    prompt_lookup_max] that occurs."""
+    prompt_lookup_max] that occurs. "suffix" looks there first, then in the outputs of the
+    same tenant's (and user's) earlier requests, the last `suffix_history_tokens` of them."""
 
     method: str = "ngram"
     num_speculative_tokens: int = 4
     prompt_lookup_min: int = 2
     prompt_lookup_max: int = 4
+    suffix_history_tokens: int = 32768
 
     def __post_init__(self) -> None:
         if self.method not in SPECULATIVE_METHODS:
             raise ValueError(f"SpeculativeConfig.method must be one of {SPECULATIVE_METHODS}, got {self.method!r}")
         for name, low, high in (("num_speculative_tokens", 1, 16), ("prompt_lookup_min", 1, 64),
-                                ("prompt_lookup_max", 1, 64)):
+                                ("prompt_lookup_max", 1, 64), ("suffix_history_tokens", 1, 1 << 24)):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or not low <= value <= high:
                 raise ValueError(f"SpeculativeConfig.{name} must be an integer in [{low}, {high}], got {value!r}")

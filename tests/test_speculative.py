@@ -99,9 +99,11 @@ def test_greedy_outputs_identical_with_and_without_speculation(base, prefix_cach
     assert stats.accepted_per_pos[3] > 0  # whole drafts of 4 were accepted
 
 
-def test_identical_under_chunked_prefill_and_a_small_token_budget(base):
+@pytest.mark.parametrize("backend", ["auto", "torch"])
+def test_identical_under_chunked_prefill_and_a_small_token_budget(base, backend):
+    """Proposals are decode rows of their own: the C++ decode kernel's and PyTorch's alike."""
     requests = {f"r{i}": (p, greedy(25)) for i, p in enumerate(prompts())}
-    config = dict(base, max_num_batched_tokens=24, max_prefill_chunk=8)
+    config = dict(base, max_num_batched_tokens=24, max_prefill_chunk=8, attention_backend=backend)
     plain, spec, core = both(config, requests)
     assert_same_and_speculated(plain, spec, core)
 
@@ -303,3 +305,58 @@ def test_grammar_forced_tokens_and_lookup_under_a_grammar_keep_the_same_tokens(b
     _, spec_sampled, sampled_core = both(base, {"sampled": requests["sampled"]})
     assert sampled_core.spec_stats.num_drafts > 0  # a sampled request under a grammar speculates too
     assert spec_sampled["sampled"][1] in ("stop", "length")
+
+
+def test_output_history_keeps_outputs_per_tenant_and_user_and_drops_the_oldest():
+    from streamengine.spec.history import OutputHistory
+
+    history = OutputHistory(max_tokens=12, max_keys=2)
+    history.add(("a", None), [1, 2, 3, 4, 5, 6])
+    assert history.lookup(("a", None), [9, 2, 3], 3, 1, 2) == [4, 5, 6]  # stops at the output's end
+    assert history.lookup(("b", None), [9, 2, 3], 3, 1, 2) == []  # another tenant's: never
+    assert history.lookup(("a", "user-1"), [9, 2, 3], 3, 1, 2) == []  # another user's salt: never
+    history.add(("a", None), [7, 8, 9, 10])
+    history.add(("a", None), [11, 12, 13])  # 6 + 4 + 3 tokens > 12: the oldest output goes
+    assert history.lookup(("a", None), [2, 3], 3, 1, 2) == []
+    assert history.lookup(("a", None), [0, 8], 2, 1, 2) == [9, 10]
+    history.add(("c", None), [1])  # a second key, then a third: the least recently used ("a") goes
+    history.add(("d", None), [1])
+    assert history.lookup(("a", None), [0, 8], 2, 1, 2) == []
+
+
+@pytest.fixture(scope="module")
+def untied_llama_dir(tmp_path_factory, smollm_dir):
+    """The tiny Llama with its own LM head: its greedy text does not just repeat its last token."""
+    from conftest import _TINY, _save_tiny
+    from transformers import LlamaConfig
+
+    return _save_tiny(LlamaConfig(**dict(_TINY, tie_word_embeddings=False)), tmp_path_factory.mktemp("untied"),
+                      smollm_dir)
+
+
+def test_suffix_proposes_from_the_tenants_earlier_outputs_and_keeps_the_same_tokens(untied_llama_dir):
+    """A second request of the same tenant, whose own tokens hold no repeat, is proposed the
+    first one's output; another tenant's request is not. Outputs equal plain decoding."""
+    from streamengine.tenancy.tenants import TenantConfig
+
+    tenants = (TenantConfig("bot-a"), TenantConfig("bot-b"))
+    prompt = list(range(1000, 1030))  # no token repeats, nor does the model's answer
+    config = dict(model=str(untied_llama_dir), num_gpu_blocks=64, tenants=tenants)
+    spec = SpeculativeConfig(method="suffix", num_speculative_tokens=4, prompt_lookup_min=1, prompt_lookup_max=3)
+    outs = {}
+    for name, speculative in (("plain", None), ("spec", spec)):
+        core = EngineCore(EngineConfig(**config, speculative=speculative))
+        core.step_cost = FixedBar()
+        for rid, tenant in (("first", "bot-a"), ("second", "bot-a"), ("other", "bot-b")):
+            before = core.spec_stats.num_accepted_tokens
+            core.add_request(rid, prompt, greedy(12), tenant=tenant)
+            while core.has_work():
+                for out in core.step():
+                    if out.finished:
+                        outs[name, rid] = out.outputs[0].token_ids
+            outs[name, rid, "accepted"] = core.spec_stats.num_accepted_tokens - before
+        core.audit()
+    assert all(outs["spec", rid] == outs["plain", rid] for rid in ("first", "second", "other"))
+    assert outs["spec", "first", "accepted"] == 0  # nothing to look up in its own tokens
+    assert outs["spec", "second", "accepted"] >= 8  # the first one's answer, from bot-a's history
+    assert outs["spec", "other", "accepted"] == 0  # bot-b is never proposed bot-a's outputs

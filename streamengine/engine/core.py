@@ -103,6 +103,7 @@ class EngineCore:
         self._grammar_freed = False  # a request with a grammar ended since the last trim
         self.spec_stats = SpecStats()  # speculative decoding: drafts, proposed and accepted tokens
         self.step_cost = StepCost()  # what a step's rows cost, for how long drafts are
+        self.output_history = speculation.output_history(config.speculative)  # "suffix" only
 
     def _tenant_weight(self, tenant: str) -> float:
         """A tenant's weight; 1 for names no request used (a block shared by several)."""
@@ -307,6 +308,8 @@ class EngineCore:
 
     def _release(self, req: Request) -> None:
         self._grammar_freed |= req.params.structured is not None
+        if self.output_history is not None:
+            speculation.remember(self, req)
         for seq in req.seqs:
             if not seq.is_finished:
                 self.scheduler.remove(seq)

@@ -36,10 +36,18 @@ from streamengine.sample.request import Request, Sample
 from streamengine.sample.sampling_params import SamplingParams
 from streamengine.sched.plan import ScheduledSeq
 from streamengine.sequence import SequenceStatus
+from streamengine.spec.history import HistoryKey, OutputHistory
 from streamengine.spec.ngram import propose_ngram
 
 if TYPE_CHECKING:
     from streamengine.engine.core import EngineCore
+
+
+def output_history(config: SpeculativeConfig | None) -> OutputHistory | None:
+    """The tenants' earlier outputs, kept for the "suffix" method only."""
+    if config is None or config.method != "suffix":
+        return None
+    return OutputHistory(config.suffix_history_tokens)
 
 
 def speculates(params: SamplingParams) -> bool:
@@ -70,21 +78,20 @@ def propose(core: EngineCore, config: SpeculativeConfig) -> None:
         k = min(config.num_speculative_tokens, room, left)
         if k > 0:
             k = sample.spec_gate.draft_length(k, threshold)
-        seq.spec_token_ids = draft(sample, seq.token_ids, k, config) if k > 0 else []
+        seq.spec_token_ids = draft(core, sample, seq.token_ids, k, config) if k > 0 else []
 
 
-def draft(sample: Sample, token_ids: list[int], k: int, config: SpeculativeConfig) -> list[int]:
+def draft(core: EngineCore, sample: Sample, token_ids: list[int], k: int, config: SpeculativeConfig) -> list[int]:
     """Up to `k` proposed tokens: under a grammar, first the tokens it forces (jump-forward),
     then lookup over the tokens with them; cut where the grammar refuses one (it could not be
     accepted), with the matcher's state after each kept in `sample.spec_matchers`."""
     matcher = sample.matcher
     if matcher is None:
-        return propose_ngram(token_ids, k, config.prompt_lookup_min, config.prompt_lookup_max)
+        return lookup(core, sample, token_ids, k, config)
     forced = matcher.forced_tokens()[:k]
     proposed = forced
     if len(forced) < k:
-        proposed = forced + propose_ngram(token_ids + forced, k - len(forced), config.prompt_lookup_min,
-                                          config.prompt_lookup_max)
+        proposed = forced + lookup(core, sample, token_ids + forced, k - len(forced), config)
     states, state = [], matcher
     for token in proposed:
         state = state.fork()
@@ -93,6 +100,26 @@ def draft(sample: Sample, token_ids: list[int], k: int, config: SpeculativeConfi
         states.append(state)
     sample.spec_matchers = states
     return proposed[:len(states)]
+
+
+def lookup(core: EngineCore, sample: Sample, token_ids: list[int], k: int, config: SpeculativeConfig) -> list[int]:
+    """The request's own tokens first; with "suffix", then its tenant's earlier outputs."""
+    own = propose_ngram(token_ids, k, config.prompt_lookup_min, config.prompt_lookup_max)
+    if own or core.output_history is None:
+        return own
+    return core.output_history.lookup(history_key(sample), token_ids, k, config.prompt_lookup_min,
+                                      config.prompt_lookup_max)
+
+
+def history_key(sample: Sample) -> HistoryKey:
+    return sample.seq.tenant, sample.seq.cache_salt
+
+
+def remember(core: EngineCore, req: Request) -> None:
+    """Keeps a finished request's outputs for the "suffix" method's lookups."""
+    for sample in req.samples:
+        if sample.spec_gate is not None and sample.finish_reason in ("stop", "length"):
+            core.output_history.add(history_key(sample), sample.token_ids)
 
 
 def take_verified(core: EngineCore, req: Request, sample: Sample, item: ScheduledSeq,
