@@ -7,7 +7,7 @@ large pool (the reference engine: no prefix caching, one request at a time, unch
 whole batch runs at once on a tiny pool under a random configuration: preemption by recompute,
 swap or auto (with a host pool sometimes too small, so swap falls back), prefix caching on or
 off, "fcfs" or "fair" with weighted tenants, small `max_prefill_chunk`, `max_num_batched_tokens`
-and `max_num_seqs`. Greedy and seeded outputs (seeded samples draw from their own generators, so
+and `max_num_seqs`, speculative decoding ("ngram" or "suffix") in half of them. Greedy and seeded outputs (seeded samples draw from their own generators, so
 they do not depend on the batch) must be identical token for token, text for text, with the same
 finish and stop reasons; an aborted request's tokens must be a prefix of its reference output.
 After every scenario the engine must be idle with every device and host block free, and
@@ -24,6 +24,7 @@ STREAMENGINE_LONG_DIFFERENTIAL=1.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import os
 import random
 from dataclasses import dataclass
@@ -31,6 +32,7 @@ from dataclasses import dataclass
 import pytest
 
 from streamengine import AsyncEngine, EngineConfig, SamplingParams
+from streamengine.config import SpeculativeConfig
 from streamengine.kv.spec import kv_bytes_per_block
 from streamengine.tenancy.tenants import TenantConfig
 
@@ -153,6 +155,14 @@ def make_config(rng: random.Random, folder, swap_block_bytes: int) -> EngineConf
     )
 
 
+def speculation_for(rng: random.Random) -> SpeculativeConfig | None:
+    """No speculation in half the scenarios; else lookup ("ngram" or "suffix") of 1 to 4 tokens."""
+    if rng.random() < 0.5:
+        return None
+    return SpeculativeConfig(method=rng.choice(["ngram", "suffix"]), num_speculative_tokens=rng.choice([1, 2, 4]),
+                             prompt_lookup_min=1, prompt_lookup_max=rng.choice([1, 3]))
+
+
 # ---- running ----------------------------------------------------------------------------------
 
 
@@ -256,7 +266,7 @@ async def run_scenarios(folder, seeds: list[int]) -> dict[str, int]:
 
     block_bytes = kv_bytes_per_block(AutoConfig.from_pretrained(folder), BLOCK, torch.float32)
     cache: dict = {}
-    totals = {"scenarios": 0, "requests": 0, "preemptions": 0, "swap_outs": 0, "prefix_hits": 0}
+    totals = {"scenarios": 0, "requests": 0, "preemptions": 0, "swap_outs": 0, "prefix_hits": 0, "spec_accepted": 0}
     ref_cfg = EngineConfig(
         model=str(folder), max_model_len=MODEL_LEN, num_gpu_blocks=REF_BLOCKS, tenants=TENANTS,
         enable_prefix_caching=False, scheduling_policy="fcfs", max_prefill_chunk=None,
@@ -266,10 +276,12 @@ async def run_scenarios(folder, seeds: list[int]) -> dict[str, int]:
             rng = random.Random(seed)
             cfg = make_config(rng, folder, block_bytes)
             reqs = make_requests(rng, seed)
+            # Speculation from a generator of its own: the scenarios above stay those they were.
+            cfg = dataclasses.replace(cfg, speculative=speculation_for(random.Random(seed + 1_000_003)))
             await reference(ref_engine, reqs, cache)
             where = f"scenario {seed} ({cfg.preemption_mode}, caching={cfg.enable_prefix_caching}, " \
                     f"{cfg.scheduling_policy}, blocks={cfg.num_gpu_blocks}, chunk={cfg.max_prefill_chunk}, " \
-                    f"batched={cfg.max_num_batched_tokens}, seqs={cfg.max_num_seqs})"
+                    f"batched={cfg.max_num_batched_tokens}, seqs={cfg.max_num_seqs}, speculative={cfg.speculative})"
             async with AsyncEngine(cfg) as engine:
                 got = await run_batch(engine, reqs)
                 for req in reqs:
@@ -288,6 +300,7 @@ async def run_scenarios(folder, seeds: list[int]) -> dict[str, int]:
             totals["preemptions"] += s["num_preemptions"]
             totals["swap_outs"] += s["num_swap_outs"]
             totals["prefix_hits"] += s["prefix_cache_hits"]
+            totals["spec_accepted"] += s["spec_decode_num_accepted_tokens"]
     return totals
 
 
@@ -296,6 +309,7 @@ async def test_memory_pressure_never_changes_outputs(tiny_llama_dir):
     print("differential totals:", totals)
     # The scenarios must actually exercise what they claim to.
     assert totals["preemptions"] > 0 and totals["swap_outs"] > 0 and totals["prefix_hits"] > 0
+    assert totals["spec_accepted"] > 0
 
 
 @pytest.mark.slow
