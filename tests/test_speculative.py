@@ -360,3 +360,20 @@ def test_suffix_proposes_from_the_tenants_earlier_outputs_and_keeps_the_same_tok
     assert outs["spec", "first", "accepted"] == 0  # nothing to look up in its own tokens
     assert outs["spec", "second", "accepted"] >= 8  # the first one's answer, from bot-a's history
     assert outs["spec", "other", "accepted"] == 0  # bot-b is never proposed bot-a's outputs
+
+
+def test_prometheus_exposes_the_counters_under_vllms_spec_decode_names():
+    from prometheus_client import generate_latest
+    from prometheus_client.core import CollectorRegistry
+
+    from streamengine.server.metrics import _EngineStatsCollector
+
+    stats = {"spec_decode_num_drafts": 5, "spec_decode_num_draft_tokens": 14, "spec_decode_num_accepted_tokens": 9,
+             "spec_decode_num_accepted_tokens_per_pos": [5, 3, 1]}
+    registry = CollectorRegistry()
+    registry.register(_EngineStatsCollector(lambda: stats))
+    text = generate_latest(registry).decode()
+    for line in ("streamengine:spec_decode_num_drafts_total 5.0", "streamengine:spec_decode_num_draft_tokens_total 14.0",
+                 "streamengine:spec_decode_num_accepted_tokens_total 9.0",
+                 'streamengine:spec_decode_num_accepted_tokens_per_pos_total{position="2"} 1.0'):
+        assert line in text, line
