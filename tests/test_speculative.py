@@ -16,7 +16,7 @@ from streamengine.config import EngineConfig, SpeculativeConfig
 from streamengine.engine.core import EngineCore
 from streamengine.engine.speculation import speculates
 from streamengine.sample.sampling_params import SamplingParams
-from streamengine.spec.acceptance import ProposalGate, StepCost
+from streamengine.spec.acceptance import PROBE_CEILING, ProposalGate, StepCost
 from streamengine.spec.ngram import propose_ngram
 
 NGRAM = SpeculativeConfig(method="ngram", num_speculative_tokens=4, prompt_lookup_min=1, prompt_lookup_max=3)
@@ -256,6 +256,9 @@ def test_a_gate_that_does_not_pay_probes_with_one_token_then_waits_longer_each_t
         gate.record(4, 0)
     lengths = [gate.draft_length(4, threshold=0.5) for _ in range(17)]
     assert lengths == [1, 0, 0, 1, 0, 0, 0, 0, 1, 0, 0, 0, 0, 0, 0, 0, 0]  # a probe, then waits of 2, 4, 8 steps
+    # a bar above what accepted probes could ever build: no probes at all
+    assert PROBE_CEILING < 0.96
+    assert [ProposalGate().draft_length(4, threshold=0.96) for _ in range(5)] == [0] * 5
 
 
 def test_step_cost_fits_fixed_and_per_row_time_and_sets_the_bar_by_batch_size():

@@ -15,7 +15,8 @@ that a draft goes on being accepted at the next position (decayed counts of acce
 and of first rejections, as a geometric model: position j is reached with chance c**j) and
 proposes the longest draft whose last position clears the threshold. A request whose drafts
 do not pay proposes one token now and then (after a cool-down that doubles each time) to
-notice when its text starts repeating its input.
+notice when its text starts repeating its input, unless the bar is higher than such probes
+could ever show it clears (large batches).
 """
 
 from __future__ import annotations
@@ -26,6 +27,9 @@ PRIOR_ACCEPTED = 0.6  # a new request's drafts are assumed to go on with chance 
 PRIOR_REJECTED = 0.4  # an assumption its first drafts soon outweigh
 DECAY = 0.85  # weight of a request's older drafts, per draft: the estimate follows its text
 MAX_COOLDOWN = 64  # steps
+# The highest continuation estimate one-token probes can build (every probe accepted, the
+# decayed count at its limit): where the bar is above it, probing could never turn into drafts.
+PROBE_CEILING = (1 / (1 - DECAY) + PRIOR_ACCEPTED) / (1 / (1 - DECAY) + PRIOR_ACCEPTED + PRIOR_REJECTED)
 FIXED_PER_ROW = 2.7  # fixed / per-row cost before the engine has measured its own steps
 
 
@@ -54,6 +58,8 @@ class ProposalGate:
         if length:
             self.next_cooldown = 2
             return length
+        if threshold >= PROBE_CEILING:  # a bar no probe could show this request clears
+            return 0
         self.cooldown = self.next_cooldown  # not worth it now: probe with one token, then wait
         self.next_cooldown = min(2 * self.next_cooldown, MAX_COOLDOWN)
         return 1
