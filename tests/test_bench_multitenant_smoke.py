@@ -12,7 +12,7 @@ GOALS = ("quiet_ttft_p99_ratio", "hit_rate_gain_points", "throughput_ratio", "ja
 
 def test_multitenant_quick_on_tiny_model(tiny_llama_dir, tmp_path):
     report = run_bench("multitenant.py", [
-        "--model", str(tiny_llama_dir), "--threads", "1", "--duration", "6", "--rate", "2",
+        "--model", str(tiny_llama_dir), "--threads", "1", "--duration", "4", "--rate", "2",
         "--scale", "0.1", "--window", "1", "--sample-period", "0.1", "--backlogged-s", "3",
         "--backlogged-window", "1",
     ], tmp_path / "multitenant.json")

@@ -1,5 +1,6 @@
 """The engine's greedy output with the Triton backend (interpreted on CPU) equals the torch
-backend's. Runs in a subprocess: TRITON_INTERPRET must be set before triton is imported."""
+backend's, with speculative decoding too. Runs in a subprocess: TRITON_INTERPRET must be set
+before triton is imported."""
 
 from __future__ import annotations
 
@@ -15,10 +16,11 @@ from streamengine import AsyncEngine, EngineConfig
 SCRIPT = r"""
 import asyncio, json, sys
 from streamengine import AsyncEngine, EngineConfig, SamplingParams
+from streamengine.config import SpeculativeConfig
 
-async def run(backend):
+async def run(backend, speculative=None):
     cfg = EngineConfig(model=sys.argv[1], attention_backend=backend, num_gpu_blocks=24,
-                       max_num_batched_tokens=24)
+                       max_num_batched_tokens=24, speculative=speculative)
     p = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
     async with AsyncEngine(cfg) as eng:
         async def one(prompt):
@@ -30,9 +32,15 @@ async def run(backend):
         prefix = list(range(100, 132))
         first = await one(prefix + [7, 8, 9])
         rest = await asyncio.gather(one(prefix + [10, 11]), one([5, 6, 7]))
+        if speculative is not None:
+            rest.append(eng.stats()["spec_decode_num_accepted_tokens"])
         return [first, *rest]
 
-print(json.dumps({b: asyncio.run(run(b)) for b in ("torch", "triton")}))
+# Speculation's proposal rows are decode rows over the same blocks: the Triton kernels too.
+spec = SpeculativeConfig(num_speculative_tokens=3, prompt_lookup_min=1, prompt_lookup_max=2)
+out = {b: asyncio.run(run(b)) for b in ("torch", "triton")}
+out["triton_speculative"] = asyncio.run(run("triton", spec))
+print(json.dumps(out))
 """
 
 
@@ -46,6 +54,8 @@ def test_triton_backend_matches_torch_backend(tiny_llama_dir):
     assert proc.returncode == 0, proc.stderr[-3000:]
     result = json.loads(proc.stdout.strip().splitlines()[-1])
     assert result["triton"] == result["torch"]
+    *tokens, accepted = result["triton_speculative"]
+    assert tokens == result["torch"] and accepted > 0
 
 
 def test_triton_backend_refused_on_cpu_without_interpreter(tiny_llama_dir, monkeypatch):
