@@ -220,3 +220,13 @@ def test_merged_stats_sum_counters_and_average_usage():
     assert merged["num_running"] == 4 and merged["num_replicas"] == 2 and merged["block_size"] == 16
     assert merged["kv_cache_usage"] == pytest.approx(0.3)
     assert merged["tenants"]["a"] == {"weight": 2.0, "prompt_tokens": 15}
+
+
+def test_merged_spec_decode_counters_sum_by_position_and_recompute_the_mean():
+    one = {"spec_decode_num_drafts": 2, "spec_decode_num_accepted_tokens": 3, "spec_decode_mean_accepted_length": 2.5,
+           "spec_decode_num_accepted_tokens_per_pos": [2, 1]}
+    two = {"spec_decode_num_drafts": 2, "spec_decode_num_accepted_tokens": 1, "spec_decode_mean_accepted_length": 1.5,
+           "spec_decode_num_accepted_tokens_per_pos": [1]}
+    merged = merge_stats([one, two])
+    assert merged["spec_decode_num_accepted_tokens_per_pos"] == [3, 1]
+    assert merged["spec_decode_mean_accepted_length"] == 2.0  # 1 + 4 accepted / 4 drafts, not 2.5 + 1.5

@@ -219,6 +219,7 @@ def test_sampled_tokens_keep_their_distribution_under_speculation(tiny_llama_dir
 
 def test_opted_out_requests_propose_nothing(base):
     core = EngineCore(EngineConfig(**base, speculative=NGRAM))
+    core.step_cost = FixedBar()  # every draft as long as lookup gives: only the opt-out stops them
     run(core, {"r": (prompts()[0], greedy(30, speculate=False))})
     assert core.spec_stats.num_drafts == 0
 

@@ -73,6 +73,7 @@ def propose(core: EngineCore, config: SpeculativeConfig) -> None:
         if sample is None or sample.spec_gate is None or seq.num_computed_tokens != seq.num_tokens - 1:
             seq.spec_token_ids = []
             continue
+        sample.spec_matchers = []  # a previous draft's grammar states, if it was not verified
         room = core.max_model_len - seq.num_tokens  # proposals past the context could not be kept
         left = owner[0].max_tokens - len(sample.token_ids) - 1  # the step's own token comes first
         k = min(config.num_speculative_tokens, room, left)

@@ -33,6 +33,10 @@ from __future__ import annotations
 
 import hashlib
 import struct
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from streamengine.sequence import Sequence
 
 
 def hash_block(parent: bytes | None, token_ids: list[int], extra: str | None) -> bytes:
@@ -70,6 +74,11 @@ def extend_hashes(
         salt = segment_salt(salt_segments, cache_salt, (i + 1) * bs - 1)
         hashes.append(hash_block(parent, token_ids[i * bs:(i + 1) * bs], salt))
     return hashes
+
+
+def sequence_hashes(seq: Sequence, block_size: int) -> list[bytes]:
+    """Extends `seq.block_hashes` to cover every full block of its known tokens; returns it."""
+    return extend_hashes(seq.block_hashes, seq.token_ids, block_size, seq.salt_segments, seq.cache_salt)
 
 
 def segment_salt(

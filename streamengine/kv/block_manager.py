@@ -15,7 +15,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from streamengine.kv.block_hash import extend_hashes
+from streamengine.kv.block_hash import sequence_hashes
 from streamengine.kv.block_pool import BlockPool, drop, hold
 from streamengine.kv.free_blocks import KVBlock
 from streamengine.kv.retention import BlockRetention
@@ -66,7 +66,7 @@ class BlockManager(KVSwapMixin):
 
     def compute_block_hashes(self, seq: Sequence) -> list[bytes]:
         """Extends `seq.block_hashes` to cover every full block of its known tokens."""
-        return extend_hashes(seq.block_hashes, seq.token_ids, self.block_size, seq.salt_segments, seq.cache_salt)
+        return sequence_hashes(seq, self.block_size)
 
     def find_cached_blocks(self, seq: Sequence) -> list[KVBlock]:
         """Longest run of leading full blocks already in the cache.

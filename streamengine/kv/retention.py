@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from collections import Counter
 
-from streamengine.kv.block_hash import extend_hashes
+from streamengine.kv.block_hash import sequence_hashes
 from streamengine.kv.block_pool import BlockPool, owner_of
 from streamengine.kv.free_blocks import SHARED_OWNER, KVBlock
 from streamengine.sequence import Sequence
@@ -117,8 +117,7 @@ class BlockRetention:
         if not self.enable_prefix_caching or seq.seq_id in self._wants:
             return
         size, wanted = self.pool.block_size, self.pool.wanted
-        hashes = extend_hashes(seq.block_hashes, seq.token_ids, size, seq.salt_segments, seq.cache_salt)
-        hashes = hashes[: (seq.num_tokens - 1) // size]
+        hashes = sequence_hashes(seq, size)[: (seq.num_tokens - 1) // size]
         own = hashes if first else [block_hash for block_hash in hashes if block_hash not in wanted]
         self._wants[seq.seq_id] = hashes
         wanted.update(hashes)

@@ -201,12 +201,13 @@ def pack_batch(plan: SchedulerOutput, block_size: int) -> PackedBatch:
         batch.slot_mapping.extend(table[p // block_size] * block_size + p % block_size for p in range(start, start + n))
         # Each proposed token is a row of its own over the same blocks, its context ending
         # at itself: causal among the proposals, and a decode row for the attention kernels.
-        end = start + n - k
-        for query_len in (n - k, *[1] * k):
-            batch.query_lens.append(query_len)
+        batch.query_lens.append(n - k)
+        batch.seq_lens.append(start + n - k)
+        batch.block_tables.append(table)
+        for end in range(start + n - k + 1, start + n + 1):
+            batch.query_lens.append(1)
             batch.seq_lens.append(end)
             batch.block_tables.append(table)
-            end += 1
         if item.samples:  # the last known token's row, then each proposed token's
             last = len(batch.token_ids) - 1
             batch.logits_indices.extend(range(last - k, last + 1))

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import itertools
 import logging
 import uuid
 from collections.abc import AsyncIterator
@@ -281,7 +282,7 @@ def merge_stats(stats: list[dict[str, Any]]) -> dict[str, Any]:
 
 
 def _summed_lists(a: list[int], b: list[int]) -> list[int]:
-    return [x + y for x, y in zip(a + [0] * (len(b) - len(a)), b + [0] * (len(a) - len(b)), strict=True)]
+    return [x + y for x, y in itertools.zip_longest(a, b, fillvalue=0)]
 
 
 def _summed(into: dict[str, Any], row: dict[str, Any]) -> dict[str, Any]:

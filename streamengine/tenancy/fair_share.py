@@ -174,21 +174,20 @@ class FairShare:
         self._charged[seq] = max(upto, end)
         # Positions past the prompt feed back tokens that were charged when generated.
         prompt = max(0, min(end, seq.num_prompt_tokens) - max(start, upto))
-        generated = 1 if samples else 0
-        usage = self.usage_of(seq.tenant)
-        usage.prompt_tokens += prompt
-        usage.output_tokens += generated
-        cost = prompt * self.prompt_token_weight + generated * self.output_token_weight
-        usage.virtual_time += cost / self.tenants.get(seq.tenant).weight
+        self._count(seq.tenant, prompt, 1 if samples else 0)
 
     def charge_accepted(self, seq: Sequence, num_tokens: int) -> None:
         """Counts `num_tokens` accepted proposed tokens of `seq` (speculative decoding) as
         output tokens, as if each had been sampled in a step of its own."""
-        if seq not in self._charged:
-            return
-        usage = self.usage_of(seq.tenant)
-        usage.output_tokens += num_tokens
-        usage.virtual_time += num_tokens * self.output_token_weight / self.tenants.get(seq.tenant).weight
+        if seq in self._charged:
+            self._count(seq.tenant, 0, num_tokens)
+
+    def _count(self, tenant: str, prompt: int, generated: int) -> None:
+        usage = self.usage_of(tenant)
+        usage.prompt_tokens += prompt
+        usage.output_tokens += generated
+        cost = prompt * self.prompt_token_weight + generated * self.output_token_weight
+        usage.virtual_time += cost / self.tenants.get(tenant).weight
 
     def count_admission(self, seq: Sequence, num_hit_tokens: int) -> None:
         usage = self.usage_of(seq.tenant)
