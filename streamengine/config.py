@@ -27,7 +27,7 @@ KV_CACHE_DTYPES = ("auto", *DTYPES)
 MODEL_IMPLS = ("auto", "native", "transformers")
 WEIGHT_FORMATS = ("auto", "dequantized", "packed", "int8")
 SCHEDULING_POLICIES = ("fair", "fcfs")
-SPECULATIVE_METHODS = ("ngram", "suffix")
+SPECULATIVE_METHODS = ("ngram", "suffix", "draft")
 
 
 @dataclass(frozen=True, slots=True)
@@ -39,13 +39,19 @@ class SpeculativeConfig:
     "ngram" (prompt lookup) proposes what followed the most recent earlier occurrence of the
     request's last n tokens (prompt and output), the longest n in [prompt_lookup_min,
     prompt_lookup_max] that occurs. "suffix" looks there first, then in the outputs of the
-    same tenant's (and user's) earlier requests, the last `suffix_history_tokens` of them."""
+    same tenant's (and user's) earlier requests, the last `suffix_history_tokens` of them.
+    "draft" runs `model`, a smaller model with the same tokenizer, ahead of the target: its
+    greedy choices are the proposals, its KV lives in the target's blocks.
+
+    Under a grammar, whatever the method, the tokens the grammar forces come first; then
+    lookup ("ngram", "suffix"; and "draft", whose model does not see the grammar)."""
 
     method: str = "ngram"
     num_speculative_tokens: int = 4
     prompt_lookup_min: int = 2
     prompt_lookup_max: int = 4
     suffix_history_tokens: int = 32768
+    model: str | None = None  # "draft": its model, an HF folder or .gguf file
 
     def __post_init__(self) -> None:
         if self.method not in SPECULATIVE_METHODS:
@@ -55,6 +61,9 @@ class SpeculativeConfig:
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or not low <= value <= high:
                 raise ValueError(f"SpeculativeConfig.{name} must be an integer in [{low}, {high}], got {value!r}")
+        if (self.method == "draft") != (self.model is not None):
+            raise ValueError("SpeculativeConfig.model names the draft model of method='draft', and only of it "
+                             f"(method={self.method!r}, model={self.model!r})")
         if self.prompt_lookup_min > self.prompt_lookup_max:
             raise ValueError(f"SpeculativeConfig.prompt_lookup_min ({self.prompt_lookup_min}) must be <= "
                              f"prompt_lookup_max ({self.prompt_lookup_max})")

@@ -5,6 +5,8 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
+DRAFT_SLOT = -1
+"""A proposed token the draft model has yet to choose (models/draft.py)."""
 
 class SequenceStatus(enum.Enum):
     WAITING = "waiting"
@@ -50,7 +52,8 @@ class Sequence:
     # sequence reads no prefix-cache hits (it still caches its own blocks).
     prompt_logprobs: int | None = None
     # Speculative decoding: tokens proposed to follow `token_ids`, for the next step to verify
-    # (the scheduler verifies those the budget and the pool hold room for).
+    # (the scheduler verifies those the budget and the pool hold room for); DRAFT_SLOT where
+    # the draft model fills them in, once the step has their slots.
     spec_token_ids: list[int] = field(default_factory=list)
 
     def __post_init__(self) -> None:

@@ -62,6 +62,15 @@ def tiny_llama_dir(tmp_path_factory, smollm_dir) -> Path:
 
 
 @pytest.fixture(scope="session")
+def untied_llama_dir(tmp_path_factory, smollm_dir) -> Path:
+    """The tiny Llama with its own LM head: its greedy text does not just repeat its last token."""
+    from transformers import LlamaConfig
+
+    return _save_tiny(LlamaConfig(**dict(_TINY, tie_word_embeddings=False)), tmp_path_factory.mktemp("untied"),
+                      smollm_dir)
+
+
+@pytest.fixture(scope="session")
 def tiny_qwen2_dir(tmp_path_factory, smollm_dir) -> Path:
     """A 2-layer random Qwen2 (q/k/v biases, GQA 6:2, head_dim 16) with SmolLM2's tokenizer."""
     from transformers import Qwen2Config

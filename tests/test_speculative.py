@@ -328,16 +328,6 @@ def test_output_history_keeps_outputs_per_tenant_and_user_and_drops_the_oldest()
     assert history.lookup(("a", None), [0, 8], 2, 1, 2) == []
 
 
-@pytest.fixture(scope="module")
-def untied_llama_dir(tmp_path_factory, smollm_dir):
-    """The tiny Llama with its own LM head: its greedy text does not just repeat its last token."""
-    from conftest import _TINY, _save_tiny
-    from transformers import LlamaConfig
-
-    return _save_tiny(LlamaConfig(**dict(_TINY, tie_word_embeddings=False)), tmp_path_factory.mktemp("untied"),
-                      smollm_dir)
-
-
 def test_suffix_proposes_from_the_tenants_earlier_outputs_and_keeps_the_same_tokens(untied_llama_dir):
     """A second request of the same tenant, whose own tokens hold no repeat, is proposed the
     first one's output; another tenant's request is not. Outputs equal plain decoding."""

@@ -75,8 +75,10 @@ class EngineCore:
             torch.set_num_threads(config.num_threads)
         self.loaded = loaded or load_model(config.model, config.dtype, str(self.device), config.cache_dir)
         self.tokenizer = self.loaded.tokenizer
-        self.kv_spec = plan_kv_cache(config, self.loaded.model.config)
-        self.runner = ModelRunner(self.loaded, config, self.device, self.kv_spec)
+        draft = core_setup.load_draft(config, self.loaded, self.device)
+        self.kv_spec = plan_kv_cache(config, self.loaded.model.config, draft.model.config if draft else None)
+        self.runner = ModelRunner(self.loaded, config, self.device, self.kv_spec, core_setup.draft_model(
+            config, draft, self.device, self.kv_spec, self.loaded.model.config.vocab_size))
         self.tenants = Tenants(config.tenants)
         self.block_manager, self.scheduler = core_setup.fresh_bookkeeping(self)
         self.max_model_len = core_setup.max_model_len(self)

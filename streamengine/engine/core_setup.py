@@ -1,6 +1,6 @@
 """Core setup: what EngineCore derives from its config and model when it starts.
 
-The device, the end-of-sequence ids, the longest sequence the pool and model allow, the
+The device, the draft model of speculative decoding, the end-of-sequence ids, the longest sequence the pool and model allow, the
 preemption costs, and the empty block manager and scheduler it starts with (and restarts
 with after a fault). Functions over the `EngineCore` or its parts.
 """
@@ -11,12 +11,31 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from streamengine.config import EngineConfig
 from streamengine.kv.block_manager import BlockManager
+from streamengine.kv.spec import KVCacheSpec
 from streamengine.models import LoadedModel
+from streamengine.models.draft import DraftModel, check_draft
+from streamengine.models.loader import load_model
 from streamengine.sched.scheduler import PreemptionPolicy, Scheduler
 
 if TYPE_CHECKING:
     from streamengine.engine.core import EngineCore
+
+
+def load_draft(config: EngineConfig, target: LoadedModel, device: torch.device) -> LoadedModel | None:
+    """Speculative decoding's draft model (method "draft"), checked against the target."""
+    spec = config.speculative
+    if spec is None or spec.method != "draft":
+        return None
+    draft = load_model(spec.model, config.dtype, str(device), config.cache_dir)
+    check_draft(draft, target)
+    return draft
+
+
+def draft_model(config: EngineConfig, draft: LoadedModel | None, device: torch.device, kv: KVCacheSpec,
+                vocab_size: int) -> DraftModel | None:
+    return DraftModel(draft, config, device, kv, vocab_size) if draft is not None else None
 
 
 def pick_device(name: str) -> torch.device:

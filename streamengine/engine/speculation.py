@@ -35,7 +35,7 @@ from streamengine.config import SpeculativeConfig
 from streamengine.sample.request import Request, Sample
 from streamengine.sample.sampling_params import SamplingParams
 from streamengine.sched.plan import ScheduledSeq
-from streamengine.sequence import SequenceStatus
+from streamengine.sequence import DRAFT_SLOT, SequenceStatus
 from streamengine.spec.history import HistoryKey, OutputHistory
 from streamengine.spec.ngram import propose_ngram
 
@@ -85,9 +85,12 @@ def propose(core: EngineCore, config: SpeculativeConfig) -> None:
 def draft(core: EngineCore, sample: Sample, token_ids: list[int], k: int, config: SpeculativeConfig) -> list[int]:
     """Up to `k` proposed tokens: under a grammar, first the tokens it forces (jump-forward),
     then lookup over the tokens with them; cut where the grammar refuses one (it could not be
-    accepted), with the matcher's state after each kept in `sample.spec_matchers`."""
+    accepted), with the matcher's state after each kept in `sample.spec_matchers`. Without a
+    grammar, "draft" leaves k slots for the draft model (models/draft.py)."""
     matcher = sample.matcher
     if matcher is None:
+        if config.method == "draft":
+            return [DRAFT_SLOT] * k  # the draft model fills them once the step has their slots
         return lookup(core, sample, token_ids, k, config)
     forced = matcher.forced_tokens()[:k]
     proposed = forced

@@ -35,17 +35,25 @@ class AttentionShape:
 class KVCacheSpec:
     """The paged KV cache of one engine: per layer, a K and a V tensor of
     [num_blocks, block_size, num_kv_heads, head_dim] on the device, and as many host blocks
-    (`num_cpu_blocks`) for swapping."""
+    (`num_cpu_blocks`) for swapping. With a draft model (speculative decoding), a block holds
+    the draft's K and V of its tokens too, in tensors of the draft's shape (`draft`)."""
 
     shape: AttentionShape
     block_size: int
     dtype: torch.dtype
     num_blocks: int
     num_cpu_blocks: int
+    draft_shape: AttentionShape | None = None
 
     @property
     def bytes_per_block(self) -> int:
-        return _block_bytes(self.shape, self.block_size, self.dtype)
+        draft = _block_bytes(self.draft_shape, self.block_size, self.dtype) if self.draft_shape else 0
+        return _block_bytes(self.shape, self.block_size, self.dtype) + draft
+
+    def draft(self) -> KVCacheSpec:
+        """The draft model's part of the same blocks."""
+        assert self.draft_shape is not None
+        return KVCacheSpec(self.draft_shape, self.block_size, self.dtype, self.num_blocks, self.num_cpu_blocks)
 
     @property
     def block_shape(self) -> tuple[int, int, int]:
@@ -69,12 +77,14 @@ def kv_cache_dtype(config: EngineConfig) -> torch.dtype:
     return getattr(torch, name)
 
 
-def plan_kv_cache(config: EngineConfig, model_config) -> KVCacheSpec:
+def plan_kv_cache(config: EngineConfig, model_config, draft_config=None) -> KVCacheSpec:
     """Device blocks from `num_gpu_blocks`, else from `kv_cache_bytes` (default
-    DEFAULT_KV_CACHE_BYTES); host blocks from `swap_space_bytes`."""
+    DEFAULT_KV_CACHE_BYTES); host blocks from `swap_space_bytes`. A draft model's K and V
+    (`draft_config`) share the blocks, and their bytes."""
     shape = AttentionShape.of(model_config)
+    draft_shape = AttentionShape.of(draft_config) if draft_config is not None else None
     dtype = kv_cache_dtype(config)
-    per_block = _block_bytes(shape, config.block_size, dtype)
+    per_block = KVCacheSpec(shape, config.block_size, dtype, 0, 0, draft_shape).bytes_per_block
     if config.num_gpu_blocks is not None:
         num_blocks = config.num_gpu_blocks
     else:
@@ -85,4 +95,4 @@ def plan_kv_cache(config: EngineConfig, model_config) -> KVCacheSpec:
                 f"EngineConfig.kv_cache_bytes={budget} cannot hold a single block of this model "
                 f"({per_block} bytes)"
             )
-    return KVCacheSpec(shape, config.block_size, dtype, num_blocks, config.swap_space_bytes // per_block)
+    return KVCacheSpec(shape, config.block_size, dtype, num_blocks, config.swap_space_bytes // per_block, draft_shape)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -32,6 +33,9 @@ from streamengine.sample.sampler import Sampler, SamplerOutput, SamplingRow
 from streamengine.sched.plan import SchedulerOutput
 from streamengine.structured.grammar import GrammarMatcher
 from streamengine.structured.mask import TokenMasker
+
+if TYPE_CHECKING:
+    from streamengine.models.draft import DraftModel
 
 log = logging.getLogger(__name__)
 
@@ -252,7 +256,11 @@ def attention_metadata(batch: PackedBatch, kv_caches: KVCaches, device: torch.de
     )
 
 
-class ModelRunner:
+class PagedModel:
+    """A model over its own paged KV tensors: packed forward passes and their logits. The
+    target model's runner is one; a draft model (speculative decoding) is another, its tensors
+    indexed by the same block ids."""
+
     def __init__(self, loaded: LoadedModel, config: EngineConfig, device: torch.device, kv: KVCacheSpec) -> None:
         self.model = loaded.model
         self.device = device
@@ -261,20 +269,45 @@ class ModelRunner:
         pin = device.type == "cuda"
         self.kv_caches = allocate_kv_caches(kv, kv.num_blocks, device)
         self.cpu_caches = allocate_kv_caches(kv, kv.num_cpu_blocks, "cpu", pin) if kv.num_cpu_blocks else []
-        # Swaps run on their own stream on CUDA; the forward waits on an event, so blocks
-        # swapped out are not overwritten before their copy has landed.
-        self.swap_stream = torch.cuda.Stream(device) if pin else None
         self.backend = select_backend(
             config.attention_backend, device, self.model.config, kv.block_size, getattr(torch, config.dtype), kv.dtype
         )
         self.decoder = self.model.get_decoder()
         self.lm_head = self.model.get_output_embeddings()
         self.native = select_native(config, loaded, device, self.backend)
+
+    def _forward(self, batch: PackedBatch) -> torch.Tensor:
+        attn_plan = self.backend.plan(attention_metadata(batch, self.kv_caches, self.device))
+        input_ids = torch.tensor(batch.token_ids, dtype=torch.int64, device=self.device)  # [T]
+        positions = torch.tensor(batch.positions, dtype=torch.int64, device=self.device)  # [T]
+        if self.native is not None:
+            return self.native.forward(input_ids, positions, attn_plan)
+        return self._transformers_forward(input_ids, positions, attn_plan)
+
+    def _transformers_forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attn_plan: AttentionPlan) -> torch.Tensor:
+        # transformers runs the packed batch as one sequence; every layer's attention call
+        # gets `attn_plan` (models/attention.py).
+        return self.decoder(
+            input_ids=input_ids[None], position_ids=positions[None], use_cache=False, attn_plan=attn_plan
+        ).last_hidden_state[0]  # [1, T, hidden] -> [T, hidden]
+
+    def _logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.native.logits(hidden) if self.native is not None else self.lm_head(hidden)
+
+
+class ModelRunner(PagedModel):
+    def __init__(self, loaded: LoadedModel, config: EngineConfig, device: torch.device, kv: KVCacheSpec,
+                 draft: DraftModel | None = None) -> None:
+        super().__init__(loaded, config, device, kv)
+        # Swaps run on their own stream on CUDA; the forward waits on an event, so blocks
+        # swapped out are not overwritten before their copy has landed.
+        self.swap_stream = torch.cuda.Stream(device) if device.type == "cuda" else None
         packed = self.native is not None and self.native.num_packed > 0  # what was built, not what was asked
         self.weight_format = ("int8" if config.weight_format == "int8" else "packed") if packed else "dequantized"
         self.masker = TokenMasker()  # grammar masks, of sampled rows and of beams alike
         self.sampler = Sampler(self.masker)
         self.generator = torch.Generator(device).manual_seed(config.seed)  # on the logits' device
+        self.draft = draft  # speculative decoding's draft model, its KV in the same blocks
 
     @torch.inference_mode()
     def execute(
@@ -287,8 +320,12 @@ class ModelRunner:
         beam's grammar matcher where `beam_matchers` has one. Last, the prompt logprobs of
         each scheduled sequence with `num_prompt_logprobs`, in plan order."""
         self._move_blocks(plan)
+        if self.draft is not None:
+            self.draft.propose(plan)
         batch = pack_batch(plan, self.block_size)
         hidden = self._forward(batch)  # [T, hidden]
+        if self.draft is not None:
+            self.draft.follow(batch)
         prompt = self._prompt_logprobs(hidden, batch.prompt_rows) if batch.prompt_rows else []
         sampled, beam = self._sample(hidden, batch, rows, row_sources, beam_sources, beam_matchers)
         return sampled, beam, prompt
@@ -326,24 +363,6 @@ class ModelRunner:
             start += count
         return out
 
-    def _forward(self, batch: PackedBatch) -> torch.Tensor:
-        attn_plan = self.backend.plan(attention_metadata(batch, self.kv_caches, self.device))
-        input_ids = torch.tensor(batch.token_ids, dtype=torch.int64, device=self.device)  # [T]
-        positions = torch.tensor(batch.positions, dtype=torch.int64, device=self.device)  # [T]
-        if self.native is not None:
-            return self.native.forward(input_ids, positions, attn_plan)
-        return self._transformers_forward(input_ids, positions, attn_plan)
-
-    def _transformers_forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attn_plan: AttentionPlan) -> torch.Tensor:
-        # transformers runs the packed batch as one sequence; every layer's attention call
-        # gets `attn_plan` (models/attention.py).
-        return self.decoder(
-            input_ids=input_ids[None], position_ids=positions[None], use_cache=False, attn_plan=attn_plan
-        ).last_hidden_state[0]  # [1, T, hidden] -> [T, hidden]
-
-    def _logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.native.logits(hidden) if self.native is not None else self.lm_head(hidden)
-
     def _move_blocks(self, plan: SchedulerOutput) -> None:
         """The plan's swaps and copy-on-write copies, before its forward reads the cache."""
         if plan.blocks_to_swap_out or plan.blocks_to_swap_in:
@@ -362,7 +381,7 @@ class ModelRunner:
         in_map = torch.tensor(in_pairs, dtype=torch.int64).view(-1, 2)  # (host, device)
         if self.swap_stream is not None:
             self.swap_stream.wait_stream(torch.cuda.current_stream(self.device))
-        for (key_cache, value_cache), (cpu_k, cpu_v) in zip(self.kv_caches, self.cpu_caches, strict=True):
+        for (key_cache, value_cache), (cpu_k, cpu_v) in self._cache_pairs():
             for src, dst, mapping in ((key_cache, cpu_k, out_map), (value_cache, cpu_v, out_map),
                                       (cpu_k, key_cache, in_map), (cpu_v, value_cache, in_map)):
                 swap_blocks(src, dst, mapping, stream=self.swap_stream)
@@ -377,4 +396,13 @@ class ModelRunner:
 
         mapping = torch.tensor(pairs, dtype=torch.int64)  # [num_pairs, 2] (src, dst)
         copy = copy_blocks if self.device.type == "cuda" else ref_copy_blocks
-        copy([k for k, _ in self.kv_caches], [v for _, v in self.kv_caches], mapping)
+        for caches in (self.kv_caches, self.draft.kv_caches if self.draft is not None else []):
+            if caches:  # one call per model: the draft's layers have their own shape
+                copy([k for k, _ in caches], [v for _, v in caches], mapping)
+
+    def _cache_pairs(self) -> list[tuple[tuple[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]]:
+        """Each layer's device K and V beside its host K and V, the draft's layers after the model's."""
+        pairs = list(zip(self.kv_caches, self.cpu_caches, strict=True))
+        if self.draft is not None:
+            pairs += zip(self.draft.kv_caches, self.draft.cpu_caches, strict=True)
+        return pairs
