@@ -63,6 +63,20 @@ def _speculative_config(text: str) -> SpeculativeConfig | None:
         raise argparse.ArgumentTypeError(f"--speculative: {exc}") from None
 
 
+def _lora_module(text: str) -> tuple[str, str]:
+    """One --lora-modules entry: name=folder, or vLLM's JSON {"name": ..., "path": ...}."""
+    if text.lstrip().startswith("{"):
+        try:
+            entry = json.loads(text)
+            return str(entry["name"]), str(entry["path"])
+        except (ValueError, KeyError, TypeError):
+            raise argparse.ArgumentTypeError(f"--lora-modules: expected {{\"name\": ..., \"path\": ...}}, got {text!r}") from None
+    name, sep, path = text.partition("=")
+    if not sep or not name or not path:
+        raise argparse.ArgumentTypeError(f"--lora-modules: expected name=folder, got {text!r}")
+    return name, path
+
+
 def _tenants_file(path: str) -> TenantsFile:
     """Parsed while the command line is: a bad file is a usage error (exit 2) naming the entry."""
     try:
@@ -103,6 +117,8 @@ def _value_kind(f: dataclasses.Field) -> dict[str, Any]:
     hint = FIELD_TYPES[f.name]
     if hint is bool:
         return {"action": argparse.BooleanOptionalAction}
+    if hint == tuple[tuple[str, str], ...]:  # --lora-modules a=/x b=/y
+        return {"type": _lora_module, "nargs": "*", "metavar": "NAME=FOLDER"}
     if hint not in _PARSERS:
         raise TypeError(f"EngineConfig.{f.name}: the CLI has no parser for {hint}")
     kind: dict[str, Any] = {"type": _PARSERS[hint]}

@@ -217,6 +217,12 @@ class EngineConfig:
         minimum=0.001)
     speculative: SpeculativeConfig | None = _option(
         None, "speculative decoding (SpeculativeConfig); None: off")
+    lora_modules: tuple[tuple[str, str], ...] = _option(
+        (), "LoRA adapters loaded at start, as (name, folder) pairs (CLI: name=folder ...); more with "
+            "add_lora at run time")
+    max_loras: int = _option(4, "LoRA adapters that may run at once (each holds a slot of every adapted projection)",
+                             minimum=1, maximum=256)
+    max_lora_rank: int = _option(16, "highest LoRA rank an adapter may have (the slots' size)", minimum=1, maximum=256)
     grammar_mask_budget_ms: float = _option(
         100.0,
         "Longest the grammar masks of one request's rows may take within one decode step (the whole "
@@ -228,6 +234,10 @@ class EngineConfig:
             _check_field(f, getattr(self, f.name))
         if self.speculative is not None and not isinstance(self.speculative, SpeculativeConfig):
             raise ValueError("EngineConfig.speculative must be a SpeculativeConfig or None")
+        self.lora_modules = tuple((str(name), str(path)) for name, path in self.lora_modules)
+        lora_names = [name for name, _ in self.lora_modules]
+        if len(set(lora_names)) != len(lora_names):
+            raise ValueError(f"EngineConfig.lora_modules names an adapter twice: {lora_names}")
         self.tenants = tuple(self.tenants)
         if not all(isinstance(t, TenantConfig) for t in self.tenants):
             raise ValueError("EngineConfig.tenants must be TenantConfig records")

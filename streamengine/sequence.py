@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
+from typing import Any
 
 DRAFT_SLOT = -1
 """A proposed token the draft model has yet to choose (models/draft.py)."""
@@ -55,6 +56,8 @@ class Sequence:
     # (the scheduler verifies those the budget and the pool hold room for); DRAFT_SLOT where
     # the draft model fills them in, once the step has their slots.
     spec_token_ids: list[int] = field(default_factory=list)
+    # The request's LoRA adapter (lora/adapter.py's LoRAAdapter), None for the base model.
+    lora: Any = None
 
     def __post_init__(self) -> None:
         if not self.token_ids:

@@ -157,6 +157,10 @@ def non_default_argv(tmp_path) -> tuple[list[str], dict]:
             argv += [option_of(f.name), '{"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 5}']
             expected[f.name] = SpeculativeConfig(num_speculative_tokens=3, prompt_lookup_max=5)
             continue
+        elif f.name == "lora_modules":  # name=folder, or vLLM's JSON form
+            argv += [option_of(f.name), "a=/tmp/a", '{"name": "b", "path": "/tmp/b"}']
+            expected[f.name] = (("a", "/tmp/a"), ("b", "/tmp/b"))
+            continue
         else:
             value = "some-value"
         argv += [option_of(f.name), str(value)]

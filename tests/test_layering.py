@@ -3,7 +3,7 @@ module imports itself back through others at import time.
 
 Layers, highest first (a module may import its own layer and any below it):
 the public API and CLI (`streamengine/__init__.py`, `__main__.py`) > ray > server > engine >
-models > sched, sample > structured, spec > kv > config > tenancy > the base modules (errors,
+models > sched, sample > structured, spec, lora > kv > config > tenancy > the base modules (errors,
 sequence, checkout). `kernels/` imports nothing from the engine (test_packaging.py); the
 package's `__version__` may be read from anywhere.
 """
@@ -17,7 +17,7 @@ import streamengine
 
 PACKAGE = Path(streamengine.__file__).parent
 RANKS = {"api": 10, "ray": 9, "server": 8, "engine": 7, "models": 6, "sched": 5, "sample": 5,
-         "structured": 4, "spec": 4, "kv": 3, "config": 2, "tenancy": 1, "base": 0, "kernels": 0, "web": 0}
+         "structured": 4, "spec": 4, "lora": 4, "kv": 3, "config": 2, "tenancy": 1, "base": 0, "kernels": 0, "web": 0}
 
 
 def module_name(path: Path) -> str:

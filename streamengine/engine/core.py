@@ -26,6 +26,7 @@ from streamengine.engine.step_outputs import drawing_children
 from streamengine.errors import GrammarError
 from streamengine.kv.events import KVCacheEvent
 from streamengine.kv.spec import plan_kv_cache
+from streamengine.lora.registry import LoRARegistry
 from streamengine.models import LoadedModel, load_model
 from streamengine.models.model_runner import ModelRunner, PromptLogprobs
 from streamengine.sample.beam_search import BeamSearch, BeamSearchState
@@ -79,6 +80,9 @@ class EngineCore:
         self.kv_spec = plan_kv_cache(config, self.loaded.model.config, draft.model.config if draft else None)
         self.runner = ModelRunner(self.loaded, config, self.device, self.kv_spec, core_setup.draft_model(
             config, draft, self.device, self.kv_spec, self.loaded.model.config.vocab_size))
+        self.loras = LoRARegistry(self.loaded.model.config, config.max_lora_rank)
+        for name, path in config.lora_modules:
+            self.loras.add(name, path)
         self.tenants = Tenants(config.tenants)
         self.block_manager, self.scheduler = core_setup.fresh_bookkeeping(self)
         self.max_model_len = core_setup.max_model_len(self)
@@ -121,6 +125,9 @@ class EngineCore:
         self.block_manager, self.scheduler = core_setup.fresh_bookkeeping(self)
         if old.pool.kv_events is not None:  # subscribers knew the old blocks: they are all gone
             self.block_manager.pool.record_kv_events(old.pool.kv_medium, cleared=True)
+        for req in self.requests.values():
+            if req.lora is not None:
+                self.loras.release(req.lora)
         self.requests.clear()
         self._owner.clear()
         self.pins.clear()  # their blocks went with the old block manager
@@ -131,13 +138,14 @@ class EngineCore:
     def add_request(
         self, request_id: str, prompt: str | list[int], params: SamplingParams,
         cache_salt: str | None = None, tenant: str | None = None, pin: Pin | None = None,
-        grammar: CompiledGrammar | None = None,
+        grammar: CompiledGrammar | None = None, lora: str | None = None,
     ) -> Request:
         """Queues a request of `tenant` (None: the default tenant); `cache_salt` is a per-user
         salt for what follows the tenant's pinned prefixes. A `pin` request pins its prompt's
         full blocks when it ends. `grammar` is `params.structured` compiled (compiled here,
-        blocking, when not given). Raises ValueError (LimitExceededError, GrammarError) for a
-        bad request, TenantRateLimitError past the tenant's tokens per minute."""
+        blocking, when not given). `lora` names a loaded LoRA adapter to run the request
+        under (None: the base model). Raises ValueError (LimitExceededError, GrammarError,
+        LoRAError) for a bad request, TenantRateLimitError past the tenant's tokens per minute."""
         if request_id in self.requests:
             raise ValueError(f"request_id {request_id!r} is already in use")
         params = params.clone()  # the caller may edit or reuse its object while this runs
@@ -148,7 +156,8 @@ class EngineCore:
         self.intake.check_length(len(prompt_ids), params)
         self.intake.check_logit_bias(params)
         stop_ids = self.intake.stop_ids(params)
-        segments = core_pins.salt_segments(self, prompt_ids, tenant, cache_salt, pin)
+        adapter = self.loras.get(lora) if lora is not None else None  # LoRAError if not loaded
+        segments = core_pins.salt_segments(self, prompt_ids, tenant, cache_salt, pin, adapter)
         max_tokens = core_pins.fit_beside_pins(
             self, prompt_ids, segments, self.intake.max_tokens(len(prompt_ids), params),
             explicit=params.max_tokens is not None, reads_cache=params.prompt_logprobs is None,
@@ -158,12 +167,15 @@ class EngineCore:
         req = Request(
             request_id, prompt_ids, params, samples=[], arrival_time=time.monotonic(), max_tokens=max_tokens,
             stop_ids=stop_ids, tenant=tenant, pin=pin, salt_segments=segments,
+            lora=adapter,
         )
         if params.use_beam_search:
             self._start_beam_search(req, grammar)
         else:
             self._start_samples(req, grammar)
         self.requests[request_id] = req
+        if adapter is not None:
+            self.loras.acquire(adapter)  # in use until _release
         self._want_prompt_logprobs(req)
         self.scheduler.add(req.seqs[0])
         self.tenants.record(tenant, len(prompt_ids))
@@ -239,7 +251,7 @@ class EngineCore:
         return Sequence(
             next(self._seq_ids), req.request_id, req.prompt_token_ids, seq_salt(segments),
             req.arrival_time, token_ids=list(token_ids or ()), group_size=group_size,
-            tenant=req.tenant, salt_segments=segments,
+            tenant=req.tenant, salt_segments=segments, lora=req.lora,
         )
 
     # -- abort and failure ---------------------------------------------------------------
@@ -310,6 +322,8 @@ class EngineCore:
 
     def _release(self, req: Request) -> None:
         self._grammar_freed |= req.params.structured is not None
+        if req.lora is not None and req.request_id in self.requests:
+            self.loras.release(req.lora)
         if self.output_history is not None:
             speculation.remember(self, req)
         for seq in req.seqs:
@@ -411,6 +425,18 @@ class EngineCore:
             if req.pin is not None:
                 core_pins.pin_prefix(self, req.pin, seq)
             self.scheduler.remove(seq)
+
+    # -- LoRA adapters ------------------------------------------------------------------
+
+    def add_lora(self, name: str, path: str) -> None:
+        """Loads the PEFT LoRA adapter in folder `path` as `name`; LoRAError (a ValueError)
+        says what is wrong with it, before any request can use it."""
+        self.loras.add(name, path)
+
+    def remove_lora(self, name: str) -> bool:
+        """New requests may no longer name it; True if it is gone now, False while requests
+        still run on it (it goes with the last of them)."""
+        return self.loras.remove(name)
 
     def unpin(self, pin_id: str) -> None:
         """Makes a pinned prefix's blocks evictable again; KeyError for an unknown id."""

@@ -17,6 +17,7 @@ from streamengine.tenancy.tenants import DEFAULT_TENANT, TenantConfig
 
 if TYPE_CHECKING:
     from streamengine.engine.core import EngineCore
+    from streamengine.lora.adapter import LoRAAdapter
 
 
 def fit_beside_pins(core: EngineCore, prompt_ids: list[int], segments: tuple, max_tokens: int, explicit: bool,
@@ -57,10 +58,17 @@ def fail_unfittable(core: EngineCore) -> bool:
     return bool(stuck)
 
 
-def salt_segments(core: EngineCore, prompt_ids: list[int], tenant: str, user_salt: str | None, pin: Pin | None):
+def salt_segments(core: EngineCore, prompt_ids: list[int], tenant: str, user_salt: str | None, pin: Pin | None,
+                  adapter: LoRAAdapter | None = None):
+    """The request's salts by token range; under a LoRA adapter every one also names the
+    adapter, so its blocks (K/V the adapter computed) are hit by requests of that adapter only."""
     if pin is not None and pin.info.shared:
-        return ((0, None),)  # a shared prefix: hashed without any salt
-    return core.pins.segments(prompt_ids, tenant, core.tenants.get(tenant).salt, user_salt)
+        segments = ((0, None),)  # a shared prefix: hashed without any salt
+    else:
+        segments = core.pins.segments(prompt_ids, tenant, core.tenants.get(tenant).salt, user_salt)
+    if adapter is None:
+        return segments
+    return tuple((start, adapter.identity if salt is None else f"{salt}|{adapter.identity}") for start, salt in segments)
 
 
 def block_hashes(core: EngineCore, prompt: str | list[int], tenant: str | None = None, cache_salt: str | None = None) -> list[bytes]:

@@ -57,7 +57,7 @@ def fresh_bookkeeping(core: EngineCore) -> tuple[BlockManager, Scheduler]:
         policy=config.scheduling_policy, tenants=core.tenants,
         prompt_token_weight=config.fair_prompt_token_weight,
         output_token_weight=config.fair_output_token_weight,
-        retain_waiting_prefixes=config.retain_waiting_prefixes,
+        retain_waiting_prefixes=config.retain_waiting_prefixes, max_loras=config.max_loras,
     )
     return block_manager, scheduler
 

@@ -17,6 +17,7 @@ import torch
 from streamengine.config import EngineConfig
 from streamengine.kernels import cpu_build, cpu_quant_linear
 from streamengine.kv.spec import AttentionShape, KVCacheSpec
+from streamengine.lora.adapter import TARGET_MODULES
 from streamengine.models.attention import (
     AttentionBackend,
     AttentionMetadata,
@@ -26,6 +27,7 @@ from streamengine.models.attention import (
 from streamengine.models.cpu_backend import CpuPagedAttention
 from streamengine.models.gguf_weights import GgufWeights, check_against, read_gguf
 from streamengine.models.loader import LoadedModel
+from streamengine.models.lora import LoRAStacks, LoRAStep
 from streamengine.models.native import NativeDecoder, unsupported_reason
 from streamengine.models.torch_backend import TorchPagedAttention
 from streamengine.models.triton_backend import TritonPagedAttention
@@ -168,6 +170,8 @@ class PackedBatch:
     # The last known token of each sampling sequence, then each of its proposed tokens.
     logits_indices: list[int] = field(default_factory=list)
     prompt_rows: PromptRows | None = None  # positions whose logits give prompt logprobs
+    # Each token's LoRA adapter (None: the base model), filled only when some sequence has one.
+    lora_rows: list | None = None
 
 
 @dataclass(slots=True)
@@ -198,6 +202,10 @@ def pack_batch(plan: SchedulerOutput, block_size: int) -> PackedBatch:
             targets = seq.token_ids[start + 1:start + 1 + item.num_prompt_logprobs]
             rows.add(len(batch.token_ids), targets, seq.prompt_logprobs or 0)
         k = item.num_spec_tokens
+        if seq.lora is not None and batch.lora_rows is None:
+            batch.lora_rows = [None] * len(batch.token_ids)
+        if batch.lora_rows is not None:
+            batch.lora_rows.extend([seq.lora] * n)
         batch.token_ids.extend(seq.token_ids[start:start + n - k])
         if k:
             batch.token_ids.extend(seq.spec_token_ids[:k])
@@ -275,14 +283,19 @@ class PagedModel:
         self.decoder = self.model.get_decoder()
         self.lm_head = self.model.get_output_embeddings()
         self.native = select_native(config, loaded, device, self.backend)
+        self.lora_step: LoRAStep | None = None
 
-    def _forward(self, batch: PackedBatch) -> torch.Tensor:
+    def _forward(self, batch: PackedBatch, lora: LoRAStep | None = None) -> torch.Tensor:
         attn_plan = self.backend.plan(attention_metadata(batch, self.kv_caches, self.device))
         input_ids = torch.tensor(batch.token_ids, dtype=torch.int64, device=self.device)  # [T]
         positions = torch.tensor(batch.positions, dtype=torch.int64, device=self.device)  # [T]
         if self.native is not None:
-            return self.native.forward(input_ids, positions, attn_plan)
-        return self._transformers_forward(input_ids, positions, attn_plan)
+            return self.native.forward(input_ids, positions, attn_plan, lora)
+        self.lora_step = lora  # read by the projections' hooks (ModelRunner._hook_lora)
+        try:
+            return self._transformers_forward(input_ids, positions, attn_plan)
+        finally:
+            self.lora_step = None
 
     def _transformers_forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attn_plan: AttentionPlan) -> torch.Tensor:
         # transformers runs the packed batch as one sequence; every layer's attention call
@@ -308,6 +321,26 @@ class ModelRunner(PagedModel):
         self.sampler = Sampler(self.masker)
         self.generator = torch.Generator(device).manual_seed(config.seed)  # on the logits' device
         self.draft = draft  # speculative decoding's draft model, its KV in the same blocks
+        self.loras = LoRAStacks(self.model.config, config.max_loras, config.max_lora_rank, device)
+        if self.native is None:
+            self._hook_lora()
+
+    def _hook_lora(self) -> None:
+        """On transformers' modules, each adaptable projection adds its rows' LoRA deltas to
+        its output (when the step has adapters: `lora_step`)."""
+        for i, layer in enumerate(self.decoder.layers):
+            for module in TARGET_MODULES:
+                parent = layer.mlp if module in ("gate_proj", "up_proj", "down_proj") else layer.self_attn
+                linear = getattr(parent, module, None)
+                if linear is not None:
+                    linear.register_forward_hook(self._lora_hook(i, module))
+
+    def _lora_hook(self, layer: int, module: str):
+        def add_delta(_module, inputs, output):
+            if self.lora_step is not None:  # transformers runs the packed batch as [1, T, features]
+                x = inputs[0].reshape(-1, inputs[0].shape[-1])
+                self.lora_step.stacks.apply(layer, module, x, output.view(-1, output.shape[-1]), self.lora_step.slots)
+        return add_delta
 
     @torch.inference_mode()
     def execute(
@@ -323,12 +356,18 @@ class ModelRunner(PagedModel):
         if self.draft is not None:
             self.draft.propose(plan)
         batch = pack_batch(plan, self.block_size)
-        hidden = self._forward(batch)  # [T, hidden]
+        hidden = self._forward(batch, self._lora_step(batch))  # [T, hidden]
         if self.draft is not None:
             self.draft.follow(batch)
         prompt = self._prompt_logprobs(hidden, batch.prompt_rows) if batch.prompt_rows else []
         sampled, beam = self._sample(hidden, batch, rows, row_sources, beam_sources, beam_matchers)
         return sampled, beam, prompt
+
+    def _lora_step(self, batch: PackedBatch) -> LoRAStep | None:
+        if batch.lora_rows is None:
+            return None
+        slots = self.loras.slot_rows(batch.lora_rows)
+        return LoRAStep(self.loras, slots) if slots is not None else None
 
     def _sample(
         self, hidden: torch.Tensor, batch: PackedBatch, rows: list[SamplingRow], row_sources: list[int],

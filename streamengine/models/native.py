@@ -31,6 +31,7 @@ from streamengine.kernels.cpu_quant_linear import QuantLinear
 from streamengine.kv.spec import AttentionShape
 from streamengine.models.attention import AttentionBackend, AttentionPlan, store_and_attend
 from streamengine.models.gguf_weights import BlockTensor, GgufWeights
+from streamengine.models.lora import LoRAStep
 
 SUPPORTED_MODEL_TYPES = ("llama", "qwen2")
 
@@ -85,6 +86,7 @@ class NativeDecoder:
         self.num_heads, self.num_kv_heads, self.head_dim = shape.num_heads, shape.num_kv_heads, shape.head_dim
         self.eps = config.rms_norm_eps
         self.scale = self.head_dim**-0.5
+        self.intermediate_size = config.intermediate_size
         self.embed = decoder.embed_tokens.weight  # [vocab, hidden]
         self.rotary = decoder.rotary_emb
         self.final_norm = decoder.norm.weight
@@ -142,19 +144,22 @@ class NativeDecoder:
             for layer in self.layers
         ]
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, plan: AttentionPlan) -> torch.Tensor:
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, plan: AttentionPlan,
+                lora: LoRAStep | None = None) -> torch.Tensor:
+        """With `lora` (rows of adapters in the step) every layer runs op by op: the adapters'
+        deltas are added after each projection, which the fused C++ layers do not expose."""
         h = F.embedding(input_ids, self.embed)  # [T, hidden], the residual stream
         cos, sin = self._rope_tables(h, positions)
         x = add_rms_norm(h, None, self.layers[0].input_norm, self.eps)
-        if self.stack is not None and plan.decode_kernel is not None:  # every layer in one call
+        if self.stack is not None and plan.decode_kernel is not None and lora is None:  # every layer in one call
             self.stack.run(h, x, cos, sin, plan.meta.slot_mapping, plan.meta.kv_caches, plan.decode_kernel, self.scale)
             return x
         for i, layer in enumerate(self.layers):
             next_norm = self.layers[i + 1].input_norm if i + 1 < len(self.layers) else self.final_norm
-            if self.fused is not None:
+            if self.fused is not None and lora is None:
                 x = self._fused_forward(i, self.fused[i], h, x, cos, sin, plan, next_norm)
             else:
-                x = self._layer_forward(i, layer, h, x, cos, sin, plan, next_norm)
+                x = self._layer_forward(i, layer, h, x, cos, sin, plan, next_norm, lora)
         return x
 
     def _fused_forward(self, i: int, layer: cpu_layer.FusedLayer, h, x, cos, sin, plan: AttentionPlan,
@@ -184,16 +189,28 @@ class NativeDecoder:
         return cos[0, :, :half].contiguous(), sin[0, :, :half].contiguous()  # [T, head_dim / 2]
 
     def _layer_forward(self, i: int, layer: NativeLayer, h, x, cos, sin, plan: AttentionPlan,
-                       next_norm) -> torch.Tensor:
+                       next_norm, lora: LoRAStep | None = None) -> torch.Tensor:
         """One decoder layer on the normed input x; adds both branches into the residual h in
-        place and returns h normed for the next layer (the fused add + RMSNorm)."""
+        place and returns h normed for the next layer (the fused add + RMSNorm). With `lora`,
+        each projection's output gets its rows' adapter deltas."""
         t = h.shape[0]
         nh, nkv, d = self.num_heads, self.num_kv_heads, self.head_dim
         qkv = layer.qkv(x)  # [T, (heads + 2 kv_heads) * D]
+        if lora is not None:
+            lora.apply_split(i, ("q_proj", "k_proj", "v_proj"), x, qkv, (nh * d, nkv * d, nkv * d))
         rope_(qkv, nh + nkv, d, cos, sin)  # q and k heads are adjacent: one pass
-        attn = store_and_attend(plan, i, *self._split_qkv(qkv), self.scale)  # [T, heads, D]
-        x = add_rms_norm(h, layer.o(attn.reshape(t, nh * d)), layer.post_norm, self.eps)
-        down = layer.down(silu_mul(layer.gate_up(x)))
+        attn = store_and_attend(plan, i, *self._split_qkv(qkv), self.scale).reshape(t, nh * d)  # [T, heads * D]
+        o = layer.o(attn)
+        if lora is not None:
+            lora.apply_split(i, ("o_proj",), attn, o, (o.shape[1],))
+        x = add_rms_norm(h, o, layer.post_norm, self.eps)
+        gate_up = layer.gate_up(x)
+        if lora is not None:
+            lora.apply_split(i, ("gate_proj", "up_proj"), x, gate_up, (self.intermediate_size,) * 2)
+        act = silu_mul(gate_up)
+        down = layer.down(act)
+        if lora is not None:
+            lora.apply_split(i, ("down_proj",), act, down, (down.shape[1],))
         return add_rms_norm(h, down, next_norm, self.eps)
 
 

@@ -9,6 +9,7 @@ stay empty until the search ends and fills them with the best hypotheses.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from streamengine.sample.beam_search import BeamSearch
 from streamengine.sample.detokenizer import IncrementalDetokenizer
@@ -19,6 +20,9 @@ from streamengine.sequence import Sequence
 from streamengine.spec.acceptance import ProposalGate
 from streamengine.structured.grammar import GrammarMatcher
 from streamengine.tenancy.pinning import Pin
+
+if TYPE_CHECKING:
+    from streamengine.lora.adapter import LoRAAdapter
 
 
 @dataclass(slots=True, eq=False)
@@ -83,6 +87,7 @@ class Request:
     tenant: str = "default"
     salt_segments: tuple[tuple[int, str | None], ...] = ()  # see pinning.Pins.segments
     pin: Pin | None = None  # a pin_prefix request: its prompt's full blocks are pinned at the end
+    lora: LoRAAdapter | None = None  # the LoRA adapter it runs under, None for the base model
     # With params.prompt_logprobs: [None] + an entry per prompt token computed so far (each
     # once, even when a preempted prompt is computed again); complete at len(prompt_token_ids).
     prompt_logprobs: list[dict[int, float] | None] | None = None

@@ -274,7 +274,10 @@ def pick_in_tenant(
 
 
 def may_admit(sched: Scheduler, seq: Sequence, cached: list[KVBlock]) -> bool:
-    """Within the tenant's quotas, counting the blocks its known tokens will hold."""
+    """Within the tenant's quotas, counting the blocks its known tokens will hold, and with
+    a slot for its LoRA adapter."""
+    if not sched.lora_fits(seq):
+        return False
     bm = sched.block_manager
     num_new = bm.blocks_needed(seq.num_tokens) - len(cached)
     return sched.share.within_quota(seq, sched.running, [b.block_id for b in cached], num_new, bm.num_blocks)

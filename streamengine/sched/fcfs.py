@@ -40,7 +40,7 @@ class FcfsPolicy:
         while i < len(sched.waiting) and budget > 0 and len(sched.running) < sched.max_num_seqs:
             seq = sched.waiting[i]
             cached = cached_blocks(sched, seq)
-            if sched._waits_for_prefix(seq, len(cached), in_flight):
+            if sched._waits_for_prefix(seq, len(cached), in_flight) or not sched.lora_fits(seq):
                 i += 1
                 continue
             n = sched._admit_from_waiting(out, seq, cached, budget)

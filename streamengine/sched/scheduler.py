@@ -56,6 +56,7 @@ class Scheduler:
         prompt_token_weight: float = 1.0,
         output_token_weight: float = 2.0,
         retain_waiting_prefixes: bool = True,
+        max_loras: int = 4,
     ) -> None:
         if policy not in SCHEDULING_POLICIES:
             raise ValueError(f"scheduling policy must be one of {SCHEDULING_POLICIES}, got {policy!r}")
@@ -76,6 +77,7 @@ class Scheduler:
         # Admission keeps ~1% of the pool free so a new prompt does not force the very next
         # decode step to preempt (the same watermark vLLM uses).
         self.watermark_blocks = block_manager.num_blocks // 100
+        self.max_loras = max_loras  # LoRA adapters among the running sequences, at most
         self.caps = StepCaps()  # the policy's limits for the step being scheduled
         # The waiting sequence whose admission the pool refused last this step (unfittable).
         self._refused: Sequence | None = None
@@ -281,6 +283,15 @@ class Scheduler:
         self._admit(out, seq, n, start)
         return n
 
+    def lora_fits(self, seq: Sequence) -> bool:
+        """Whether `seq` may start beside the running sequences: its LoRA adapter (if any) is
+        one of theirs, or fewer than `max_loras` adapters run (each needs a slot in the
+        forward's stacks, models/lora.py). A sequence that must wait lets others start."""
+        if seq.lora is None:
+            return True
+        running = {s.lora.identity for s in self.running if s.lora is not None}
+        return seq.lora.identity in running or len(running) < self.max_loras
+
     def _has_room(self, need: int) -> bool:
         return self.block_manager.num_free_blocks >= need and len(self.running) < self.max_num_seqs
 
@@ -309,6 +320,8 @@ class Scheduler:
         bm = self.block_manager
         while self.swapped and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.swapped[0]
+            if not self.lora_fits(seq):
+                break
             n = self._num_new_tokens(seq, seq.num_computed_tokens, budget)
             # Beside its host blocks: the blocks its known tokens grow into, and a copy of a
             # kept partial block that another holder shares (the first write copies it).

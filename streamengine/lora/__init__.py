@@ -1,0 +1,1 @@
+"""LoRA adapters: reading and checking PEFT adapters, and the engine's registry of them."""

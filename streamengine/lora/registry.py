@@ -1,0 +1,67 @@
+"""The engine's LoRA adapters by name: loaded and checked once, counted while requests use
+them, and dropped when removed and no request uses them any more."""
+
+from __future__ import annotations
+
+from collections import Counter
+from pathlib import Path
+
+from streamengine.lora.adapter import LoRAAdapter, LoRAError, load_adapter
+
+
+class LoRARegistry:
+    def __init__(self, model_config, max_rank: int) -> None:
+        self.model_config = model_config
+        self.max_rank = max_rank
+        self.adapters: dict[str, LoRAAdapter] = {}
+        self.users: Counter[str] = Counter()  # requests in flight per adapter name
+        self.removing: set[str] = set()  # removed, waiting for their last request
+
+    def add(self, name: str, path: str | Path) -> LoRAAdapter:
+        """Loads the adapter in folder `path` under `name`; LoRAError names what is wrong."""
+        if not name or not isinstance(name, str):
+            raise LoRAError(f"a LoRA adapter needs a name, got {name!r}")
+        if name in self.adapters:
+            raise LoRAError(f"a LoRA adapter named {name!r} is already loaded (from {self.adapters[name].path})")
+        adapter = load_adapter(name, path, self.model_config, self.max_rank)
+        self.adapters[name] = adapter
+        return adapter
+
+    def get(self, name: str) -> LoRAAdapter:
+        """The adapter a new request names; LoRAError if none is loaded under `name`."""
+        adapter = self.adapters.get(name)
+        if adapter is None or name in self.removing:
+            raise LoRAError(f"no LoRA adapter named {name!r} is loaded (loaded: {self.names()})")
+        return adapter
+
+    def acquire(self, adapter: LoRAAdapter) -> None:
+        """Counts a request on `adapter` until `release`."""
+        self.users[adapter.name] += 1
+
+    def release(self, adapter: LoRAAdapter) -> None:
+        self.users[adapter.name] -= 1
+        if self.users[adapter.name] <= 0:
+            del self.users[adapter.name]
+            if adapter.name in self.removing:
+                self._drop(adapter.name)
+
+    def remove(self, name: str) -> bool:
+        """Refuses new requests for `name`; True once it is gone (now, if none uses it), False
+        while requests still run on it (it goes with the last of them)."""
+        if name not in self.adapters:
+            raise LoRAError(f"no LoRA adapter named {name!r} is loaded (loaded: {sorted(self.adapters)})")
+        if not self.users[name]:
+            self._drop(name)
+            return True
+        self.removing.add(name)
+        return False
+
+    def is_loaded(self, name: str) -> bool:
+        return name in self.adapters and name not in self.removing
+
+    def names(self) -> list[str]:
+        return sorted(n for n in self.adapters if n not in self.removing)
+
+    def _drop(self, name: str) -> None:
+        self.adapters.pop(name, None)
+        self.removing.discard(name)

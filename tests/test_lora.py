@@ -1,0 +1,178 @@
+"""LoRA adapters: the engine's greedy tokens equal transformers + peft's (unmerged) on the
+same base and adapter, for several ranks and target sets, each adapter alone and all of them
+batched with base-model rows; adapters are made with peft, random, in a temporary folder.
+Then loading errors, cache isolation between adapters, and run-time add and remove.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from streamengine.config import EngineConfig
+from streamengine.engine.core import EngineCore
+from streamengine.lora.adapter import LoRAError
+from streamengine.sample.sampling_params import SamplingParams
+
+ATTENTION = ["q_proj", "k_proj", "v_proj", "o_proj"]
+MLP = ["gate_proj", "up_proj", "down_proj"]
+
+
+def make_adapter(base: Path, folder: Path, rank: int, targets: list[str], seed: int, alpha: int | None = None) -> Path:
+    """A random PEFT LoRA adapter of `base` (B is not zero: init_lora_weights=False)."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
+    config = LoraConfig(r=rank, lora_alpha=alpha or 2 * rank, target_modules=targets, init_lora_weights=False)
+    peft_model = get_peft_model(model, config)
+    with torch.no_grad():  # B's default init is large beside the tiny model's 0.02 weights
+        for name, p in peft_model.named_parameters():
+            if "lora_B" in name:
+                p.mul_(0.05)
+    peft_model.save_pretrained(folder)
+    return folder
+
+
+def peft_greedy(base: Path, adapter: Path | None, prompt: list[int], max_tokens: int) -> list[int]:
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
+    if adapter is not None:
+        model = PeftModel.from_pretrained(model, adapter)
+    model.eval()
+    with torch.inference_mode():
+        ids = torch.tensor([prompt])
+        out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_tokens, do_sample=False,
+                             pad_token_id=0, eos_token_id=None)
+    return out[0, len(prompt):].tolist()
+
+
+def engine_greedy(core: EngineCore, requests: dict[str, tuple[list[int], str | None]], max_tokens: int) -> dict:
+    params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+    for rid, (prompt, lora) in requests.items():
+        core.add_request(rid, prompt, params, lora=lora)
+    done = {}
+    while core.has_work():
+        for out in core.step():
+            if out.finished:
+                done[out.request_id] = list(out.outputs[0].token_ids)
+        core.audit()
+    return done
+
+
+PROMPTS = [[1, 450, 3012, 88, 1200, 15, 902, 44, 7001, 32, 19, 5], [1, 77, 6000, 123, 9, 9, 410, 3000],
+           [1, 2300, 17, 17, 17, 8080, 65, 300, 301, 302, 303, 304, 305, 306, 307, 308, 309, 310, 311]]
+CASES = {"r8_all": (8, ATTENTION + MLP), "r16_attention": (16, ATTENTION), "r64_mlp": (64, MLP),
+         "r4_qv": (4, ["q_proj", "v_proj"])}
+
+
+@pytest.fixture(scope="module")
+def adapters(untied_llama_dir, tmp_path_factory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("loras")
+    return {name: make_adapter(untied_llama_dir, root / name, rank, targets, seed)
+            for seed, (name, (rank, targets)) in enumerate(CASES.items())}
+
+
+@pytest.fixture(scope="module")
+def references(untied_llama_dir, adapters) -> dict[tuple[str | None, int], list[int]]:
+    """transformers + peft's greedy tokens for every (adapter or None, prompt)."""
+    return {(name, i): peft_greedy(untied_llama_dir, adapters[name] if name else None, prompt, 16)
+            for name in [None, *adapters] for i, prompt in enumerate(PROMPTS)}
+
+
+@pytest.mark.parametrize("model_impl", ["auto", "transformers"])
+def test_batched_adapters_and_base_rows_give_peft_tokens(untied_llama_dir, adapters, references, model_impl):
+    """Every adapter and the base model, every prompt, all in the same steps."""
+    config = EngineConfig(model=str(untied_llama_dir), num_gpu_blocks=128, model_impl=model_impl,
+                          lora_modules=tuple((n, str(p)) for n, p in adapters.items()), max_loras=4, max_lora_rank=64)
+    core = EngineCore(config)
+    requests = {f"{name}-{i}": (prompt, name) for name in [None, *adapters] for i, prompt in enumerate(PROMPTS)}
+    done = engine_greedy(core, requests, 16)
+    for (name, i), expected in references.items():
+        assert done[f"{name}-{i}"] == expected, (name, i)
+    # the adapters change the text (a test whose adapters did nothing would prove nothing)
+    assert all(references[(name, 0)] != references[(None, 0)] for name in adapters)
+
+
+def test_each_adapter_alone_and_more_adapters_than_slots(untied_llama_dir, adapters, references):
+    """max_loras=2 for four adapters: requests wait for a slot, slots are reused, tokens unchanged."""
+    config = EngineConfig(model=str(untied_llama_dir), num_gpu_blocks=128, max_loras=2, max_lora_rank=64,
+                          lora_modules=tuple((n, str(p)) for n, p in adapters.items()))
+    core = EngineCore(config)
+    requests = {f"{name}-{i}": (prompt, name) for name in adapters for i, prompt in enumerate(PROMPTS)}
+    done = engine_greedy(core, requests, 16)
+    for name in adapters:
+        for i in range(len(PROMPTS)):
+            assert done[f"{name}-{i}"] == references[(name, i)], (name, i)
+    assert core.runner.loras.num_loads >= len(adapters)
+
+
+def test_blocks_computed_under_an_adapter_are_hit_by_that_adapter_only(untied_llama_dir, adapters):
+    prompt = list(range(1000, 1064))  # four full blocks
+    config = EngineConfig(model=str(untied_llama_dir), num_gpu_blocks=128, max_lora_rank=64,
+                          lora_modules=tuple((n, str(p)) for n, p in adapters.items()))
+    core = EngineCore(config)
+    engine_greedy(core, {"a1": (prompt, "r8_all")}, 2)
+    engine_greedy(core, {"base": (prompt, None), "b": (prompt, "r16_attention")}, 2)
+    assert core.requests == {}
+    hashes = {name: core_hashes(core, prompt, name) for name in (None, "r8_all", "r16_attention")}
+    assert len({tuple(h) for h in hashes.values()}) == 3  # three identities, three sets of blocks
+    before = core.block_manager.stats.hits
+    engine_greedy(core, {"a2": (prompt, "r8_all")}, 2)
+    assert core.block_manager.stats.hits - before == 48  # its own three full blocks (the last token computes)
+
+
+def core_hashes(core: EngineCore, prompt: list[int], lora: str | None) -> list[bytes]:
+    from streamengine.engine.core_pins import salt_segments
+    from streamengine.kv.block_hash import prompt_block_hashes
+
+    adapter = core.loras.get(lora) if lora else None
+    segments = salt_segments(core, prompt, "default", None, None, adapter)
+    return prompt_block_hashes(prompt, 16, segments, segments[-1][1])
+
+
+def test_bad_adapters_are_refused_at_load_by_name(untied_llama_dir, tiny_qwen2_dir, tmp_path, adapters):
+    core = EngineCore(EngineConfig(model=str(untied_llama_dir), num_gpu_blocks=32, max_lora_rank=16))
+    with pytest.raises(LoRAError, match="missing adapter_config.json"):
+        core.add_lora("missing", str(tmp_path / "nothing"))
+    with pytest.raises(LoRAError, match="max_lora_rank"):
+        core.add_lora("big", str(adapters["r64_mlp"]))
+    other = make_adapter(tiny_qwen2_dir, tmp_path / "qwen", 8, ATTENTION, 9)  # another base: other shapes
+    with pytest.raises(LoRAError, match="another base model"):
+        core.add_lora("qwen", str(other))
+    dora = tmp_path / "dora"
+    dora.mkdir()
+    for file in ("adapter_config.json", "adapter_model.safetensors"):
+        (dora / file).write_bytes((adapters["r8_all"] / file).read_bytes())
+    config = json.loads((dora / "adapter_config.json").read_text())
+    (dora / "adapter_config.json").write_text(json.dumps(dict(config, use_dora=True)))
+    with pytest.raises(LoRAError, match="use_dora"):
+        core.add_lora("dora", str(dora))
+    with pytest.raises(ValueError, match="no LoRA adapter named 'nope'"):
+        core.add_request("r", [1, 2, 3], SamplingParams(max_tokens=2), lora="nope")
+    assert core.requests == {} and core.loras.names() == []
+
+
+def test_an_adapter_added_at_run_time_and_removed_once_its_requests_end(untied_llama_dir, adapters, references):
+    core = EngineCore(EngineConfig(model=str(untied_llama_dir), num_gpu_blocks=64, max_lora_rank=64))
+    core.add_lora("late", str(adapters["r8_all"]))
+    with pytest.raises(LoRAError, match="already loaded"):
+        core.add_lora("late", str(adapters["r8_all"]))
+    core.add_request("x", PROMPTS[0], SamplingParams(temperature=0, max_tokens=16, ignore_eos=True), lora="late")
+    core.step()
+    assert core.remove_lora("late") is False  # a request still runs on it
+    with pytest.raises(ValueError, match="no LoRA adapter named 'late'"):
+        core.add_request("y", PROMPTS[1], SamplingParams(max_tokens=2), lora="late")
+    done = {}
+    while core.has_work():
+        for out in core.step():
+            if out.finished:
+                done[out.request_id] = list(out.outputs[0].token_ids)
+    assert done["x"] == references[("r8_all", 0)]
+    assert core.loras.names() == [] and "late" not in core.loras.adapters
