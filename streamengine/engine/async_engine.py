@@ -21,6 +21,7 @@ import uuid
 from collections import deque
 from collections.abc import AsyncIterator
 from concurrent.futures import ThreadPoolExecutor
+from typing import Any
 
 from streamengine.config import EngineConfig
 from streamengine.engine.admission import check_queue_room
@@ -34,6 +35,7 @@ from streamengine.errors import (
     RequestFailedError,
 )
 from streamengine.kv.events import KVEventHub, KVEventSubscription
+from streamengine.lora.adapter import load_adapter
 from streamengine.models import LoadedModel
 from streamengine.sample.outputs import RequestOutput
 from streamengine.sample.sampling_params import SamplingParams
@@ -176,6 +178,7 @@ class AsyncEngine(PinKeeper):
         request_id: str | None = None,
         cache_salt: str | None = None,
         tenant: str | None = None,
+        lora: str | None = None,
     ) -> AsyncIterator[RequestOutput]:
         """Streams the outputs of one request, one per engine step: cumulative by default,
         only what is new with `params.output_kind="delta"`; a consumer slower than the engine
@@ -186,7 +189,9 @@ class AsyncEngine(PinKeeper):
         blocks it may share; `cache_salt` is a per-user salt for what follows the tenant's
         pinned prefixes. `params.structured` is compiled first, in the engine's compile threads
         (the loop keeps serving), queued per tenant and served round robin, within
-        `EngineConfig.grammar_compile_timeout_s` of its compile's start.
+        `EngineConfig.grammar_compile_timeout_s` of its compile's start. `lora` names a
+        loaded LoRA adapter (`add_lora`, `EngineConfig.lora_modules`) to run the request
+        under; None: the tenant's adapter if its config names one, else the base model.
         Raises ValueError for a bad request (GrammarError for a spec that does not compile,
         times out, or gives out while decoding), EngineOverloadedError when
         `max_waiting` requests already wait or the tenant's compile queue is full
@@ -194,7 +199,7 @@ class AsyncEngine(PinKeeper):
         minute), RequestFailedError if the engine fails it, EngineDeadError if it stops."""
         # The compiled grammar is not kept in this frame: the cache may drop it mid-request.
         grammar = await self._compile(params, tenant)
-        request_id, stream = self._submit(prompt, params, request_id, cache_salt, tenant, grammar=grammar)
+        request_id, stream = self._submit(prompt, params, request_id, cache_salt, tenant, grammar=grammar, lora=lora)
         del grammar
         finished = False
         try:
@@ -227,7 +232,7 @@ class AsyncEngine(PinKeeper):
     def _submit(
         self, prompt: str | list[int], params: SamplingParams | None, request_id: str | None,
         cache_salt: str | None, tenant: str | None, pin: Pin | None = None,
-        grammar: CompiledGrammar | None = None,
+        grammar: CompiledGrammar | None = None, lora: str | None = None,
     ) -> tuple[str, RequestStream]:
         self._check_admission(tenant)
         params = params if params is not None else SamplingParams()
@@ -236,12 +241,36 @@ class AsyncEngine(PinKeeper):
         request_id = request_id if request_id is not None else uuid.uuid4().hex
         if not self.core.has_work():  # progress is measured from when work arrives
             self._last_progress = time.monotonic()
-        req = self.core.add_request(request_id, prompt, params, cache_salt, tenant, pin, grammar)  # raises ValueError
+        lora = lora if lora is not None else self.core.tenant_lora(tenant)
+        req = self.core.add_request(request_id, prompt, params, cache_salt, tenant, pin, grammar, lora)  # raises ValueError
         stream = self._streams[request_id] = RequestStream(delta=req.params.output_kind == "delta")
         self._wakeup.set()
         return request_id, stream
 
     # tenants and pinned prefixes: PinKeeper (streamengine.engine.pin_keeper)
+
+    # -- LoRA adapters ----------------------------------------------------------------------
+
+    def lora_adapters(self) -> list[dict[str, Any]]:
+        """The loaded adapters: name, folder, rank, the projections they adapt."""
+        return [{"name": a.name, "path": a.path, "rank": a.rank, "target_modules": sorted(a.target_modules)}
+                for a in (self.core.loras.adapters[n] for n in self.core.loras.names())]
+
+    async def add_lora(self, name: str, path: str) -> None:
+        """Loads the PEFT LoRA adapter in folder `path` as `name` (read in a thread: the loop
+        keeps serving); LoRAError (a ValueError) says what is wrong with it."""
+        self.core.loras.check_name(name)
+        adapter = await asyncio.to_thread(load_adapter, name, path, self.core.loras.model_config,
+                                          self.core.loras.max_rank)
+        self.core.loras.register(adapter)
+
+    async def remove_lora(self, name: str) -> None:
+        """Refuses new requests for `name` at once and returns when the requests running on
+        it have ended and it is gone. LoRAError if none is loaded under `name`."""
+        if self.core.remove_lora(name):
+            return
+        while name in self.core.loras.adapters and self.is_running:
+            await asyncio.sleep(0.05)  # its last request's release drops it (core._release)
 
     def _check_admission(self, tenant: str | None) -> None:
         if not self.is_running:

@@ -428,6 +428,11 @@ class EngineCore:
 
     # -- LoRA adapters ------------------------------------------------------------------
 
+    def tenant_lora(self, tenant: str | None) -> str | None:
+        """The adapter a tenant's config names for its requests (None: the base model)."""
+        name = tenant if tenant is not None else DEFAULT_TENANT
+        return self.tenants.get(name).lora if name in self.tenants else None
+
     def add_lora(self, name: str, path: str) -> None:
         """Loads the PEFT LoRA adapter in folder `path` as `name`; LoRAError (a ValueError)
         says what is wrong with it, before any request can use it."""

@@ -11,6 +11,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from streamengine.kv.block_hash import prompt_block_hashes
+from streamengine.lora.adapter import with_adapter
 from streamengine.sequence import Sequence
 from streamengine.tenancy.pinning import Pin
 from streamengine.tenancy.tenants import DEFAULT_TENANT, TenantConfig
@@ -66,9 +67,7 @@ def salt_segments(core: EngineCore, prompt_ids: list[int], tenant: str, user_sal
         segments = ((0, None),)  # a shared prefix: hashed without any salt
     else:
         segments = core.pins.segments(prompt_ids, tenant, core.tenants.get(tenant).salt, user_salt)
-    if adapter is None:
-        return segments
-    return tuple((start, adapter.identity if salt is None else f"{salt}|{adapter.identity}") for start, salt in segments)
+    return segments if adapter is None else with_adapter(segments, adapter.identity)
 
 
 def block_hashes(core: EngineCore, prompt: str | list[int], tenant: str | None = None, cache_salt: str | None = None) -> list[bytes]:

@@ -47,7 +47,7 @@ class LoRAAdapter:
     @property
     def identity(self) -> str:
         """What the prefix cache keys this adapter's blocks by: its name and its content."""
-        return f"lora:{self.name}:{self.digest}"
+        return identity(self.name, self.digest)
 
 
 def projection_shapes(model_config) -> dict[str, tuple[int, int]]:
@@ -70,8 +70,25 @@ def load_adapter(name: str, path: str | Path, model_config, max_rank: int) -> Lo
     tensors = _read_tensors(folder)
     weights = _pair_tensors(tensors, folder)
     _check_shapes(weights, rank, model_config, folder)
-    digest = hashlib.sha256((folder / CONFIG_FILE).read_bytes() + (folder / WEIGHTS_FILE).read_bytes()).hexdigest()
-    return LoRAAdapter(name, str(folder), rank, scaling, weights, digest[:16])
+    return LoRAAdapter(name, str(folder), rank, scaling, weights, files_digest(folder))
+
+
+def files_digest(folder: str | Path) -> str:
+    """The adapter's content identity: a hash of its two files' bytes (the Ray ingress hashes
+    prompts with it too, without loading the adapter)."""
+    folder = Path(folder)
+    digest = hashlib.sha256((folder / CONFIG_FILE).read_bytes() + (folder / WEIGHTS_FILE).read_bytes())
+    return digest.hexdigest()[:16]
+
+
+def identity(name: str, digest: str) -> str:
+    return f"lora:{name}:{digest}"
+
+
+def with_adapter(segments: tuple[tuple[int, str | None], ...], adapter_identity: str) -> tuple[tuple[int, str | None], ...]:
+    """Salt segments that also name an adapter: blocks computed under it are hit by requests
+    of that adapter only (its K/V differs from the base model's)."""
+    return tuple((start, adapter_identity if salt is None else f"{salt}|{adapter_identity}") for start, salt in segments)
 
 
 def _read_config(folder: Path) -> dict:

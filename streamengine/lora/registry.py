@@ -19,12 +19,19 @@ class LoRARegistry:
 
     def add(self, name: str, path: str | Path) -> LoRAAdapter:
         """Loads the adapter in folder `path` under `name`; LoRAError names what is wrong."""
+        self.check_name(name)
+        return self.register(load_adapter(name, path, self.model_config, self.max_rank))
+
+    def check_name(self, name: str) -> None:
         if not name or not isinstance(name, str):
             raise LoRAError(f"a LoRA adapter needs a name, got {name!r}")
         if name in self.adapters:
             raise LoRAError(f"a LoRA adapter named {name!r} is already loaded (from {self.adapters[name].path})")
-        adapter = load_adapter(name, path, self.model_config, self.max_rank)
-        self.adapters[name] = adapter
+
+    def register(self, adapter: LoRAAdapter) -> LoRAAdapter:
+        """Adds an adapter loaded elsewhere (a thread: AsyncEngine.add_lora)."""
+        self.check_name(adapter.name)
+        self.adapters[adapter.name] = adapter
         return adapter
 
     def get(self, name: str) -> LoRAAdapter:

@@ -33,6 +33,7 @@ from streamengine.config import EngineConfig
 from streamengine.engine.async_engine import AsyncEngine
 from streamengine.engine.intake import encode_prompt
 from streamengine.errors import EngineDeadError, RequestFailedError
+from streamengine.lora.adapter import LoRAError, files_digest, identity, with_adapter
 from streamengine.ray.directory import get_or_create_directory
 from streamengine.ray.replica import PinSpec
 from streamengine.ray.request import ReplicaRequest
@@ -70,6 +71,7 @@ class ClusterEngine:
         self._prompt_text = prompt_text  # the router matches text (Ray's prefix router)
         self.tokenizer, self._model_name = load_tokenizer(config.model, config.cache_dir)
         self._loads: dict[str, dict[str, Any]] = {}
+        self._lora_identities: dict[str, str] = {}
         self._live: dict[str, Any] = {}  # request id -> its streaming response
         self._aborted: set[str] = set()
         self._task: asyncio.Task | None = None
@@ -112,11 +114,12 @@ class ClusterEngine:
     async def generate(
         self, prompt: str | list[int], params: SamplingParams | None = None,
         request_id: str | None = None, cache_salt: str | None = None, tenant: str | None = None,
+        lora: str | None = None,
     ) -> AsyncIterator[RequestOutput]:
         """As AsyncEngine.generate, on whichever replica the router picks."""
         if not self.is_running:
             raise EngineDeadError("engine stopped: the cluster engine is not running")
-        request = self._request(prompt, params, request_id, cache_salt, tenant)
+        request = self._request(prompt, params, request_id, cache_salt, tenant, lora)
         last: RequestOutput | None = None
         try:
             async for output in self._stream(request):
@@ -160,7 +163,7 @@ class ClusterEngine:
 
     def _request(
         self, prompt: str | list[int], params: SamplingParams | None, request_id: str | None,
-        cache_salt: str | None, tenant: str | None,
+        cache_salt: str | None, tenant: str | None, lora: str | None = None,
     ) -> ReplicaRequest:
         ids = self._prompt_ids(prompt)
         if not ids:
@@ -169,11 +172,36 @@ class ClusterEngine:
             raise TypeError(f"params must be SamplingParams, got {type(params).__name__}")
         name = tenant if tenant is not None else DEFAULT_TENANT
         segments = self._pins.segments(ids, name, self._tenants.get(name).salt, cache_salt)
+        lora = lora if lora is not None else self._tenants.get(name).lora
+        if lora is not None:  # hashed as the replica will (core_pins.salt_segments), for the router
+            segments = with_adapter(segments, self._lora_identity(lora))
         text = "" if not self._prompt_text else prompt if isinstance(prompt, str) else self.tokenizer.decode(ids)
         return ReplicaRequest(
             ids, params if params is not None else SamplingParams(), request_id or uuid.uuid4().hex,
-            cache_salt, tenant, segments, text,
+            cache_salt, tenant, segments, lora=lora, prompt=text,
         )
+
+    def _lora_identity(self, name: str) -> str:
+        """The deployed adapter's identity; LoRAError for a name the cluster was not deployed with."""
+        if name not in self._lora_identities:
+            paths = dict(self.config.lora_modules)
+            if name not in paths:
+                raise LoRAError(f"no LoRA adapter named {name!r} is loaded (loaded: {sorted(paths)})")
+            self._lora_identities[name] = identity(name, files_digest(paths[name]))
+        return self._lora_identities[name]
+
+    # -- LoRA adapters: set when the cluster is deployed ------------------------------------
+
+    def lora_adapters(self) -> list[dict[str, Any]]:
+        return [{"name": name, "path": path} for name, path in self.config.lora_modules]
+
+    async def add_lora(self, name: str, path: str) -> None:
+        raise LoRAError(f"LoRA adapter {name!r}: a cluster's adapters are set when it is deployed "
+                        "(EngineConfig.lora_modules or --lora-modules); redeploy to change them")
+
+    async def remove_lora(self, name: str) -> None:
+        raise LoRAError(f"LoRA adapter {name!r}: a cluster's adapters are set when it is deployed "
+                        "(EngineConfig.lora_modules or --lora-modules); redeploy to change them")
 
     async def abort(self, request_id: str) -> None:
         """Ends the request; its stream yields a final output with finish_reason "abort"."""

@@ -72,7 +72,7 @@ class EngineReplica:
         """The request's outputs as the engine yields them; cancelling the call aborts it."""
         async for output in self.engine.generate(
             request.prompt_token_ids, request.params, request_id=request.request_id,
-            cache_salt=request.cache_salt, tenant=request.tenant,
+            cache_salt=request.cache_salt, tenant=request.tenant, lora=request.lora,
         ):
             yield output
 

@@ -18,6 +18,7 @@ class ReplicaRequest:
     # The salts of the prompt's blocks, computed by the ingress exactly as the engine does
     # (Pins.segments): the router hashes the prompt with them to find where it is cached.
     salt_segments: Segments = ()
+    lora: str | None = None  # the LoRA adapter it runs under (None: the base model)
     # The prompt as text, for routers that match text (Ray's PrefixCacheAffinityRouter reads
     # `.prompt`); empty unless the application routes that way: ours reads the token ids.
     prompt: str = ""

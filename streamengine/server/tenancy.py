@@ -76,6 +76,7 @@ def tenants_view(engine: EngineClient) -> dict[str, Any]:
             "weight": weights[name],
             "share": weights[name] / total_weight,  # of the service while every tenant is backlogged
             "virtual_time": own.get("virtual_time", 0.0),
+            "lora": config.lora if config else None,
             "limits": {key: getattr(config, key) if config else None for key in _LIMIT_KEYS},
             "usage": {key: own.get(key, 0) for key in _USAGE_KEYS},
             "num_pinned_blocks": own.get("num_pinned_blocks", 0),

@@ -5,6 +5,7 @@
     name = "bot-a"
     api_key = "sk-a..."            # or api_key_sha256 = "<64 hex digits>" (the key stays out of the file)
     weight = 2.0                   # and max_running, max_kv_fraction, tokens_per_minute, max_n, max_best_of
+    lora = "bot-a"                 # a LoRA adapter its requests run under (loaded with --lora-modules)
     system_prompt = "You are bot A."
 
 `system_prompt` is pinned for that tenant when the server starts, rendered as the chat
@@ -36,7 +37,7 @@ _LIMITS: dict[str, tuple[type, ...]] = {
     "weight": (int, float), "max_running": (int,), "max_kv_fraction": (int, float), "tokens_per_minute": (int,),
     "max_n": (int,), "max_best_of": (int,),
 }
-_TEXTS = ("name", "api_key", "api_key_sha256", "system_prompt")
+_TEXTS = ("name", "api_key", "api_key_sha256", "system_prompt", "lora")
 _TENANT_FIELDS = frozenset((*_TEXTS, *_LIMITS))
 _TOP_FIELDS = frozenset(("tenants", "shared_prefix"))
 MAX_FILE_BYTES = 16 << 20
@@ -164,7 +165,7 @@ def _config(entry: dict[str, Any], name: str, salt: str | None, where: str) -> T
             raise TenantsFileError(f"{where}: {field_name} must be {kind}, got {value!r}")
         limits[field_name] = value
     try:
-        return TenantConfig(name, cache_salt=salt, **limits)
+        return TenantConfig(name, cache_salt=salt, lora=entry.get("lora"), **limits)
     except ValueError as exc:
         raise TenantsFileError(f"{where}: {exc}") from None
 

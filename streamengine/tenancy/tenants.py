@@ -42,6 +42,7 @@ class TenantConfig:
     cache_salt: str | None = field(default=None, repr=False)  # None: derived from the name; kept out of logs
     max_n: int | None = None  # samples one request may ask for (n); None: the engine's MAX_N
     max_best_of: int | None = None  # beams one request may ask for (beam_width); None: MAX_BEAM_WIDTH
+    lora: str | None = None  # the LoRA adapter its requests run under unless they name one
 
     def __post_init__(self) -> None:
         if not isinstance(self.name, str) or not self.name:
@@ -65,6 +66,8 @@ class TenantConfig:
         for name in ("tokens_per_minute", "max_n", "max_best_of"):
             value = getattr(self, name)
             _check(self, name, value is None or (_is_int(value) and value >= 1), "must be an integer >= 1 or None")
+        _check(self, "lora", self.lora is None or (isinstance(self.lora, str) and bool(self.lora)),
+               "must be a non-empty string (an adapter's name) or None")
         if self.cache_salt is not None and not isinstance(self.cache_salt, str):  # the value is secret: not shown
             raise ValueError(f"TenantConfig.cache_salt must be a string or None (tenant {self.name!r}), "
                              f"got {type(self.cache_salt).__name__}")
