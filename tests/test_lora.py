@@ -6,6 +6,7 @@ Then loading errors, cache isolation between adapters, and run-time add and remo
 
 from __future__ import annotations
 
+import asyncio
 import json
 from pathlib import Path
 
@@ -176,3 +177,52 @@ def test_an_adapter_added_at_run_time_and_removed_once_its_requests_end(untied_l
                 done[out.request_id] = list(out.outputs[0].token_ids)
     assert done["x"] == references[("r8_all", 0)]
     assert core.loras.names() == [] and "late" not in core.loras.adapters
+
+
+def test_kv_events_say_which_adapter_computed_the_blocks(untied_llama_dir, adapters):
+    from streamengine.kv.events import BlockStored
+
+    config = EngineConfig(model=str(untied_llama_dir), num_gpu_blocks=64, max_lora_rank=64,
+                          lora_modules=(("a", str(adapters["r8_all"])),))
+    core = EngineCore(config)
+    core.record_kv_events(True)
+    engine_greedy(core, {"base": (list(range(500, 540)), None), "lora": (list(range(600, 640)), "a")}, 2)
+    stored = [e for e in core.take_kv_events() if isinstance(e, BlockStored)]
+    by_first_token = {e.token_ids[0]: e.lora_id for e in stored}
+    assert by_first_token == {500: None, 600: core.loras.get("a").lora_id}
+    assert {e.lora_id for e in core.kv_snapshot() if isinstance(e, BlockStored)} == {None, core.loras.get("a").lora_id}
+
+
+async def test_async_engine_runs_adapters_by_request_and_by_tenant_and_removes_them_when_idle(
+        untied_llama_dir, adapters, references):
+    from streamengine.engine.async_engine import AsyncEngine
+    from streamengine.tenancy.tenants import TenantConfig
+
+    config = EngineConfig(model=str(untied_llama_dir), num_gpu_blocks=64, max_lora_rank=64,
+                          tenants=(TenantConfig("bot", lora="tenant-own"),))
+    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+    async with AsyncEngine(config) as engine:
+        await engine.add_lora("tenant-own", str(adapters["r16_attention"]))
+        await engine.add_lora("other", str(adapters["r8_all"]))
+        assert [a["name"] for a in engine.lora_adapters()] == ["other", "tenant-own"]
+
+        async def tokens(**kw) -> list[int]:
+            outs = [out async for out in engine.generate(PROMPTS[0], params, **kw)]
+            return list(outs[-1].outputs[0].token_ids)
+
+        assert await tokens(lora="other") == references[("r8_all", 0)]
+        assert await tokens(tenant="bot") == references[("r16_attention", 0)]  # the tenant's own adapter
+        assert await tokens(tenant="bot", lora="other") == references[("r8_all", 0)]  # the request names another
+        assert await tokens() == references[(None, 0)]
+        # removal waits for the request running on it, and refuses new ones at once
+        long = engine.generate(PROMPTS[1], SamplingParams(max_tokens=200, ignore_eos=True), lora="other")
+        first = await anext(long)
+        removal = asyncio.ensure_future(engine.remove_lora("other"))
+        await asyncio.sleep(0)  # the removal starts; 199 tokens are still to come
+        assert not removal.done()
+        with pytest.raises(ValueError, match="no LoRA adapter named 'other'"):
+            await tokens(lora="other")
+        rest = [out async for out in long]
+        await asyncio.wait_for(removal, 10)
+        assert rest[-1].finished and len(rest[-1].outputs[0].token_ids) == 200 and not first.finished
+        assert [a["name"] for a in engine.lora_adapters()] == ["tenant-own"]

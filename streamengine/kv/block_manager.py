@@ -114,10 +114,11 @@ class BlockManager(KVSwapMixin):
         hashes = self.compute_block_hashes(seq)
         pool = self.pool
         stored: list[tuple[int, KVBlock]] = []
+        lora_id = seq.lora.lora_id if seq.lora is not None else None
         for i in range(seq.num_cached_blocks, num_full):
             block = pool.blocks[seq.block_table[i]]
             parent = hashes[i - 1] if i else None
-            if pool.cache_block(block, hashes[i], parent, seq.token_ids, i * self.block_size):
+            if pool.cache_block(block, hashes[i], parent, seq.token_ids, i * self.block_size, lora_id):
                 stored.append((i, block))
         seq.num_cached_blocks = num_full
         if stored and pool.kv_events is not None:

@@ -157,14 +157,14 @@ class BlockPool(KVEventLogMixin):
     # -- the hash index ------------------------------------------------------------------
 
     def cache_block(self, block: KVBlock, block_hash: bytes, parent_hash: bytes | None,
-                    token_src: list[int], token_start: int) -> bool:
+                    token_src: list[int], token_start: int, lora_id: int | None = None) -> bool:
         """Indexes a full block under `block_hash`; False (nothing changes) if the block
         already holds content or another block holds that hash. `token_src[token_start:]`
         starts its tokens (an appended-only list), for KV-event snapshots."""
         if block.block_hash is not None or block_hash in self.cached:
             return False
         block.block_hash, block.parent_hash = block_hash, parent_hash
-        block.token_src, block.token_start = token_src, token_start
+        block.token_src, block.token_start, block.lora_id = token_src, token_start, lora_id
         self.cached[block_hash] = block
         return True
 

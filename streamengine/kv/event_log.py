@@ -73,7 +73,7 @@ class KVEventLogMixin:
         bs = self.block_size
         tokens = [t for b in run for t in b.token_src[b.token_start:b.token_start + bs]]
         return BlockStored(
-            [b.block_hash for b in run], run[0].parent_hash, tokens, bs, medium=self.kv_medium,
+            [b.block_hash for b in run], run[0].parent_hash, tokens, bs, lora_id=run[0].lora_id, medium=self.kv_medium,
         )
 
     def _record_removed(self, block_hash: bytes) -> None:

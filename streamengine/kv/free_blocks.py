@@ -53,6 +53,7 @@ class KVBlock:
     parent_hash: bytes | None = None
     token_src: list[int] | None = None
     token_start: int = 0
+    lora_id: int | None = None  # the LoRA adapter that computed its K/V (KV events say it)
 
 
 class FreeBlockQueue:

@@ -45,6 +45,11 @@ class LoRAAdapter:
         return frozenset(module for _, module in self.weights)
 
     @property
+    def lora_id(self) -> int:
+        """A number for KV events (vLLM's `lora_id`), from the content: the same on every replica."""
+        return int(self.digest[:15], 16)
+
+    @property
     def identity(self) -> str:
         """What the prefix cache keys this adapter's blocks by: its name and its content."""
         return identity(self.name, self.digest)
