@@ -31,10 +31,13 @@ from dataclasses import dataclass  # noqa: E402
 from pathlib import Path  # noqa: E402
 
 import pytest  # noqa: E402
-from streamengine.kernels import cpu_build, cpu_lora  # noqa: E402
 
 from streamengine import kernels as K  # noqa: E402
 
+# Submodules the package has imported (lora_triton shares cpu_lora's checks). Taken from it
+# rather than imported by name: ruff's isort sorts `streamengine.kernels` (mapped by
+# package-dir) and `streamengine` into different sections depending on the checkout.
+cpu_build, cpu_lora = K.cpu_build, K.cpu_lora
 DEVICE = torch.device("cuda" if NATIVE else "cpu")
 TRITON_HERE = K.triton_available()
 CPP_BUILDS = cpu_build.selected_instruction_set() is not None and bool(
