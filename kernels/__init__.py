@@ -1,13 +1,14 @@
 """Kernels of the engine, imported as `streamengine.kernels`.
 
-CUDA: Triton kernels for paged attention and the KV cache, with their PyTorch references. The
-Triton wrappers launch compiled kernels on CUDA tensors, or interpreted ones on CPU tensors
-when TRITON_INTERPRET=1 was set before triton was first imported (slow: tests only). The
-`ref_*` functions are plain PyTorch.
+CUDA: Triton kernels for paged attention, the KV cache and batched multi-LoRA
+(`lora_shrink_expand`), with their PyTorch references. The Triton wrappers launch compiled
+kernels on CUDA tensors, or interpreted ones on CPU tensors when TRITON_INTERPRET=1 was set
+before triton was first imported (slow: tests only). The `ref_*` functions are plain PyTorch.
 
 CPU: C++ kernels (csrc/), built on first use into one library by `cpu_build` and called
 through ctypes: `cpu_linear` (packed small-batch GEMM), `cpu_attention` (paged decode
-attention; `cpu_prefill_attention` for prefill rows), `cpu_ops` (fused element-wise steps), `cpu_layer` (a decoder layer in two calls).
+attention; `cpu_prefill_attention` for prefill rows), `cpu_ops` (fused element-wise steps), `cpu_layer` (a decoder layer in two calls),
+`cpu_lora` (batched multi-LoRA, the CPU twin of the Triton `lora_shrink_expand`).
 Import those submodules directly; each falls back to PyTorch where the library cannot run.
 
 This package imports nothing from the engine: the engine calls into it.
@@ -17,8 +18,10 @@ from __future__ import annotations
 
 __all__ = [
     "copy_blocks",
+    "lora_shrink_expand",
     "paged_attention",
     "ref_copy_blocks",
+    "ref_lora_shrink_expand",
     "ref_paged_attention",
     "ref_reshape_and_cache",
     "reshape_and_cache",
@@ -38,8 +41,14 @@ else:
 
     from ._launch import runs_interpreted
     from .copy_blocks import copy_blocks, swap_blocks
+    from .lora_triton import lora_shrink_expand
     from .paged_attention import _paged_attention_kernel, paged_attention
-    from .reference import ref_copy_blocks, ref_paged_attention, ref_reshape_and_cache
+    from .reference import (
+        ref_copy_blocks,
+        ref_lora_shrink_expand,
+        ref_paged_attention,
+        ref_reshape_and_cache,
+    )
     from .reshape_and_cache import reshape_and_cache
 
     def triton_interpreted() -> bool:

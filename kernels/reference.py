@@ -3,7 +3,9 @@
 They take the same tensors as the Triton wrappers (`ref_paged_attention` is also the
 reference of the C++ CPU decode kernel's tests). The engine does not run them for attention:
 its CPU paths are the C++ kernels and the torch backend in streamengine/models/; only
-`ref_copy_blocks` serves it, as the copy-on-write block copy on CPU.
+`ref_copy_blocks` serves it, as the copy-on-write block copy on CPU, and
+`ref_lora_shrink_expand`, as the multi-LoRA fallback where the C++ kernels cannot run
+(kernels/cpu_lora.py).
 
 Attention is computed in fp32 with torch SDPA. Decode requests (one query token) are batched
 into padded SDPA calls so that tests over many requests stay quick; longer queries run one
@@ -212,3 +214,29 @@ def ref_copy_blocks(
     for cache in (*key_caches, *value_caches):
         s, d = src.to(cache.device), dst.to(cache.device)
         cache.index_copy_(0, d, cache.index_select(0, s))
+
+
+def ref_lora_shrink_expand(
+    x: torch.Tensor,
+    y: torch.Tensor,
+    slot: torch.Tensor,
+    A: torch.Tensor,
+    B: torch.Tensor,
+    rank: torch.Tensor,
+    scale: torch.Tensor,
+) -> None:
+    """y[t] += scale[s] * B[s, :, :rank[s]] @ (A[s, :rank[s]] @ x[t]) for every row t with
+    s = slot[t] >= 0, in place (y may be any strided view); rows with slot -1 are untouched.
+
+    x [T, in], y [T, out], slot [T], A [S, R, in], B [S, out, R], rank [S], scale [S]. One pair
+    of fp32 matmuls per slot present; entries of A and B past a slot's rank are never read.
+    """
+    slot = slot.to(torch.int64)
+    for s in torch.unique(slot).tolist():
+        r = int(rank[s]) if s >= 0 else 0
+        if r == 0:
+            continue
+        rows = (slot == s).nonzero().squeeze(1)
+        h = x.index_select(0, rows).float() @ A[s, :r].float().T  # [n, r]
+        delta = (h @ B[s, :, :r].float().T) * scale[s].float()  # [n, out]
+        y.index_add_(0, rows, delta.to(y.dtype))

@@ -53,6 +53,8 @@ inline float vreduce_max(vf v) { return _mm512_reduce_max_ps(v); }
 
 inline vi vset1_i(int32_t x) { return _mm512_set1_epi32(x); }
 inline vi vload_i(const int32_t* p) { return _mm512_loadu_si512(p); }
+// Lane i = base[idx lane i] (a strided column of a row-major matrix, say).
+inline vf vgather(const float* base, vi idx) { return _mm512_i32gather_ps(idx, base, 4); }
 
 // Lanes [0, n), n in [0, 16].
 inline vmask first_lanes(int64_t n) { return static_cast<vmask>((1u << n) - 1); }
@@ -180,6 +182,9 @@ inline float vreduce_max(vf v) {
 inline vi vset1_i(int32_t x) { const __m256i v = _mm256_set1_epi32(x); return {v, v}; }
 inline vi vload_i(const int32_t* p) {
   return {_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)), _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 8))};
+}
+inline vf vgather(const float* base, vi idx) {
+  return {_mm256_i32gather_ps(base, idx.lo, 4), _mm256_i32gather_ps(base, idx.hi, 4)};
 }
 
 inline vmask first_lanes(int64_t n) {
