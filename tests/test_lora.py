@@ -39,7 +39,8 @@ def make_adapter(base: Path, folder: Path, rank: int, targets: list[str], seed: 
     return folder
 
 
-def peft_greedy(base: Path, adapter: Path | None, prompt: list[int], max_tokens: int) -> list[int]:
+def peft_greedy(base: Path, adapter: Path | None, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
+    """transformers + peft's greedy tokens (the adapter unmerged), one prompt at a time."""
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
@@ -47,11 +48,14 @@ def peft_greedy(base: Path, adapter: Path | None, prompt: list[int], max_tokens:
     if adapter is not None:
         model = PeftModel.from_pretrained(model, adapter)
     model.eval()
+    outs = []
     with torch.inference_mode():
-        ids = torch.tensor([prompt])
-        out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_tokens, do_sample=False,
-                             pad_token_id=0, eos_token_id=None)
-    return out[0, len(prompt):].tolist()
+        for prompt in prompts:
+            ids = torch.tensor([prompt])
+            out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_tokens, do_sample=False,
+                                 pad_token_id=0, eos_token_id=None)
+            outs.append(out[0, len(prompt):].tolist())
+    return outs
 
 
 def engine_greedy(core: EngineCore, requests: dict[str, tuple[list[int], str | None]], max_tokens: int) -> dict:
@@ -83,8 +87,11 @@ def adapters(untied_llama_dir, tmp_path_factory) -> dict[str, Path]:
 @pytest.fixture(scope="module")
 def references(untied_llama_dir, adapters) -> dict[tuple[str | None, int], list[int]]:
     """transformers + peft's greedy tokens for every (adapter or None, prompt)."""
-    return {(name, i): peft_greedy(untied_llama_dir, adapters[name] if name else None, prompt, 16)
-            for name in [None, *adapters] for i, prompt in enumerate(PROMPTS)}
+    refs = {}
+    for name in [None, *adapters]:
+        for i, tokens in enumerate(peft_greedy(untied_llama_dir, adapters[name] if name else None, PROMPTS, 16)):
+            refs[(name, i)] = tokens
+    return refs
 
 
 @pytest.mark.parametrize("model_impl", ["auto", "transformers"])

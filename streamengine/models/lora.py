@@ -5,7 +5,8 @@ Rows of different adapters (and of none) share one step. Each adapted projection
 layer keeps a stack of its resident adapters' A [S, R, in] and B [S, out, R] (R the engine's
 max_lora_rank, a slot's rank past its own zero-padded and skipped), their ranks and scalings;
 after the base projection, every row of slot s gets `scaling[s] * B[s] (A[s] x)` added
-(kernels/cpu_lora.py: rows grouped by slot, shrink then expand). An adapter not targeting a
+(kernels/cpu_lora.py on CPU, kernels/lora_triton.py on CUDA: rows grouped by slot, shrink
+then expand). An adapter not targeting a
 projection has rank 0 there. Slots are reused least recently used first, never one a row of
 the step needs: the scheduler runs at most `max_loras` adapters at once, so a step's adapters
 always have slots.
@@ -19,7 +20,7 @@ from dataclasses import dataclass
 
 import torch
 
-from streamengine.kernels.cpu_lora import lora_shrink_expand
+from streamengine.kernels import cpu_lora
 from streamengine.lora.adapter import LoRAAdapter, projection_shapes
 
 NO_SLOT = -1  # a row of the base model
@@ -58,6 +59,7 @@ class LoRAStacks:
         self.stacks: dict[tuple[int, str], Stack] = {}  # made when a resident adapter first adapts one
         self.slots: OrderedDict[str, int] = OrderedDict()  # adapter identity -> slot, least recent first
         self.num_loads = 0
+        self.kernel = cpu_lora.lora_shrink_expand if device.type == "cpu" else _triton_kernel()
 
     def slot_rows(self, row_adapters: list[LoRAAdapter | None]) -> torch.Tensor | None:
         """Each row's slot (int32 [T], NO_SLOT for base rows), loading adapters not resident;
@@ -75,7 +77,7 @@ class LoRAStacks:
         """y += each row's adapter delta of projection `module` in `layer` (no-op if none adapts it)."""
         stack = self.stacks.get((layer, module))
         if stack is not None:
-            lora_shrink_expand(x, y, slots, stack.a, stack.b, stack.rank, stack.scale)
+            self.kernel(x, y, slots, stack.a, stack.b, stack.rank, stack.scale)
 
     def _resident(self, adapter: LoRAAdapter, wanted: Mapping[str, LoRAAdapter]) -> int:
         slot = self.slots.get(adapter.identity)
@@ -116,3 +118,9 @@ class LoRAStacks:
                 torch.zeros(s, dtype=torch.int32, device=dev), torch.zeros(s, dtype=torch.float32, device=dev),
             )
         return stack
+
+
+def _triton_kernel():
+    from streamengine.kernels import lora_shrink_expand  # imports Triton: on CUDA only
+
+    return lora_shrink_expand
