@@ -70,6 +70,34 @@ def untied_llama_dir(tmp_path_factory, smollm_dir) -> Path:
                       smollm_dir)
 
 
+def make_adapter(base: Path, folder: Path, rank: int, targets: list[str], seed: int, alpha: int | None = None) -> Path:
+    """A random PEFT LoRA adapter of `base` (B is not zero: init_lora_weights=False)."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
+    config = LoraConfig(r=rank, lora_alpha=alpha or 2 * rank, target_modules=targets, init_lora_weights=False)
+    peft_model = get_peft_model(model, config)
+    with torch.no_grad():  # B's default init is large beside the tiny model's 0.02 weights
+        for name, p in peft_model.named_parameters():
+            if "lora_B" in name:
+                p.mul_(0.05)
+    peft_model.save_pretrained(folder)
+    return folder
+
+
+@pytest.fixture(scope="session")
+def tiny_lora_dirs(untied_llama_dir, tmp_path_factory) -> dict[str, Path]:
+    """Two random LoRA adapters of the untied tiny Llama: "lora-a" (rank 8, every projection)
+    and "lora-b" (rank 16, attention only)."""
+    root = tmp_path_factory.mktemp("tiny_loras")
+    specs = {"lora-a": (8, ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]),
+             "lora-b": (16, ["q_proj", "k_proj", "v_proj", "o_proj"])}
+    return {name: make_adapter(untied_llama_dir, root / name, rank, targets, seed)
+            for seed, (name, (rank, targets)) in enumerate(specs.items())}
+
+
 @pytest.fixture(scope="session")
 def tiny_qwen2_dir(tmp_path_factory, smollm_dir) -> Path:
     """A 2-layer random Qwen2 (q/k/v biases, GQA 6:2, head_dim 16) with SmolLM2's tokenizer."""

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import make_adapter
 
 from streamengine.config import EngineConfig
 from streamengine.engine.core import EngineCore
@@ -20,23 +21,6 @@ from streamengine.sample.sampling_params import SamplingParams
 
 ATTENTION = ["q_proj", "k_proj", "v_proj", "o_proj"]
 MLP = ["gate_proj", "up_proj", "down_proj"]
-
-
-def make_adapter(base: Path, folder: Path, rank: int, targets: list[str], seed: int, alpha: int | None = None) -> Path:
-    """A random PEFT LoRA adapter of `base` (B is not zero: init_lora_weights=False)."""
-    from peft import LoraConfig, get_peft_model
-    from transformers import AutoModelForCausalLM
-
-    torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
-    config = LoraConfig(r=rank, lora_alpha=alpha or 2 * rank, target_modules=targets, init_lora_weights=False)
-    peft_model = get_peft_model(model, config)
-    with torch.no_grad():  # B's default init is large beside the tiny model's 0.02 weights
-        for name, p in peft_model.named_parameters():
-            if "lora_B" in name:
-                p.mul_(0.05)
-    peft_model.save_pretrained(folder)
-    return folder
 
 
 def peft_greedy(base: Path, adapter: Path | None, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:

@@ -45,13 +45,14 @@ DEFAULT_TOOL_PARSER = "hermes"
 @dataclass(frozen=True, slots=True)
 class ServerConfig:
     """`api_key`: one key or several (each its own tenant with its own prefix-cache salt); None
-    = no auth. `admin_keys`: keys that also read /metrics, /v1/kv_state and /v1/tenants (with
-    keys configured, nobody else may). `allowed_origins`: browser origins allowed besides the
-    server's own (`*` = any). `host`, `allowed_hosts`: the Host names answered are the
-    loopback ones, `host` when it is a specific address, and `allowed_hosts` (`*` = any; on a
-    wildcard address with none given, any). `allow_unauthenticated`: serve a non-loopback
-    address without a key. `model_name`: the id /v1/models reports and OpenAI requests must
-    name (default: the engine's). `tenants`: a parsed tenants file, whose keys run requests as
+    = no auth. `admin_keys`: keys that also read /metrics, /v1/kv_state and /v1/tenants and
+    load and unload LoRA adapters (with keys configured, nobody else may). `allowed_origins`:
+    browser origins allowed besides the server's own (`*` = any). `host`, `allowed_hosts`: the
+    Host names answered are the loopback ones, `host` when it is a specific address, and
+    `allowed_hosts` (`*` = any; on a wildcard address with none given, any).
+    `allow_unauthenticated`: serve a non-loopback address without a key. `model_name`: the
+    base model's id in /v1/models, which OpenAI requests name unless they name a LoRA adapter
+    (default: the engine's). `tenants`: a parsed tenants file, whose keys run requests as
     their tenant and whose prompts are pinned when the engine starts. `tool_parser`: how tool
     calls are read out of outputs with tool_choice "auto". `stall_timeout`: /ready is 503 once
     the engine has work but no progress this long. `shutdown_timeout`: how long a drain lets

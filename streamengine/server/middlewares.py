@@ -31,8 +31,12 @@ _PUBLIC_PATHS = frozenset({"/", "/health", "/ready", "/favicon.ico", "/v1/stream
 _PUBLIC_PREFIXES = ("/static/",)
 # /v1/stream is "public" to the HTTP middleware only: the WebSocket checks the key itself,
 # because browsers cannot put an Authorization header on a WebSocket handshake.
-_ADMIN_PATHS = frozenset({"/metrics", "/v1/kv_state", "/v1/tenants"})
-"""Views of the whole server (every tenant's load and cache): admin keys only, once keys exist."""
+_VIEW = "shows every tenant's load and cache"
+_LORA = "changes the LoRA adapters every tenant is served"
+_ADMIN_PATHS = {"/metrics": _VIEW, "/v1/kv_state": _VIEW, "/v1/tenants": _VIEW,
+                "/v1/load_lora_adapter": _LORA, "/v1/unload_lora_adapter": _LORA}
+"""Views of the whole server (every tenant's load and cache) and changes to what it serves,
+each with why: admin keys only, once keys exist."""
 _PROBE_PATHS = frozenset({"/health", "/ready"})
 # Orchestrators probe by pod IP (`Host: 10.x.y.z:8000`), a name no --allowed-host lists; these
 # routes are public and reveal only the engine's state, so the Host check leaves them alone.
@@ -197,12 +201,12 @@ async def auth(request: web.Request, handler: Handler) -> web.StreamResponse:
 
 
 def _admin_required(state: ServerState, path: str) -> web.Response:
+    what = _ADMIN_PATHS[path]
     if state.keys.has_admin:
-        why = f"{path} shows every tenant's load and cache: it needs an admin key (--admin-key)"
+        why = f"{path} {what}: it needs an admin key (--admin-key)"
     else:
-        why = (f"{path} shows every tenant's load and cache, so with API keys it is for admin "
-               "keys only, and this server has none: start it with --admin-key "
-               "(or STREAMENGINE_ADMIN_KEY) to read it")
+        why = (f"{path} {what}, so with API keys it is for admin keys only, and this server "
+               "has none: start it with --admin-key (or STREAMENGINE_ADMIN_KEY) to use it")
     return openai.error_response(403, why, type_="permission_error", code="admin_required")
 
 

@@ -6,6 +6,8 @@ Server -> client: `ready`, `delta`, `done`, `error`, `kv_state`.
 Sampling parameters travel as a plain object and are converted into the engine's own
 `SamplingParams`, so every knob the engine accepts is available here with its own validation
 (structured outputs too: `params.structured`, e.g. `{"type": "json_schema", "schema": {...}}`).
+`params.lora`, not a sampling parameter, names a loaded LoRA adapter to run the request under
+(left out: the tenant's adapter, or the base model); an unknown one is `invalid_params`.
 `generate` with `messages` may offer `tools` and a `tool_choice` as OpenAI's chat does
 (server/tools.py); calls then come in `delta.tool_calls` as they are written (an entry with
 `id` opens call `index` with its name, later entries add to its arguments), left out of
@@ -123,7 +125,7 @@ class Generate(msgspec.Struct, tag="generate", tag_field="type", forbid_unknown_
     id: RequestId
     prompt: str | list[int] | None = None
     messages: list[ChatMessage] | None = None
-    params: dict[str, Any] = {}
+    params: dict[str, Any] = {}  # SamplingParams fields, and `lora` (an adapter's name)
     # The end user (or session) this request is for, as OpenAI's `user`: its private blocks
     # are salted per user, so users of one key share only the key's pinned prefixes.
     user: UserId | None = None

@@ -24,8 +24,9 @@ class Tenant:
 
     name: str  # the engine tenant's name: "key-<16 hex>" for an --api-key key (a hash: reveals nothing usable)
     cache_salt: str | None  # of requests that name no user; None: the engine tenant's own salt
-    # May read the global views (/metrics, /v1/kv_state, /v1/tenants, WebSocket kv_state): with
-    # no keys configured everyone may; with keys, only the holder of an admin key.
+    # May read the global views (/metrics, /v1/kv_state, /v1/tenants, WebSocket kv_state) and
+    # load and unload LoRA adapters: with no keys configured everyone may; with keys, only the
+    # holder of an admin key.
     is_admin: bool = False
     engine_tenant: str | None = None  # None: the engine's default tenant
     user_salt_key: str = ""  # keys the hash of per-user salts: secret, never sent to a client

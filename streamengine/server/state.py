@@ -175,6 +175,11 @@ class ServerState:
                 f"{self._token_chars} characters per token (the longest token of this tokenizer): "
                 "refused without tokenizing")
 
+    def lora_adapters(self) -> dict[str, str]:
+        """The engine's loaded LoRA adapters, name -> folder ({} for an engine without them)."""
+        listing = getattr(self.engine, "lora_adapters", None)  # a test's stand-in may lack it
+        return {adapter["name"]: adapter["path"] for adapter in listing()} if listing is not None else {}
+
     def close(self) -> None:
         if self._tokenizer_pool is not None:
             self._tokenizer_pool.close()

@@ -95,11 +95,13 @@ async def stream_request(
     recorder: RequestRecorder,
     timeout: float | None = None,
     tenant: str | None = None,
+    lora: str | None = None,
 ) -> AsyncIterator[StepUpdate]:
     """Deltas of one engine request. Leaving early (break, cancel, error) aborts it.
 
-    `tenant` None runs it as the engine's default tenant, and then `generate` is called
-    exactly as before tenants existed (engines and stand-ins without the argument work).
+    `tenant` None runs it as the engine's default tenant, and `lora` None under the tenant's
+    adapter or the base model; either None is left out of the `generate` call (engines and
+    stand-ins without the argument work).
 
     The engine's own errors (ValueError for bad params or a long prompt, LimitExceededError,
     EngineOverloadedError on the first step; EngineError later) propagate unchanged. With
@@ -108,7 +110,7 @@ async def stream_request(
     """
     progress = _Progress([None] * params.n)
     params = msgspec.structs.replace(params, output_kind="delta")
-    named = {} if tenant is None else {"tenant": tenant}
+    named = {name: value for name, value in (("tenant", tenant), ("lora", lora)) if value is not None}
     stream = engine.generate(prompt, params, request_id=request_id, cache_salt=cache_salt, **named)
     deadline = None if timeout is None else asyncio.get_running_loop().time() + timeout
     finished = False

@@ -74,6 +74,7 @@ MAX_ERROR_CHARS = 512  # error texts may quote the input (a field name, a value)
 @dataclass(slots=True, eq=False)
 class _Live:
     engine_id: str
+    lora: str | None = None  # params.lora: the adapter it runs under
     task: asyncio.Task | None = None
     aborted: bool = False
 
@@ -285,13 +286,14 @@ class Connection:
             return
         try:
             params, plan = self._check(msg)
+            lora = self._lora(msg.params.get("lora"))
         except RecursionError:
             self._error(msg.id, p.TOO_DEEP, "params nested too deeply")
             return
         except ValueError as exc:  # LimitExceededError among them: a SamplingParams bound
             self.outbox.push(_failure(msg.id, "", exc))
             return
-        live = _Live(new_request_id("ws"))
+        live = _Live(new_request_id("ws"), lora)
         self.live[msg.id] = live
         live.task = asyncio.create_task(self._run(msg, live, params, plan), name="ws-request")
 
@@ -300,6 +302,7 @@ class Connection:
             raise ValueError("give exactly one of `prompt` and `messages`")
         plan = _tool_plan(msg, self.state.config.tool_parser)
         fields = dict(msg.params)
+        fields.pop("lora", None)  # not a sampling parameter: `_lora`
         if fields.get("prompt_logprobs") is not None:
             raise ValueError("params.prompt_logprobs is not available on the WebSocket (its deltas carry no "
                              "prompt): use POST /v1/completions")
@@ -309,6 +312,17 @@ class Connection:
                                  "or named), not both")
             fields["structured"] = plan.structured
         return SamplingParams.from_dict(fields), plan
+
+    def _lora(self, name: object) -> str | None:
+        """params.lora: a loaded adapter's name, or None (the tenant's adapter or the base model)."""
+        if name is None:
+            return None
+        if not isinstance(name, str) or not name:
+            raise ValueError(f"params.lora must be a LoRA adapter's name (a non-empty string), got {name!r}")
+        loaded = self.state.lora_adapters()
+        if name not in loaded:
+            raise ValueError(f"params.lora: no LoRA adapter named {name!r} is loaded (loaded: {sorted(loaded)})")
+        return name
 
     async def _prompt_ids(self, msg: p.Generate, plan: ToolPlan) -> list[int]:
         if msg.messages is not None:
@@ -348,6 +362,7 @@ class Connection:
             recorder=self.state.metrics.recorder(engine_tenant or DEFAULT_TENANT),
             timeout=self.state.config.request_timeout,
             tenant=engine_tenant,
+            lora=live.lora,
         )
         async with contextlib.aclosing(updates):
             async for update in updates:

@@ -1,5 +1,9 @@
 """OpenAI-compatible HTTP: `/v1/models` (and `/v1/models/{id}`), `/v1/completions`,
-`/v1/chat/completions`, and vLLM's `/tokenize`, `/detokenize` and `/version`.
+`/v1/chat/completions`, and vLLM's `/tokenize`, `/detokenize`, `/version` and LoRA routes
+(`/v1/load_lora_adapter`, `/v1/unload_lora_adapter`).
+
+A request's `model` is the base model's id or a loaded LoRA adapter's name, which runs the
+request under that adapter and is echoed in the response's `model`; /v1/models lists both.
 
 Request bodies are decoded with msgspec into the fields each endpoint implements (OpenAI's and
 vLLM's); any other field OpenAI or vLLM defines is refused by name (fields.py), and only fields
@@ -29,7 +33,7 @@ schemas.py holds the bodies, fields.py the table of every field, endpoints.py wh
 between the two endpoints (one object each), prompts.py the prompts' forms, truncation and echo,
 guided.py vLLM's structured-output spellings, format.py builds response bodies from stream
 updates, batch.py runs a request's engine streams side by side, routes.py the handlers,
-tokenize.py the tokenizer routes.
+tokenize.py the tokenizer routes, lora.py the LoRA routes.
 """
 
 from streamengine.server.openai.errors import OpenAIError, error_response, http_exception_response

@@ -65,6 +65,7 @@ class Job:
     echo_logprobs: bool = False  # the prompt's logprobs lead each choice's (echo with logprobs)
     prompt_logprobs: int | None = None  # vLLM's prompt_logprobs: alternatives to report
     tokens_as_ids: bool = False  # vLLM's return_tokens_as_token_ids: tokens as "token_id:<id>"
+    lora: str | None = None  # the LoRA adapter `model` names; None: the base model (or the tenant's adapter)
 
     @property
     def num_choices(self) -> int:
@@ -111,7 +112,7 @@ class Endpoint(ABC, Generic[Body]):
         check_refused(self.name, raw)
         if body.stream_options is not None and body.stream_options.include_obfuscation:
             raise unsupported("stream_options.include_obfuscation", "streams are not padded")
-        check_model(state, body.model)
+        lora = check_model(state, body.model)
         prepared = self.prepare(state, body)
         cut = truncation(body.truncate_prompt_tokens, body.truncation_side)
         prompts = [await prompt_job(state, prompt, add_special_tokens=prepared.add_special_tokens, cut=cut,
@@ -121,7 +122,7 @@ class Endpoint(ABC, Generic[Body]):
                    prepared.tool_parser, continuous_usage=body.continuous_usage,
                    cache_salt=_cache_salt(body.cache_salt), echo_only=prepared.echo_only,
                    prompt_logprobs=body.prompt_logprobs, tokens_as_ids=bool(body.return_tokens_as_token_ids),
-                   **prepared.extra)
+                   lora=lora, **prepared.extra)
 
     @abstractmethod
     def prepare(self, state: ServerState, body: Body) -> Prepared:
@@ -261,13 +262,19 @@ def decode_body(raw: bytes, body_type: type[Body]) -> Body:
         raise OpenAIError(400, "invalid JSON body: nested too deeply", code="too_deep") from None
 
 
-def check_model(state: ServerState, model: str | None) -> None:
-    if model is not None and model != state.model_name:
-        raise model_not_found(state, model)
+def check_model(state: ServerState, model: str | None) -> str | None:
+    """The LoRA adapter a request's `model` names, None for the base model (or no `model`);
+    404 model_not_found for a name that is neither."""
+    if model is None or model == state.model_name:
+        return None
+    if model in state.lora_adapters():
+        return model
+    raise model_not_found(state, model)
 
 
 def model_not_found(state: ServerState, model: str) -> OpenAIError:
-    return OpenAIError(404, f"The model `{model}` does not exist; this server serves `{state.model_name}`.",
+    served = ", ".join(f"`{name}`" for name in (state.model_name, *sorted(state.lora_adapters())))
+    return OpenAIError(404, f"The model `{model}` does not exist; this server serves {served}.",
                        param="model", code="model_not_found")
 
 

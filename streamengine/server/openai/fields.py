@@ -101,7 +101,10 @@ _NO_DISAGGREGATION = "no disaggregated prefill or encoder cache transfer here"
 
 RULES: tuple[FieldRule, ...] = (
     # -- OpenAI's fields, both endpoints
-    _both("model", B, B, Implemented("the served model's id, or a 404 model_not_found")),
+    _both("model", B, B, Implemented(
+        "the served model's id (the tenant's LoRA adapter, if its config names one, or the base "
+        "model), or a loaded LoRA adapter's name (runs the request under it); the response's model "
+        "echoes it; another name is a 404 model_not_found")),
     _both("n", B, B),
     _both("temperature", B, B),
     _both("top_p", B, B),

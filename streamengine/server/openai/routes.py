@@ -24,6 +24,7 @@ from streamengine.server.openai.endpoints import (
 )
 from streamengine.server.openai.errors import OpenAIError, failure_error
 from streamengine.server.openai.format import CollectedChoice, ResponseFormat, prompt_only
+from streamengine.server.openai.lora import load_lora_adapter, unload_lora_adapter
 from streamengine.server.openai.tokenize import detokenize, tokenize
 from streamengine.server.state import TENANT_KEY, ServerState, get_state, new_request_id
 from streamengine.server.streaming import StepUpdate, limit_kernel_unsent, stream_request
@@ -54,11 +55,12 @@ class _Runner:
                 recorder=state.metrics.recorder(engine_tenant or DEFAULT_TENANT),
                 timeout=state.config.request_timeout,
                 tenant=engine_tenant,
+                lora=job.lora,
             )
             for prompt, engine_id in zip(job.prompts, self.engine_ids, strict=True)
         ]
         token_text = _token_id_text if job.tokens_as_ids else self._token_text
-        self.format = ResponseFormat(job, state.model_name, token_text)
+        self.format = ResponseFormat(job, job.lora or state.model_name, token_text)  # the name requested
 
     @property
     def engine_id(self) -> str:
@@ -205,24 +207,34 @@ async def _stream(runner: _Runner, firsts: list[StepUpdate]) -> web.StreamRespon
 # ---- routes -------------------------------------------------------------------------------------
 
 
-def _model_card(state: ServerState) -> dict[str, Any]:
+def _model_card(state: ServerState, name: str, root: str, parent: str | None) -> dict[str, Any]:
     return {
-        "id": state.model_name, "object": "model", "created": state.created, "owned_by": "streamengine",
-        "max_model_len": state.engine.stats().get("max_model_len"),
+        "id": name, "object": "model", "created": state.created, "owned_by": "streamengine", "root": root,
+        "parent": parent, "max_model_len": state.engine.stats().get("max_model_len"),
     }
 
 
+def _model_cards(state: ServerState) -> dict[str, dict[str, Any]]:
+    """The base model's card, then each LoRA adapter's (its parent the base model, its root its folder)."""
+    cards = {state.model_name: _model_card(state, state.model_name, state.engine.model_name, None)}
+    for name, path in sorted(state.lora_adapters().items()):
+        cards.setdefault(name, _model_card(state, name, path, state.model_name))
+    return cards
+
+
 async def list_models(request: web.Request) -> web.Response:
-    return web.json_response({"object": "list", "data": [_model_card(get_state(request))]})
+    return web.json_response({"object": "list", "data": list(_model_cards(get_state(request)).values())})
 
 
 async def retrieve_model(request: web.Request) -> web.Response:
-    """`GET /v1/models/{id}` (`client.models.retrieve`); 404 model_not_found for another id."""
+    """`GET /v1/models/{id}` (`client.models.retrieve`), the base model or an adapter; 404
+    model_not_found for another id."""
     state = get_state(request)
     model = request.match_info["model"]
-    if model != state.model_name:
+    card = _model_cards(state).get(model)
+    if card is None:
         raise model_not_found(state, model)
-    return web.json_response(_model_card(state))
+    return web.json_response(card)
 
 
 async def version(_: web.Request) -> web.Response:
@@ -251,4 +263,6 @@ def add_routes(app: web.Application) -> None:
     app.router.add_post("/v1/chat/completions", chat_completions)
     app.router.add_post("/tokenize", tokenize)
     app.router.add_post("/detokenize", detokenize)
+    app.router.add_post("/v1/load_lora_adapter", load_lora_adapter)
+    app.router.add_post("/v1/unload_lora_adapter", unload_lora_adapter)
     app.router.add_get("/version", version)
