@@ -105,7 +105,8 @@ class ServerSpec:
     def args(self, binary: Path, gguf: Path, port: int) -> list[str]:
         cmd = [str(binary), "-m", str(gguf), "--host", "127.0.0.1", "--port", str(port),
                "-t", str(self.threads), "-tb", str(self.threads), "-np", str(self.slots),
-               "-c", str(self.slots * self.ctx_per_slot), "--no-webui", "--cache-prompt"]
+               "-c", str(self.slots * self.ctx_per_slot), "--no-webui", "--cache-prompt",
+               "-nr"]  # no AMX weight buffers: its Q4_1 matmul segfaults at startup on this host's CPU
         if self.k > 0:
             cmd += ["--spec-type", SPEC_TYPE, "--spec-ngram-simple-size-n", str(self.ngram),
                     "--spec-ngram-simple-size-m", str(self.k), "--spec-ngram-simple-min-hits", "1"]
@@ -291,7 +292,7 @@ def llamacpp_lookup_rows(texts: list[str], max_tokens: int, batch: int, k: int, 
     look, plain = passes["lookup"], passes["plain"]
     drafted, accepted = sum(p.drafted for p in look), sum(p.accepted for p in look)
     how = (f"llama-server ({LLAMACPP_PYPI_VERSION} sdist's llama.cpp) -m {gguf.name} -np {batch} -c {batch * ctx} "
-           f"-t {threads} -tb {threads} --spec-type {SPEC_TYPE} --spec-ngram-simple-size-n {ngram} "
+           f"-t {threads} -tb {threads} -nr --spec-type {SPEC_TYPE} --spec-ngram-simple-size-n {ngram} "
            f"--spec-ngram-simple-size-m {k} (plain: same, no --spec-type); POST /completion prompt=<chat text> "
            f"temperature=0 top_k=1 n_predict={max_tokens}{' json_schema' if json_schema else ''}, {batch} at a "
            f"time; tok/s = tokens / server timings (per group max prompt_ms+predicted_ms, warm prompt cache), "
@@ -361,7 +362,7 @@ def main() -> None:
     except PeerUnavailable as e:
         print(f"unavailable: {e}")
         return
-    print(json.dumps({k: v for k, v in row.items() if k != "tokens"}, indent=2))
+    print(json.dumps({k: v for k, v in row.items() if k not in ("tokens", "prompt_tokens")}, indent=2))
     engine = None if args.no_engine else engine_tokens(texts, args.workload, args.max_tokens)
     for i, toks in enumerate(row["tokens"]):
         print(f"prompt {i}: llama.cpp {len(toks)} tokens {toks}")
