@@ -306,6 +306,7 @@ def llamacpp_lookup_rows(texts: list[str], max_tokens: int, batch: int, k: int, 
         "drafted": drafted,
         "accepted": accepted,
         "tokens": look[-1].tokens,
+        "tokens_plain": plain[-1].tokens,  # llama.cpp is not batch-invariant: may differ at batch > 1
         "prompt_tokens": prompt_tokens,
         "identical": all(p.tokens == plain[0].tokens for p in look + plain),
         "how": how,
@@ -362,10 +363,12 @@ def main() -> None:
     except PeerUnavailable as e:
         print(f"unavailable: {e}")
         return
-    print(json.dumps({k: v for k, v in row.items() if k not in ("tokens", "prompt_tokens")}, indent=2))
+    print(json.dumps({k: v for k, v in row.items() if k not in ("tokens", "tokens_plain", "prompt_tokens")}, indent=2))
     engine = None if args.no_engine else engine_tokens(texts, args.workload, args.max_tokens)
     for i, toks in enumerate(row["tokens"]):
+        plain = row["tokens_plain"][i]
         print(f"prompt {i}: llama.cpp {len(toks)} tokens {toks}")
+        print(f"  same as without speculation: {toks == plain} (matching prefix {prefix_agreement(toks, plain):.3f})")
         print(f"  text: {tokenizer.decode(toks)!r}")
         if engine is not None:
             print(f"  engine  {len(engine[i])} tokens {engine[i]}")
