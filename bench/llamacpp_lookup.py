@@ -2,23 +2,35 @@
 
 The tool is llama-server from the llama.cpp tree vendored in the llama-cpp-python sdist that
 bench/peers.py builds (LLAMACPP_PYPI_VERSION), built here with the server and examples on into
-its own cached folder (`default_llamacpp_dir()` + "-lookup"; peers.py's build is left as it is).
-The server rather than the `llama-lookup` example because the server is the only llama.cpp
-front end that speculates for several sequences at once (`-np 8` slots share each decode) and
-under a JSON-schema grammar; `llama-lookup` is single-sequence and prints text, not token ids.
+its own cached folder (`default_llamacpp_dir()` + "-lookup"; peers.py's build is left as it is;
+~10.5 min on 2 cores). The server rather than the `llama-lookup` example (also built) because
+the server is the only llama.cpp front end that speculates for several sequences at once (`-np 8`
+slots share each decode) and under a JSON-schema grammar (its own json_schema -> GBNF
+conversion); `llama-lookup` is single-sequence and prints text, not token ids.
 
 Its n-gram speculation (`--spec-type ngram-simple`): the last `size_n` tokens (the sampled one
 included) are searched backwards in the sequence's tokens (prompt and output), and the
 `size_m` tokens that followed the latest match are the draft, `size_m` = k here. It drafts
 nothing when fewer than `size_n` tokens follow the match, or while the sequence holds fewer
 than size_n + k + 1 tokens. The engine's "ngram" looks for the longest n in [2, 4] instead;
-`ngram` (size_n) defaults to 3, between the two.
+`ngram` (size_n) defaults to 3, between the two (and is cut to k).
 
 Greedy: temperature 0, top_k 1. The prompt is the chat-templated text, sent as a string: the
-server tokenizes it with special tokens parsed and add_special on; `lookup_server_check`
-reports whether that adds a BOS (it does not for the default SmolLM2 file).
+server tokenizes it with special tokens parsed and add_special on; `special_tokens_added` checks
+that this adds nothing (no BOS for the default SmolLM2 file), and `prompt_tokens` in the row lets
+the caller compare the ids with the engine's tokenizer (equal on the quote and json prompts).
+
+Things to know when reading its rows:
+- `-nr` (no extra weight buffers): without it the AMX Q4_1 matmul that GGML_NATIVE picks on an
+  AMX CPU segfaults at startup (seen on this host); Q4_1 has no other repacked CPU layout, so
+  `-nr` only leaves the ordinary Q4_1 kernels.
+- llama.cpp is not batch-invariant: the verify batch's shape can flip a near-tie, so `tokens`
+  (lookup) and `tokens_plain` may differ at batch > 1 (seen once in 8 quote prompts).
+- its JSON grammar lets the model pretty-print (`{\n  "name": ...`), the engine's does not, so
+  json answers differ from the engine's from the first token: compare tok/s, not tokens, there.
 
     from llamacpp_lookup import llamacpp_lookup_rows, PeerUnavailable
+    python bench/llamacpp_lookup.py --workload quote --requests 2 --max-tokens 32   # check by hand
 """
 
 from __future__ import annotations
@@ -329,6 +341,8 @@ def engine_tokens(texts: list[str], workload: str, max_tokens: int) -> list[list
 
 def prefix_agreement(ours: list[int], theirs: list[int]) -> float:
     """Leading tokens in common over the longer answer's length: 1.0 is the same answer."""
+    if not ours and not theirs:
+        return 1.0
     n = 0
     for a, b in zip(ours, theirs, strict=False):
         if a != b:
