@@ -36,7 +36,6 @@ Things to know when reading its rows:
 from __future__ import annotations
 
 import json
-import os
 import socket
 import statistics
 import subprocess
@@ -288,7 +287,7 @@ def llamacpp_lookup_rows(texts: list[str], max_tokens: int, batch: int, k: int, 
         raise PeerUnavailable(f"GGUF file not found: {gguf}")
     ctx = -(-(max_tokens + max(len(t) for t in texts) + 64) // 256) * 256  # a token is >= 1 char
     specs = {"lookup": ServerSpec(batch, ctx, threads, k, ngram), "plain": ServerSpec(batch, ctx, threads, 0, ngram)}
-    logs = {name: lookup_dir() / f"server-{name}-{os.getpid()}.log" for name in specs}
+    logs = {name: lookup_dir() / f"server-{name}.log" for name in specs}  # the last run's, for a post-mortem
     passes: dict[str, list[Pass]] = {name: [] for name in specs}
     with server(binary, gguf, specs["lookup"], logs["lookup"]) as p_spec, \
             server(binary, gguf, specs["plain"], logs["plain"]) as p_plain:
