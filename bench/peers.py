@@ -133,20 +133,24 @@ def _download_source(folder: Path, version: str) -> Path:
     return src
 
 
-def build_llamacpp(folder: Path, version: str, jobs: int) -> Path:
-    """Downloads and builds llama.cpp's tools under `folder` (niced: the machine is shared)."""
+def build_llamacpp(folder: Path, version: str, jobs: int, targets: tuple[str, ...] = TOOLS,
+                   flags: tuple[str, ...] = CMAKE_FLAGS, niceness: int = 10) -> Path:
+    """Downloads and builds llama.cpp's tools under `folder` (niced: the machine is shared).
+
+    `targets` and `flags` let other benches (llamacpp_lookup.py: llama-server) build other tools
+    into their own folder without changing this bench's cached build."""
     folder.mkdir(parents=True, exist_ok=True)
     src = _download_source(folder, version)
     build = folder / "build"
     start = time.perf_counter()
-    nice = ["nice", "-n", "10"]
+    nice = ["nice", "-n", str(niceness)]
     with open(folder / "build.log", "w") as log:
-        for cmd in ([*nice, "cmake", "-S", str(src), "-B", str(build), *CMAKE_FLAGS],
-                    [*nice, "cmake", "--build", str(build), "-j", str(jobs), "--target", *TOOLS]):
+        for cmd in ([*nice, "cmake", "-S", str(src), "-B", str(build), *flags],
+                    [*nice, "cmake", "--build", str(build), "-j", str(jobs), "--target", *targets]):
             print("+", " ".join(cmd), file=sys.stderr)
             subprocess.run(cmd, check=True, stdout=log, stderr=subprocess.STDOUT)
-    info = {"pypi_version": version, "build_seconds": time.perf_counter() - start, "cmake_flags": list(CMAKE_FLAGS),
-            "jobs": jobs}
+    info = {"pypi_version": version, "build_seconds": time.perf_counter() - start, "cmake_flags": list(flags),
+            "targets": list(targets), "jobs": jobs}
     (folder / "build_info.json").write_text(json.dumps(info, indent=2) + "\n")
     return build / "bin"
 
