@@ -99,12 +99,15 @@ def run(core, requests: list[tuple[list[int], int]], count: int) -> tuple[float,
 
 def swap_ms(core, repeats: int = 5) -> float:
     """Milliseconds to copy one adapter into a slot of every stack it adapts."""
+    import torch
+
     stacks = core.runner.loras
     adapter = core.loras.get("a0")
     times = []
     for _ in range(repeats):
         start = time.perf_counter()
-        stacks._load(adapter, 0)
+        with torch.inference_mode():  # the stacks are inference tensors (made in a step)
+            stacks._load(adapter, 0)
         times.append(time.perf_counter() - start)
     return 1e3 * statistics.median(times)
 
