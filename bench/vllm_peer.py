@@ -207,3 +207,89 @@ def vllm_spec_rows(texts: list[str], max_tokens: int, batch: int, k: int, repeat
     return {"tok_s": tok_s(spec), "tok_s_plain": tok_s(plain), "acceptance": acceptance(spec),
             "tokens": spec["tokens"], "identical": spec["tokens"] == plain["tokens"], "how": how,
             "load_s": {"plain": plain["load_s"], "ngram": spec["load_s"]}}
+
+
+def engine_tokens(texts: list[str], max_tokens: int, json_schema: dict | None) -> list[list[int]]:
+    """This engine's greedy tokens on the same float32 folder, one request at a time, to compare."""
+    from streamengine.config import EngineConfig
+    from streamengine.engine.core import EngineCore
+    from streamengine.models.loader import default_model_folder
+    from streamengine.sample.sampling_params import SamplingParams
+    from streamengine.structured.params import JsonSchema
+
+    core = EngineCore(EngineConfig(model=str(default_model_folder())))
+    structured = JsonSchema(json_schema) if json_schema else None
+    out = []
+    for i, text in enumerate(texts):
+        core.add_request(f"cmp-{i}", text, SamplingParams(temperature=0, max_tokens=max_tokens, structured=structured))
+        tokens: list[int] = []
+        while core.has_work():
+            for o in core.step():
+                if o.finished:
+                    tokens = list(o.outputs[0].token_ids)
+        out.append(tokens)
+    return out
+
+
+def agreement(a: list[list[int]], b: list[list[int]]) -> float:
+    """Fraction of positions, over the longer answer of each pair, where both chose the same token."""
+    same = total = 0
+    for x, y in zip(a, b, strict=True):
+        same += sum(p == q for p, q in zip(x, y))
+        total += max(len(x), len(y))
+    return same / total if total else 1.0
+
+
+def check(workloads: list[str], batches: list[int], n: int, max_tokens: int, k: int) -> None:
+    """A tiny run of vllm_spec_rows on speculative.py's prompts, and greedy agreement with the engine."""
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from transformers import AutoTokenizer
+
+    import speculative
+    from streamengine.models.loader import default_model_folder
+
+    start = time.perf_counter()
+    python = vllm_venv()
+    print(f"venv {python} ready in {time.perf_counter() - start:.0f} s "
+          f"({(python.parent.parent / '.ready').read_text().strip()})")
+    tokenizer = AutoTokenizer.from_pretrained(str(default_model_folder()))
+    for workload in workloads:
+        texts = speculative.prompts(tokenizer, workload, n)
+        schema = speculative.SCHEMA if workload == "json" else None
+        ours = engine_tokens(texts, max_tokens, schema)
+        for batch in batches:
+            try:
+                row = vllm_spec_rows(texts, max_tokens, batch, k, repeats=1, json_schema=schema)
+            except PeerUnavailable as exc:
+                print(f"{workload} b{batch}: unavailable: {exc}")
+                continue
+            acc = "-" if row["acceptance"] is None else f"{row['acceptance']:.2f}"
+            print(f"{workload} b{batch}: plain {row['tok_s_plain']:.1f} tok/s, ngram {row['tok_s']:.1f} tok/s, "
+                  f"acceptance {acc}, plain==ngram {row['identical']}, "
+                  f"agreement with engine {agreement(row['tokens'], ours):.3f}, load s {row['load_s']}")
+            print(f"  how: {row['how']}")
+            for i, tokens in enumerate(row["tokens"]):
+                print(f"  prompt {i}: {tokenizer.decode(tokens)!r}")
+
+
+def main() -> None:
+    import argparse
+
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--check", action="store_true", help="install if needed and run the tiny check")
+    p.add_argument("--workloads", default="quote,json")
+    p.add_argument("--batches", default="1,2")
+    p.add_argument("--requests", type=int, default=2)
+    p.add_argument("--max-tokens", type=int, default=32)
+    p.add_argument("--k", type=int, default=4)
+    args = p.parse_args()
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    if args.check:
+        check(args.workloads.split(","), [int(b) for b in args.batches.split(",")], args.requests,
+              args.max_tokens, args.k)
+    else:
+        print(vllm_venv())
+
+
+if __name__ == "__main__":
+    main()
