@@ -129,8 +129,9 @@ def _root_cause(log: str) -> str:
     return causes[-1] if causes else ""
 
 
-def run_vllm(job: dict, threads: int = 2, timeout: float = 1800) -> dict:
+def run_vllm(job: dict, threads: int = 2, timeout: float = 1800, env: dict[str, str] | None = None) -> dict:
     """Run vllm_runner.py on `job` (see its docstring) in the vLLM venv; its result dict.
+    `env` overrides the runner's environment (vLLM settings to try).
 
     PeerUnavailable carries vLLM's own error when the job cannot run; the runner's full output
     is kept in a log next to the venvs.
@@ -143,7 +144,7 @@ def run_vllm(job: dict, threads: int = 2, timeout: float = 1800) -> dict:
         with log.open("w") as out:
             try:
                 proc = subprocess.run([str(python), str(RUNNER), str(src), str(dst)], stdout=out,
-                                      stderr=subprocess.STDOUT, env=runner_env(python, threads), timeout=timeout,
+                                      stderr=subprocess.STDOUT, env={**runner_env(python, threads), **(env or {})}, timeout=timeout,
                                       stdin=subprocess.DEVNULL)
             except subprocess.TimeoutExpired:
                 raise PeerUnavailable(f"vLLM runner timed out after {timeout:.0f} s; log {log}") from None
@@ -219,7 +220,7 @@ def vllm_spec_rows(texts: list[str], max_tokens: int, batch: int, k: int, repeat
            f"LD_PRELOAD {'+'.join(Path(x).name for x in preloads(vllm_venv())) or 'none'}; median of {repeats} repeats after a warm-up generate")
     return {"tok_s": tok_s(spec), "tok_s_plain": tok_s(plain), "acceptance": acceptance(spec),
             "tokens": spec["tokens"], "identical": spec["tokens"] == plain["tokens"], "how": how,
-            "load_s": {"plain": plain["load_s"], "ngram": spec["load_s"]}}
+            "load_s": {"plain": plain["load_s"], "ngram": spec["load_s"]}, "spec_counters": spec["spec"]}
 
 
 def engine_tokens(texts: list[str], max_tokens: int, json_schema: dict | None) -> list[list[int]]:
@@ -279,10 +280,13 @@ def check(workloads: list[str], batches: list[int], n: int, max_tokens: int, k: 
             acc = "-" if row["acceptance"] is None else f"{row['acceptance']:.2f}"
             print(f"{workload} b{batch}: plain {row['tok_s_plain']:.1f} tok/s, ngram {row['tok_s']:.1f} tok/s, "
                   f"acceptance {acc}, plain==ngram {row['identical']}, "
-                  f"agreement with engine {agreement(row['tokens'], ours):.3f}, load s {row['load_s']}")
+                  f"agreement with engine {agreement(row['tokens'], ours):.3f}, load s {row['load_s']}, "
+                  f"counters {row['spec_counters']}")
             print(f"  how: {row['how']}")
-            for i, tokens in enumerate(row["tokens"]):
-                print(f"  prompt {i}: {tokenizer.decode(tokens)!r}")
+            for i, (tokens, mine) in enumerate(zip(row["tokens"], ours, strict=True)):
+                print(f"  prompt {i} vllm:   {tokenizer.decode(tokens)!r}")
+                if tokens != mine:
+                    print(f"  prompt {i} engine: {tokenizer.decode(mine)!r}")
 
 
 def main() -> None:
