@@ -24,12 +24,14 @@ def sampling_params(job: dict):
 
     extra = {}
     if job.get("json_schema") is not None:
+        # json_compact: no free whitespace, the layout streamengine's grammar writes
+        spec = {"json": job["json_schema"], "disable_any_whitespace": job.get("json_compact", False)}
         try:
             from vllm.sampling_params import StructuredOutputsParams
-            extra["structured_outputs"] = StructuredOutputsParams(json=job["json_schema"])
+            extra["structured_outputs"] = StructuredOutputsParams(**spec)
         except ImportError:  # vLLM before structured_outputs replaced guided_decoding
             from vllm.sampling_params import GuidedDecodingParams
-            extra["guided_decoding"] = GuidedDecodingParams(json=job["json_schema"])
+            extra["guided_decoding"] = GuidedDecodingParams(**spec)
     return SamplingParams(temperature=0.0, max_tokens=job["max_tokens"], ignore_eos=job.get("ignore_eos", False),
                           **extra)
 
