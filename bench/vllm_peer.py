@@ -176,9 +176,10 @@ def ngram_config(k: int) -> dict:
 def base_job(folder: Path, prompts: list[list[int]], max_tokens: int, batch: int, repeats: int,
              json_schema: dict | None = None, json_compact: bool = True) -> dict:
     """A runner job without speculation; max_model_len just covers the longest prompt and answer
-    (vLLM refuses a length whose KV does not fit VLLM_CPU_KVCACHE_SPACE). `json_compact` turns off
-    vLLM's free whitespace in JSON (its default), as streamengine's grammar has none: otherwise the
-    two systems would write different texts for the same schema."""
+    (vLLM refuses a length whose KV does not fit VLLM_CPU_KVCACHE_SPACE). `json_compact` asks vLLM
+    for JSON as streamengine writes it (json.dumps's layout, no free whitespace; the runner picks
+    vLLM's guidance backend for it): by default vLLM lets the model indent, and the two systems
+    would write different texts for the same schema."""
     longest = max(map(len, prompts)) + max_tokens + 16
     return {"model": str(folder), "prompts": prompts, "max_tokens": max_tokens, "batch": batch,
             "repeats": repeats, "json_schema": json_schema, "json_compact": json_compact,
@@ -218,7 +219,7 @@ def vllm_spec_rows(texts: list[str], max_tokens: int, batch: int, k: int, repeat
         raise PeerUnavailable(f"n-gram speculation (k={k}) on vLLM's CPU backend: {exc}") from None
     how = (f"vllm-cpu {spec['vllm_version']} in {vllm_venv().parent.parent.name}, {folder.name} float32, "
            f"{len(prompts)} token-id prompts in batches of {batch} through LLM.generate, greedy, max_tokens "
-           f"{max_tokens}{(', JSON schema' + (' (no free whitespace)' if json_compact else '')) if json_schema else ''}, ngram k={k} lookup 2-4 vs none, "
+           f"{max_tokens}{(', JSON schema' + (' (guidance backend, json.dumps layout)' if json_compact else '')) if json_schema else ''}, ngram k={k} lookup 2-4 vs none, "
            f"{threads} OMP threads (cores 0-{threads - 1}), KV 2 GiB, "
            f"LD_PRELOAD {'+'.join(Path(x).name for x in preloads(vllm_venv())) or 'none'}; median of {repeats} repeats after a warm-up generate")
     return {"tok_s": tok_s(spec), "tok_s_plain": tok_s(plain), "acceptance": acceptance(spec),

@@ -24,7 +24,6 @@ def sampling_params(job: dict):
 
     extra = {}
     if job.get("json_schema") is not None:
-        # json_compact: no free whitespace, the layout streamengine's grammar writes
         spec = {"json": job["json_schema"], "disable_any_whitespace": job.get("json_compact", False)}
         try:
             from vllm.sampling_params import StructuredOutputsParams
@@ -34,6 +33,20 @@ def sampling_params(job: dict):
             extra["guided_decoding"] = GuidedDecodingParams(**spec)
     return SamplingParams(temperature=0.0, max_tokens=job["max_tokens"], ignore_eos=job.get("ignore_eos", False),
                           **extra)
+
+
+# streamengine's JSON layout (json.dumps's), in llguidance's schema key: vLLM's guidance backend
+# alone would write "," and ":" without the space.
+COMPACT_LAYOUT = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+
+
+def compact(job: dict) -> dict:
+    """The job's JSON schema with no free whitespace; vLLM reads disable_any_whitespace from its
+    engine config, not from the request, so the LLM is built with the guidance backend and it."""
+    job["json_schema"] = {"x-guidance": COMPACT_LAYOUT, **job["json_schema"]}
+    job.setdefault("llm_kwargs", {})["structured_outputs_config"] = {"backend": "guidance",
+                                                                     "disable_any_whitespace": True}
+    return job
 
 
 def counters(llm) -> dict[str, float]:
@@ -65,6 +78,8 @@ def run(job: dict) -> dict:
     import vllm
     from vllm import LLM
 
+    if job.get("json_schema") is not None and job.get("json_compact"):
+        job = compact(job)
     kwargs = dict(model=job["model"], dtype=job.get("dtype", "float32"), max_model_len=job["max_model_len"],
                   disable_log_stats=False, seed=0, **job.get("llm_kwargs", {}))
     if job.get("speculative_config"):
