@@ -137,6 +137,7 @@ def run_vllm(job: dict, threads: int = 2, timeout: float = 1800, env: dict[str, 
     is kept in a log next to the venvs.
     """
     python = vllm_venv()
+    env = {**runner_env(python, threads), **(env or {})}
     with tempfile.TemporaryDirectory(prefix="vllm_peer_") as tmp:
         src, dst = Path(tmp) / "in.json", Path(tmp) / "out.json"
         src.write_text(json.dumps(job))
@@ -144,7 +145,7 @@ def run_vllm(job: dict, threads: int = 2, timeout: float = 1800, env: dict[str, 
         with log.open("w") as out:
             try:
                 proc = subprocess.run([str(python), str(RUNNER), str(src), str(dst)], stdout=out,
-                                      stderr=subprocess.STDOUT, env={**runner_env(python, threads), **(env or {})}, timeout=timeout,
+                                      stderr=subprocess.STDOUT, env=env, timeout=timeout,
                                       stdin=subprocess.DEVNULL)
             except subprocess.TimeoutExpired:
                 raise PeerUnavailable(f"vLLM runner timed out after {timeout:.0f} s; log {log}") from None
