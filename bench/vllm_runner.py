@@ -1,0 +1,116 @@
+"""Runs inside vLLM's own venv (see vllm_peer.py): one model load, a warm-up, timed generates.
+
+Kept free of streamengine imports: this file runs under another python with other packages.
+Usage: python vllm_runner.py IN.json OUT.json. IN holds the model folder, prompts as token ids,
+max_tokens, batch, repeats and optional speculative_config / json_schema / LLM keyword
+arguments; OUT holds per-repeat seconds, the last repeat's token ids, spec-decode counters
+and the vLLM version, or {"error": ...} when the model cannot be built or run.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+import traceback
+
+SPEC_COUNTERS = ("vllm:spec_decode_num_drafts", "vllm:spec_decode_num_draft_tokens",
+                 "vllm:spec_decode_num_accepted_tokens")
+
+
+def sampling_params(job: dict):
+    """Greedy SamplingParams, with a JSON schema through whichever API this vLLM has."""
+    from vllm import SamplingParams
+
+    extra = {}
+    if job.get("json_schema") is not None:
+        spec = {"json": job["json_schema"], "disable_any_whitespace": job.get("json_compact", False)}
+        try:
+            from vllm.sampling_params import StructuredOutputsParams
+            extra["structured_outputs"] = StructuredOutputsParams(**spec)
+        except ImportError:  # vLLM before structured_outputs replaced guided_decoding
+            from vllm.sampling_params import GuidedDecodingParams
+            extra["guided_decoding"] = GuidedDecodingParams(**spec)
+    return SamplingParams(temperature=0.0, max_tokens=job["max_tokens"], ignore_eos=job.get("ignore_eos", False),
+                          **extra)
+
+
+# streamengine's JSON layout (json.dumps's), in llguidance's schema key: vLLM's guidance backend
+# alone would write "," and ":" without the space.
+COMPACT_LAYOUT = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+
+
+def compact(job: dict) -> dict:
+    """The job's JSON schema with no free whitespace; vLLM reads disable_any_whitespace from its
+    engine config, not from the request, so the LLM is built with the guidance backend and it."""
+    job["json_schema"] = {"x-guidance": COMPACT_LAYOUT, **job["json_schema"]}
+    job.setdefault("llm_kwargs", {})["structured_outputs_config"] = {"backend": "guidance",
+                                                                     "disable_any_whitespace": True}
+    return job
+
+
+def counters(llm) -> dict[str, float]:
+    """vLLM's cumulative spec-decode counters, summed over engines; {} when metrics are unreachable."""
+    try:
+        metrics = llm.get_metrics()
+    except Exception:  # older vLLM or stats disabled
+        return {}
+    out: dict[str, float] = {}
+    for m in metrics:
+        if m.name in SPEC_COUNTERS:
+            out[m.name] = out.get(m.name, 0.0) + float(getattr(m, "value", 0.0))
+    return out
+
+
+def generate(llm, prompts: list[list[int]], params, batch: int) -> tuple[float, list[list[int]]]:
+    """Seconds spent in LLM.generate over `prompts`, `batch` at a time, and each prompt's token ids."""
+    seconds, tokens = 0.0, []
+    for lo in range(0, len(prompts), batch):
+        chunk = [{"prompt_token_ids": ids} for ids in prompts[lo:lo + batch]]
+        start = time.perf_counter()
+        outs = llm.generate(chunk, params, use_tqdm=False)
+        seconds += time.perf_counter() - start
+        tokens += [list(o.outputs[0].token_ids) for o in outs]
+    return seconds, tokens
+
+
+def run(job: dict) -> dict:
+    import vllm
+    from vllm import LLM
+
+    if job.get("json_schema") is not None and job.get("json_compact"):
+        job = compact(job)
+    kwargs = dict(model=job["model"], dtype=job.get("dtype", "float32"), max_model_len=job["max_model_len"],
+                  disable_log_stats=False, seed=0, **job.get("llm_kwargs", {}))
+    if job.get("speculative_config"):
+        kwargs["speculative_config"] = job["speculative_config"]
+    start = time.perf_counter()
+    llm = LLM(**kwargs)
+    load_s = time.perf_counter() - start
+    params = sampling_params(job)
+    prompts = job["prompts"]
+    start = time.perf_counter()
+    generate(llm, prompts[:job["batch"]], params, job["batch"])  # compiles shapes, caches these prompts
+    warmup_s = time.perf_counter() - start
+    before = counters(llm)
+    seconds, tokens = [], []
+    for _ in range(job["repeats"]):
+        s, tokens = generate(llm, prompts, params, job["batch"])
+        seconds.append(s)
+    after = counters(llm)
+    return {"vllm_version": vllm.__version__, "load_s": load_s, "warmup_s": warmup_s, "seconds": seconds,
+            "tokens": tokens, "spec": {k: after[k] - before.get(k, 0.0) for k in after}}
+
+
+def main() -> None:
+    job = json.loads(open(sys.argv[1]).read())
+    try:
+        result = run(job)
+    except Exception as exc:  # reported to the caller as the reason the peer cannot run
+        result = {"error": f"{type(exc).__name__}: {exc}", "traceback": traceback.format_exc()[-4000:]}
+    with open(sys.argv[2], "w") as f:
+        json.dump(result, f)
+
+
+if __name__ == "__main__":
+    main()
