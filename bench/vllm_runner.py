@@ -40,15 +40,6 @@ def sampling_params(job: dict):
 COMPACT_LAYOUT = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 
 
-def compact(job: dict) -> dict:
-    """The job's JSON schema with no free whitespace; vLLM reads disable_any_whitespace from its
-    engine config, not from the request, so the LLM is built with the guidance backend and it."""
-    job["json_schema"] = {"x-guidance": COMPACT_LAYOUT, **job["json_schema"]}
-    job.setdefault("llm_kwargs", {})["structured_outputs_config"] = {"backend": "guidance",
-                                                                     "disable_any_whitespace": True}
-    return job
-
-
 def counters(llm) -> dict[str, float]:
     """vLLM's cumulative spec-decode counters, summed over engines; {} when metrics are unreachable."""
     try:
@@ -75,11 +66,15 @@ def generate(llm, prompts: list[list[int]], params, batch: int) -> tuple[float, 
 
 
 def run(job: dict) -> dict:
+    """One model load, then the job itself, or each of its `tasks` (prompts, max_tokens,
+    batch, repeats, json_schema each) in turn: {"tasks": [result, ...]} then."""
     import vllm
     from vllm import LLM
 
-    if job.get("json_schema") is not None and job.get("json_compact"):
-        job = compact(job)
+    tasks = job.get("tasks")
+    if job.get("json_compact") and any(t.get("json_schema") is not None for t in (tasks or [job])):
+        job.setdefault("llm_kwargs", {})["structured_outputs_config"] = {"backend": "guidance",
+                                                                         "disable_any_whitespace": True}
     kwargs = dict(model=job["model"], dtype=job.get("dtype", "float32"), max_model_len=job["max_model_len"],
                   disable_log_stats=False, seed=0, **job.get("llm_kwargs", {}))
     if job.get("speculative_config"):
@@ -87,6 +82,16 @@ def run(job: dict) -> dict:
     start = time.perf_counter()
     llm = LLM(**kwargs)
     load_s = time.perf_counter() - start
+    if tasks is None:
+        return {"vllm_version": vllm.__version__, "load_s": load_s, **run_task(llm, job)}
+    return {"vllm_version": vllm.__version__, "load_s": load_s,
+            "tasks": [run_task(llm, {"json_compact": job.get("json_compact"), **task}) for task in tasks]}
+
+
+def run_task(llm, job: dict) -> dict:
+    """A warm-up generate over the first batch, then `repeats` timed passes over all prompts."""
+    if job.get("json_schema") is not None and job.get("json_compact"):
+        job = {**job, "json_schema": {"x-guidance": COMPACT_LAYOUT, **job["json_schema"]}}
     params = sampling_params(job)
     prompts = job["prompts"]
     start = time.perf_counter()
@@ -98,8 +103,8 @@ def run(job: dict) -> dict:
         s, tokens = generate(llm, prompts, params, job["batch"])
         seconds.append(s)
     after = counters(llm)
-    return {"vllm_version": vllm.__version__, "load_s": load_s, "warmup_s": warmup_s, "seconds": seconds,
-            "tokens": tokens, "spec": {k: after[k] - before.get(k, 0.0) for k in after}}
+    return {"warmup_s": warmup_s, "seconds": seconds, "tokens": tokens,
+            "spec": {k: after[k] - before.get(k, 0.0) for k in after}}
 
 
 def main() -> None:
