@@ -322,6 +322,7 @@ def test_seeded_samples_draw_from_generators_on_the_models_device(tiny_llama_dir
     """torch draws into a CUDA tensor only from a CUDA generator: the core must hand its own
     device to every sample's generator (a CPU-only default failed every sampled step on CUDA)."""
     import streamengine.engine.core as core_module
+    import streamengine.engine.core_start as start_module  # where the samples are made
     from streamengine.sample.sampler import sample_generator
 
     asked = []
@@ -330,7 +331,7 @@ def test_seeded_samples_draw_from_generators_on_the_models_device(tiny_llama_dir
         asked.append(device)
         return sample_generator(params, index, device)
 
-    monkeypatch.setattr(core_module, "sample_generator", recording)
+    monkeypatch.setattr(start_module, "sample_generator", recording)
     core = core_module.EngineCore(EngineConfig(model=str(tiny_llama_dir), num_gpu_blocks=64))
     core.add_request("r", "Seeded", SamplingParams(seed=7, n=2, max_tokens=2))
     assert asked == [core.device, core.device]

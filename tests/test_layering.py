@@ -113,7 +113,7 @@ def test_both_engines_provide_the_engine_client_protocol():
 
     wanted = {name for name in vars(EngineClient) if not name.startswith("_")}
     assert {"generate", "abort", "stats", "tokenizer"} <= wanted
-    for path, cls, bases in (("engine/async_engine.py", "AsyncEngine", ("engine/pin_keeper.py",)),
+    for path, cls, bases in (("engine/async_engine.py", "AsyncEngine", ("engine/pin_keeper.py", "engine/lora_admin.py")),
                              ("ray/cluster_engine.py", "ClusterEngine", ())):
         defined = _members(PACKAGE / path, cls)
         for base in bases:

@@ -8,10 +8,10 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import threading
 
 import pytest
 from aiohttp.test_utils import TestClient, TestServer
-from conftest import slow_down_steps
 
 from streamengine import AsyncEngine, EngineConfig
 from streamengine.sample.sampling_params import SamplingParams
@@ -134,8 +134,19 @@ async def load_use_and_unload(engine, client, path: str, monkeypatch) -> None:
 
     refused = await client.post("/v1/unload_lora_adapter", json={"lora_name": "lora-c"}, headers=USER_AUTH)
     assert refused.status == 403 and "admin key" in (await refused.json())["error"]["message"]
-    # unloading while a request runs on it: the request ends whole, then the adapter goes
-    slow_down_steps(monkeypatch, engine, 0.02)  # 48 tokens: about a second to unload within
+    # unloading while a request runs on it: the request ends whole, then the adapter goes. After
+    # its first step (the prompt, which samples the first token) the steps wait at a gate until
+    # the unload has begun, so the request is still running then however slow the machine is.
+    gate, steps = threading.Event(), []
+    execute = engine.core.execute
+
+    def gated_execute(step):
+        steps.append(step)
+        if len(steps) > 1:
+            gate.wait(60)
+        return execute(step)
+
+    monkeypatch.setattr(engine.core, "execute", gated_execute)
     stream = await client.post("/v1/completions", headers=USER_AUTH, json={
         "model": "lora-c", "prompt": PROMPT, "max_tokens": 48, "temperature": 0, "ignore_eos": True,
         "stream": True, "logprobs": 0})
@@ -147,6 +158,7 @@ async def load_use_and_unload(engine, client, path: str, monkeypatch) -> None:
         assert not unload.done()
         await asyncio.sleep(0.005)
     assert (await complete(client, "lora-c", USER_AUTH))["status"] == 404
+    gate.set()
     rest = (first + await stream.content.read()).decode()
     chunks = [json.loads(line[6:]) for line in rest.splitlines() if line.startswith("data: {")]
     assert sum(len(c["choices"][0]["logprobs"]["tokens"]) for c in chunks if c["choices"]) == 48

@@ -21,12 +21,12 @@ import uuid
 from collections import deque
 from collections.abc import AsyncIterator
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any
 
 from streamengine.config import EngineConfig
 from streamengine.engine.admission import check_queue_room
 from streamengine.engine.core import EngineCore, EngineStateError, StepPlan, StepResult
 from streamengine.engine.cpu_threads import release_openmp_pool, thread_governor
+from streamengine.engine.lora_admin import LoRAAdmin
 from streamengine.engine.output_stream import RequestStream
 from streamengine.engine.pin_keeper import PinKeeper
 from streamengine.errors import (
@@ -35,7 +35,6 @@ from streamengine.errors import (
     RequestFailedError,
 )
 from streamengine.kv.events import KVEventHub, KVEventSubscription
-from streamengine.lora.adapter import load_adapter
 from streamengine.models import LoadedModel
 from streamengine.sample.outputs import RequestOutput
 from streamengine.sample.sampling_params import SamplingParams
@@ -53,7 +52,7 @@ RESTART_BACKOFF_S = 0.1
 """Pause after a restart (health() says "restarting"), so a fault on every step cannot spin."""
 
 
-class AsyncEngine(PinKeeper):
+class AsyncEngine(PinKeeper, LoRAAdmin):
     """`async with AsyncEngine(config) as engine:` then `async for out in engine.generate(...)`."""
 
     def __init__(self, config: EngineConfig | None = None, *, loaded: LoadedModel | None = None) -> None:
@@ -248,29 +247,6 @@ class AsyncEngine(PinKeeper):
         return request_id, stream
 
     # tenants and pinned prefixes: PinKeeper (streamengine.engine.pin_keeper)
-
-    # -- LoRA adapters ----------------------------------------------------------------------
-
-    def lora_adapters(self) -> list[dict[str, Any]]:
-        """The loaded adapters: name, folder, rank, the projections they adapt."""
-        return [{"name": a.name, "path": a.path, "rank": a.rank, "target_modules": sorted(a.target_modules)}
-                for a in (self.core.loras.adapters[n] for n in self.core.loras.names())]
-
-    async def add_lora(self, name: str, path: str) -> None:
-        """Loads the PEFT LoRA adapter in folder `path` as `name` (read in a thread: the loop
-        keeps serving); LoRAError (a ValueError) says what is wrong with it."""
-        self.core.loras.check_name(name)
-        adapter = await asyncio.to_thread(load_adapter, name, path, self.core.loras.model_config,
-                                          self.core.loras.max_rank)
-        self.core.loras.register(adapter)
-
-    async def remove_lora(self, name: str) -> None:
-        """Refuses new requests for `name` at once and returns when the requests running on
-        it have ended and it is gone. LoRAError if none is loaded under `name`."""
-        if self.core.remove_lora(name):
-            return
-        while name in self.core.loras.adapters and self.is_running:
-            await asyncio.sleep(0.05)  # its last request's release drops it (core._release)
 
     def _check_admission(self, tenant: str | None) -> None:
         if not self.is_running:

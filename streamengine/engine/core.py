@@ -19,7 +19,14 @@ from dataclasses import dataclass, field
 import torch
 
 from streamengine.config import EngineConfig
-from streamengine.engine import core_pins, core_setup, core_stats, speculation, step_outputs
+from streamengine.engine import (
+    core_pins,
+    core_setup,
+    core_start,
+    core_stats,
+    speculation,
+    step_outputs,
+)
 from streamengine.engine.core_pins import seq_salt
 from streamengine.engine.intake import Intake
 from streamengine.engine.step_outputs import drawing_children
@@ -29,21 +36,18 @@ from streamengine.kv.spec import plan_kv_cache
 from streamengine.lora.registry import LoRARegistry
 from streamengine.models import LoadedModel, load_model
 from streamengine.models.model_runner import ModelRunner, PromptLogprobs
-from streamengine.sample.beam_search import BeamSearch, BeamSearchState
-from streamengine.sample.detokenizer import IncrementalDetokenizer
 from streamengine.sample.output_processor import make_output
 from streamengine.sample.outputs import RequestOutput
 from streamengine.sample.request import Request, Sample
-from streamengine.sample.sampler import SamplerOutput, SamplingRow, sample_generator
+from streamengine.sample.sampler import SamplerOutput, SamplingRow
 from streamengine.sample.sampling_params import SamplingParams
 from streamengine.sample.stop_rules import StopRules
 from streamengine.sched.scheduler import SchedulerOutput
 from streamengine.sequence import Sequence
-from streamengine.spec.acceptance import ProposalGate, SpecStats, StepCost
+from streamengine.spec.acceptance import SpecStats, StepCost
 from streamengine.structured.cache import HeapTrim
 from streamengine.structured.compiler import GrammarCompiler
 from streamengine.structured.grammar import CompiledGrammar, GrammarMatcher
-from streamengine.structured.mask import MaskAccount
 from streamengine.tenancy.pinning import Pin, Pins
 from streamengine.tenancy.tenants import DEFAULT_TENANT, Tenants
 
@@ -170,9 +174,9 @@ class EngineCore:
             lora=adapter,
         )
         if params.use_beam_search:
-            self._start_beam_search(req, grammar)
+            core_start.start_beam_search(self, req, grammar)
         else:
-            self._start_samples(req, grammar)
+            core_start.start_samples(self, req, grammar)
         self.requests[request_id] = req
         if adapter is not None:
             self.loras.acquire(adapter)  # in use until _release
@@ -198,53 +202,6 @@ class EngineCore:
                      cache_salt: str | None = None) -> list[bytes]:
         """The hashes of `prompt`'s full blocks for a request of `tenant` (core_pins)."""
         return core_pins.block_hashes(self, prompt, tenant, cache_salt)
-
-    def _start_samples(self, req: Request, grammar: CompiledGrammar | None) -> None:
-        params, prompt_ids = req.params, req.prompt_token_ids
-        early_stops: frozenset[int] = frozenset()  # what min_tokens keeps the sampler from drawing
-        if params.min_tokens > 0:
-            early_stops = req.stop_ids if params.ignore_eos else req.stop_ids | self.eos_token_ids
-        account = self._mask_account(req)  # every sample's masks count against one budget
-        for i in range(params.n):
-            seq = self._new_seq(req, group_size=params.n)
-            sample = Sample(
-                i, seq, IncrementalDetokenizer(self.tokenizer, prompt_ids, params),
-                logprobs=[] if params.logprobs is not None else None,
-            )
-            # The row reads the sample's own token list, so penalties never need a copy.
-            sample.row = SamplingRow(
-                params, sample_generator(params, i, self.device), prompt_ids, sample.token_ids,
-                matcher=grammar.matcher(account) if grammar is not None else None, min_tokens_stop_ids=early_stops,
-            )
-            if self.config.speculative is not None and speculation.speculates(params):
-                sample.spec_gate = ProposalGate()
-            req.samples.append(sample)
-            self._owner[seq.seq_id] = (req, sample)
-        req.pending_children = req.samples[1:]  # forked from sample 0 once its prompt is computed
-
-    def _start_beam_search(self, req: Request, grammar: CompiledGrammar | None) -> None:
-        params = req.params
-        req.samples = [Sample(i) for i in range(params.n)]  # filled when the search ends
-        first = self._new_seq(req, group_size=params.beam_width)
-        # A complete grammar allows only the end of sequence, so with one it always ends a beam.
-        eos_stops = not params.ignore_eos or grammar is not None
-        stops = req.stop_ids | self.eos_token_ids if eos_stops else req.stop_ids
-        prompt_len = len(req.prompt_token_ids)
-        state = BeamSearchState(
-            width=params.beam_width,
-            prompt_len=prompt_len,
-            max_length=min(prompt_len + req.max_tokens, self.max_model_len),
-            stop_token_ids=stops,
-            length_penalty=params.length_penalty,
-            early_stopping=params.early_stopping,
-        )
-        matcher = grammar.matcher(self._mask_account(req)) if grammar is not None else None
-        req.beam = BeamSearch(state, first, params.n, matcher)
-        self._owner[first.seq_id] = (req, None)
-
-    def _mask_account(self, req: Request) -> MaskAccount:
-        return MaskAccount(req.tenant, self.config.grammar_mask_budget_ms / 1e3)
-
 
     def _new_seq(self, req: Request, group_size: int, token_ids: list[int] | None = None) -> Sequence:
         segments = req.salt_segments

@@ -15,7 +15,7 @@ import hashlib
 import json
 import math
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -39,20 +39,19 @@ class LoRAAdapter:
     # (layer, projection) -> (A [rank, in], B [out, rank]), float32 on the host
     weights: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]]
     digest: str  # of the files' bytes: what blocks computed under this adapter are hashed with
+    # What the prefix cache keys this adapter's blocks by (its name and content), and a number
+    # for KV events (vLLM's `lora_id`) from the content, the same on every replica. Made once:
+    # a step reads them for each of its rows and blocks.
+    identity: str = field(init=False)
+    lora_id: int = field(init=False)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "identity", identity(self.name, self.digest))
+        object.__setattr__(self, "lora_id", int(self.digest[:15], 16))
 
     @property
     def target_modules(self) -> frozenset[str]:
         return frozenset(module for _, module in self.weights)
-
-    @property
-    def lora_id(self) -> int:
-        """A number for KV events (vLLM's `lora_id`), from the content: the same on every replica."""
-        return int(self.digest[:15], 16)
-
-    @property
-    def identity(self) -> str:
-        """What the prefix cache keys this adapter's blocks by: its name and its content."""
-        return identity(self.name, self.digest)
 
 
 def projection_shapes(model_config) -> dict[str, tuple[int, int]]:

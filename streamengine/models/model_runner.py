@@ -322,8 +322,7 @@ class ModelRunner(PagedModel):
         self.generator = torch.Generator(device).manual_seed(config.seed)  # on the logits' device
         self.draft = draft  # speculative decoding's draft model, its KV in the same blocks
         self.loras = LoRAStacks(self.model.config, config.max_loras, config.max_lora_rank, device)
-        if self.native is None:
-            self._hook_lora()
+        self._lora_hooked = False  # transformers' projections get their hooks with the first adapter rows
 
     def _hook_lora(self) -> None:
         """On transformers' modules, each adaptable projection adds its rows' LoRA deltas to
@@ -367,7 +366,12 @@ class ModelRunner(PagedModel):
         if batch.lora_rows is None:
             return None
         slots = self.loras.slot_rows(batch.lora_rows)
-        return LoRAStep(self.loras, slots) if slots is not None else None
+        if slots is None:
+            return None
+        if self.native is None and not self._lora_hooked:
+            self._hook_lora()
+            self._lora_hooked = True
+        return LoRAStep(self.loras, slots)
 
     def _sample(
         self, hidden: torch.Tensor, batch: PackedBatch, rows: list[SamplingRow], row_sources: list[int],

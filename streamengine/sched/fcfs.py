@@ -39,8 +39,11 @@ class FcfsPolicy:
         i = 0
         while i < len(sched.waiting) and budget > 0 and len(sched.running) < sched.max_num_seqs:
             seq = sched.waiting[i]
+            if not sched.lora_fits(seq):  # its adapter waits for a slot: others may start
+                i += 1
+                continue
             cached = cached_blocks(sched, seq)
-            if sched._waits_for_prefix(seq, len(cached), in_flight) or not sched.lora_fits(seq):
+            if sched._waits_for_prefix(seq, len(cached), in_flight):
                 i += 1
                 continue
             n = sched._admit_from_waiting(out, seq, cached, budget)

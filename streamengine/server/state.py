@@ -180,6 +180,18 @@ class ServerState:
         listing = getattr(self.engine, "lora_adapters", None)  # a test's stand-in may lack it
         return {adapter["name"]: adapter["path"] for adapter in listing()} if listing is not None else {}
 
+    def lora_param(self, name: object) -> str | None:
+        """A request's `lora` parameter (WebSocket params.lora): a loaded adapter's name, or None
+        (the tenant's adapter or the base model); ValueError naming what is wrong."""
+        if name is None:
+            return None
+        if not isinstance(name, str) or not name:
+            raise ValueError(f"params.lora must be a LoRA adapter's name (a non-empty string), got {name!r}")
+        loaded = self.lora_adapters()
+        if name not in loaded:
+            raise ValueError(f"params.lora: no LoRA adapter named {name!r} is loaded (loaded: {sorted(loaded)})")
+        return name
+
     def close(self) -> None:
         if self._tokenizer_pool is not None:
             self._tokenizer_pool.close()

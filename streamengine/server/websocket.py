@@ -286,7 +286,7 @@ class Connection:
             return
         try:
             params, plan = self._check(msg)
-            lora = self._lora(msg.params.get("lora"))
+            lora = self.state.lora_param(msg.params.get("lora"))
         except RecursionError:
             self._error(msg.id, p.TOO_DEEP, "params nested too deeply")
             return
@@ -302,7 +302,7 @@ class Connection:
             raise ValueError("give exactly one of `prompt` and `messages`")
         plan = _tool_plan(msg, self.state.config.tool_parser)
         fields = dict(msg.params)
-        fields.pop("lora", None)  # not a sampling parameter: `_lora`
+        fields.pop("lora", None)  # not a sampling parameter: ServerState.lora_param
         if fields.get("prompt_logprobs") is not None:
             raise ValueError("params.prompt_logprobs is not available on the WebSocket (its deltas carry no "
                              "prompt): use POST /v1/completions")
@@ -312,17 +312,6 @@ class Connection:
                                  "or named), not both")
             fields["structured"] = plan.structured
         return SamplingParams.from_dict(fields), plan
-
-    def _lora(self, name: object) -> str | None:
-        """params.lora: a loaded adapter's name, or None (the tenant's adapter or the base model)."""
-        if name is None:
-            return None
-        if not isinstance(name, str) or not name:
-            raise ValueError(f"params.lora must be a LoRA adapter's name (a non-empty string), got {name!r}")
-        loaded = self.state.lora_adapters()
-        if name not in loaded:
-            raise ValueError(f"params.lora: no LoRA adapter named {name!r} is loaded (loaded: {sorted(loaded)})")
-        return name
 
     async def _prompt_ids(self, msg: p.Generate, plan: ToolPlan) -> list[int]:
         if msg.messages is not None:

@@ -1,0 +1,38 @@
+"""LoRAAdmin: the AsyncEngine's LoRA adapters at run time, a mixin of AsyncEngine.
+
+Adding reads and checks the adapter's files in a thread, so the event loop keeps serving;
+removing refuses new requests at once and waits for those running on the adapter. The mixin
+uses the engine's `core` and `is_running`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+from streamengine.lora.adapter import load_adapter
+
+
+class LoRAAdmin:
+    """LoRA adapters of an AsyncEngine (see the module docstring)."""
+
+    def lora_adapters(self) -> list[dict[str, Any]]:
+        """The loaded adapters: name, folder, rank, the projections they adapt."""
+        return [{"name": a.name, "path": a.path, "rank": a.rank, "target_modules": sorted(a.target_modules)}
+                for a in (self.core.loras.adapters[n] for n in self.core.loras.names())]
+
+    async def add_lora(self, name: str, path: str) -> None:
+        """Loads the PEFT LoRA adapter in folder `path` as `name` (read in a thread: the loop
+        keeps serving); LoRAError (a ValueError) says what is wrong with it."""
+        self.core.loras.check_name(name)
+        adapter = await asyncio.to_thread(load_adapter, name, path, self.core.loras.model_config,
+                                          self.core.loras.max_rank)
+        self.core.loras.register(adapter)
+
+    async def remove_lora(self, name: str) -> None:
+        """Refuses new requests for `name` at once and returns when the requests running on
+        it have ended and it is gone. LoRAError if none is loaded under `name`."""
+        if self.core.remove_lora(name):
+            return
+        while name in self.core.loras.adapters and self.is_running:
+            await asyncio.sleep(0.05)  # its last request's release drops it (core._release)
