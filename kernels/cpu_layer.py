@@ -5,6 +5,10 @@ panels or GGUF blocks) and runs `layer_in` (q/k/v GEMM, RoPE, K/V store) and `la
 RMSNorm, gate/up GEMM, SiLU-times-up, down GEMM, residual, next RMSNorm). `DecodeStack` runs
 every layer of a decode-only step, attention included, in one call. `available()` says
 whether the library runs here; callers keep their op-by-op path otherwise.
+
+A step with LoRA adapter rows passes `lora`: (step fields [4] int64, layer table [layers, 7, 4]
+int64) as kernels/csrc/cpu_lora.h lays them out (streamengine/models/lora.py builds them);
+every adapted projection then adds its rows' deltas inside the same calls.
 """
 
 from __future__ import annotations
@@ -26,13 +30,13 @@ KEY_CACHE, VALUE_CACHE, NUM_FIELDS = 8, 9, 10  # LayerField in csrc/cpu_layer.cp
 @functools.lru_cache(maxsize=1)
 def load_library() -> ctypes.CDLL | None:
     return cpu_build.bind({
-        "streamengine_layer_in": [PTR, I64, I64, PTR, PTR, I64, I64, I64, PTR, PTR, PTR, PTR, PTR, I64, PTR],
+        "streamengine_layer_in": [PTR, I64, I64, PTR, PTR, I64, I64, I64, PTR, PTR, PTR, PTR, PTR, I64, PTR, PTR, PTR],
         "streamengine_layer_out": [
-            PTR, I64, I64, PTR, PTR, PTR, I64, PTR, PTR, I64, PTR, PTR, F32, PTR, PTR, PTR, PTR, PTR, PTR,
+            PTR, I64, I64, PTR, PTR, PTR, I64, PTR, PTR, I64, PTR, PTR, F32, PTR, PTR, PTR, PTR, PTR, PTR, PTR, PTR,
         ],
         "streamengine_decode_layers": [
             PTR, I64, I64, I64, I64, I64, I64, I64, I64, I64, I64, I64, F32, F32, PTR, PTR, PTR, I64, I64, PTR,
-            I64, PTR, PTR, PTR, I64, PTR, PTR, PTR,
+            I64, PTR, PTR, PTR, I64, PTR, PTR, PTR, PTR, PTR,
         ],
     }, probe="streamengine_cpu_layer_available")
 
@@ -41,8 +45,22 @@ def available() -> bool:
     return load_library() is not None
 
 
+LoRAView = tuple[torch.Tensor, torch.Tensor]  # (step fields [4], layer table [layers, 7, 4]), int64
+
+
 def _ptr(t: torch.Tensor | None) -> int | None:
     return None if t is None else t.data_ptr()
+
+
+def _lora_ptrs(lora: LoRAView | None, layer: int | None) -> tuple[int | None, int | None]:
+    """The step's and the layer's (or, with layer None, the whole table's) LoRA addresses."""
+    if lora is None:
+        return None, None
+    step, table = lora
+    if (step.dtype != torch.int64 or step.shape != (4,) or table.dtype != torch.int64
+            or table.shape[1:] != (7, 4) or not table.is_contiguous()):
+        raise ValueError("lora must be (int64 [4], contiguous int64 [layers, 7, 4]) as kernels/csrc/cpu_lora.h lays them out")
+    return step.data_ptr(), (table if layer is None else table[layer]).data_ptr()
 
 
 class FusedLayer:
@@ -63,9 +81,10 @@ class FusedLayer:
         self.intermediate = down.in_features
 
     def layer_in(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, slots: torch.Tensor,
-                 key_cache: torch.Tensor, value_cache: torch.Tensor) -> torch.Tensor:
+                 key_cache: torch.Tensor, value_cache: torch.Tensor, lora: LoRAView | None = None,
+                 index: int = 0) -> torch.Tensor:
         """x [T, hidden] normed -> qkv [T, padded] with RoPE applied; K/V stored at `slots`
-        (float32 or float16 caches, contiguous)."""
+        (float32 or float16 caches, contiguous). `index`: this layer's row of lora's table."""
         t = x.shape[0]
         code = cache_type(key_cache, value_cache)
         if not (key_cache.is_contiguous() and value_cache.is_contiguous()):
@@ -74,13 +93,14 @@ class FusedLayer:
         rc = self.lib.streamengine_layer_in(
             x.data_ptr(), t, self.hidden, self.qkv.kernel_weight.data_ptr(), _ptr(self.qkv.bias),
             self.heads, self.kv_heads, self.head_dim, cos.data_ptr(), sin.data_ptr(), slots.data_ptr(),
-            key_cache.data_ptr(), value_cache.data_ptr(), code, qkv.data_ptr(),
+            key_cache.data_ptr(), value_cache.data_ptr(), code, *_lora_ptrs(lora, index), qkv.data_ptr(),
         )
         if rc != 0:
             raise RuntimeError("fused layer rejected its shapes")
         return qkv
 
-    def layer_out(self, attn: torch.Tensor, h: torch.Tensor, next_norm: torch.Tensor) -> torch.Tensor:
+    def layer_out(self, attn: torch.Tensor, h: torch.Tensor, next_norm: torch.Tensor,
+                  lora: LoRAView | None = None, index: int = 0) -> torch.Tensor:
         """attn [T, heads * head_dim]; h [T, hidden] updated in place; returns RMSNorm(h) with
         next_norm, the next layer's input."""
         t = h.shape[0]
@@ -90,8 +110,9 @@ class FusedLayer:
         rc = self.lib.streamengine_layer_out(
             attn.data_ptr(), t, attn.shape[1], self.o.kernel_weight.data_ptr(), _ptr(self.o.bias),
             h.data_ptr(), self.hidden, self.post_norm.data_ptr(), self.gate_up.kernel_weight.data_ptr(),
-            self.intermediate, self.down.kernel_weight.data_ptr(), next_norm.data_ptr(), self.eps, o.data_ptr(),
-            x.data_ptr(), gu.data_ptr(), act.data_ptr(), down.data_ptr(), x_out.data_ptr(),
+            self.intermediate, self.down.kernel_weight.data_ptr(), next_norm.data_ptr(), self.eps,
+            *_lora_ptrs(lora, index), o.data_ptr(), x.data_ptr(), gu.data_ptr(), act.data_ptr(), down.data_ptr(),
+            x_out.data_ptr(),
         )
         if rc != 0:
             raise RuntimeError("fused layer rejected its shapes")
@@ -129,20 +150,24 @@ class DecodeStack:
         self._bound: tuple[list, torch.Tensor, int] | None = None
 
     def run(self, h: torch.Tensor, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, slots: torch.Tensor,
-            kv_caches: list[tuple[torch.Tensor, torch.Tensor]], plan: DecodePlan, scale: float) -> None:
+            kv_caches: list[tuple[torch.Tensor, torch.Tensor]], plan: DecodePlan, scale: float,
+            lora: LoRAView | None = None) -> None:
         """h [T, hidden] residual stream and x [T, hidden] the first layer's normed input, both
         updated in place: x ends as the final normed hidden state. cos/sin [T, head_dim / 2].
         kv_caches is bound on first use: pass a new list, not the same one changed in place."""
         f, t = self.first, h.shape[0]
         self._check(t, h, x, cos, sin, slots, plan)
         table, code = self._table(kv_caches)
+        if lora is not None and lora[1].shape[0] != len(kv_caches):
+            raise ValueError(f"a LoRA table of {lora[1].shape[0]} layers for {len(kv_caches)}")
         qkv_w, o_w, gu_w, down_w = self.widths
         work = torch.empty(t * (qkv_w + f.heads * f.head_dim + o_w + f.hidden + gu_w + f.intermediate + down_w))
         rc = self.lib.streamengine_decode_layers(
             table.data_ptr(), len(kv_caches), t, f.hidden, f.heads, f.kv_heads, f.head_dim, qkv_w, o_w, gu_w,
             f.intermediate, down_w, f.eps, scale, cos.data_ptr(), sin.data_ptr(), slots.data_ptr(),
             code, kv_caches[0][0].shape[1], plan.tables, plan.table_stride, plan.seq_lens,
-            plan.query_start_loc, plan.rows, plan.num_rows, h.data_ptr(), x.data_ptr(), work.data_ptr(),
+            plan.query_start_loc, plan.rows, plan.num_rows, *_lora_ptrs(lora, None), h.data_ptr(), x.data_ptr(),
+            work.data_ptr(),
         )
         if rc != 0:
             raise RuntimeError("decode stack rejected its shapes")

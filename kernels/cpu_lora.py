@@ -8,9 +8,12 @@ adapter's entries past its rank are never read), rank [S], scale [S] (alpha / ra
 Rows with slot -1 have no adapter and are left untouched. y is updated in place and may be a
 column slice of a wider output (the q part of a fused qkv, say); x may be a row-strided view.
 
-`lora_shrink_expand` runs the C++ kernel on float32 CPU tensors when the library loads, else
-`ref_lora_shrink_expand` (one pair of matmuls per adapter present). `check_lora_args` is the
-shape and dtype check that the Triton version (kernels/lora_triton.py) shares.
+`lora_shrink_expand` runs the C++ kernel on CPU tensors (x and y float32; A and B float32 or
+bfloat16) when the library loads, else `ref_lora_shrink_expand` (one pair of matmuls per
+adapter present). The kernel reads B rank-major: a B that is the transposed view of a
+contiguous [S, R, out] (as the engine keeps its stacks) is passed as it is, any other is
+transposed into a copy first. `check_lora_args` is the shape and dtype check that the Triton
+version (kernels/lora_triton.py) shares.
 """
 
 from __future__ import annotations
@@ -24,28 +27,38 @@ from . import cpu_build
 from .cpu_build import I64, PTR
 from .reference import ref_lora_shrink_expand
 
-__all__ = ["check_lora_args", "lora_shrink_expand", "ref_lora_shrink_expand", "supported"]
+__all__ = ["check_lora_args", "lora_shrink_expand", "ref_lora_shrink_expand", "supported", "weight_type"]
 
 _NAME = "lora_shrink_expand"
-MAX_RANK = 256  # csrc/cpu_lora.cpp keeps a block of B transposed on the stack, 16 floats per rank
+MAX_RANK = 256  # csrc/cpu_lora.cpp
+WEIGHT_TYPES = {torch.float32: 0, torch.bfloat16: 1}  # LoraWeightType in csrc/cpu_lora.h
 _ERRORS = {
     -1: "sizes or strides the kernel cannot take",
     -2: "a slot outside [-1, S)",
     -3: "a rank outside [0, R]",
     -4: "a build without AVX-512 or AVX2",
+    -5: "an adapter weight type it does not know",
 }
 
 
 @functools.lru_cache(maxsize=1)
 def load_library() -> ctypes.CDLL | None:
     return cpu_build.bind({
-        "streamengine_lora_shrink_expand": [PTR, I64, PTR, I64, PTR, I64, PTR, PTR, PTR, PTR, I64, I64, I64, I64],
+        "streamengine_lora_shrink_expand": [PTR, I64, PTR, I64, PTR, I64, PTR, PTR, PTR, PTR, I64, I64, I64, I64, I64],
     }, probe="streamengine_lora_available")
 
 
 def supported() -> bool:
     """Whether the C++ kernel runs here (else `lora_shrink_expand` runs the reference)."""
     return load_library() is not None
+
+
+def weight_type(dtype: torch.dtype) -> int:
+    """The C++ code of an adapter weight dtype; ValueError for one the kernel does not read."""
+    code = WEIGHT_TYPES.get(dtype)
+    if code is None:
+        raise ValueError(f"{_NAME}: adapter weights must be float32 or bfloat16 on CPU, got {dtype}")
+    return code
 
 
 def check_lora_args(
@@ -138,11 +151,11 @@ def lora_shrink_expand(
     """y[t] += scale[s] * B[s, :, :rank[s]] @ (A[s, :rank[s]] @ x[t]) for every row t with
     s = slot[t] >= 0, in place. x [T, in], y [T, out] float32 (each with a dense last dim for
     the kernel; any strides for the fallback); slot [T], rank [S] int32 (int64 converted);
-    A [S, R, in], B [S, out, R], scale [S] float32. ValueError on a wrong shape, dtype, slot
-    (outside [-1, S)) or rank (outside [0, R]), with y untouched."""
-    check_lora_args(_NAME, x, y, slot, A, B, rank, scale)
+    A [S, R, in], B [S, out, R] float32 or bfloat16 (both alike), scale [S] float32. ValueError
+    on a wrong shape, dtype, slot (outside [-1, S)) or rank (outside [0, R]), with y untouched."""
+    check_lora_args(_NAME, x, y, slot, A, B, rank, scale, float_dtypes=(torch.float32, torch.bfloat16))
     S, R, in_features = A.shape
-    lib = _native(x, y, R)
+    lib = _native(x, y, A, B, R)
     if lib is None:
         check_lora_values(_NAME, slot, rank, S, R)
         ref_lora_shrink_expand(x, y, slot, A, B, rank, scale)
@@ -151,21 +164,25 @@ def lora_shrink_expand(
         slot = slot.to(torch.int32).contiguous()
     if rank.dtype != torch.int32 or not rank.is_contiguous():
         rank = rank.to(torch.int32).contiguous()
-    A, B, scale = A.contiguous(), B.contiguous(), scale.contiguous()  # no copies for the engine's stacks
+    # No copies for the engine's stacks: their A is contiguous and their B a view of a rank-major one.
+    A, Bt, scale = A.contiguous(), B.transpose(1, 2).contiguous(), scale.contiguous()
     code = lib.streamengine_lora_shrink_expand(
         x.data_ptr(), x.stride(0), y.data_ptr(), y.stride(0), slot.data_ptr(), x.shape[0],
-        A.data_ptr(), B.data_ptr(), rank.data_ptr(), scale.data_ptr(), S, R, in_features, y.shape[1],
+        A.data_ptr(), Bt.data_ptr(), rank.data_ptr(), scale.data_ptr(), S, R, in_features, y.shape[1],
+        WEIGHT_TYPES[A.dtype],
     )
     if code != 0:
         check_lora_values(_NAME, slot, rank, S, R)  # names the bad values, when it is those
         raise ValueError(f"{_NAME}: the C++ kernel rejected the call: {_ERRORS.get(code, f'error {code}')}")
 
 
-def _native(x: torch.Tensor, y: torch.Tensor, R: int) -> ctypes.CDLL | None:
-    """The library when the call suits the kernel: CPU tensors, dense last dims, rows that do not
-    overlap, a rank it holds (the rest runs the reference)."""
+def _native(x: torch.Tensor, y: torch.Tensor, A: torch.Tensor, B: torch.Tensor, R: int) -> ctypes.CDLL | None:
+    """The library when the call suits the kernel: CPU tensors, float32 activations, weights of
+    one type it reads, dense last dims, rows that do not overlap, a rank it holds (the rest runs
+    the reference)."""
     lib = load_library()
-    if lib is None or x.device.type != "cpu" or R > MAX_RANK:
+    if (lib is None or x.device.type != "cpu" or R > MAX_RANK or x.dtype != torch.float32
+            or y.dtype != torch.float32 or A.dtype != B.dtype or A.dtype not in WEIGHT_TYPES):
         return None
     rows, in_features = x.shape
     out_features = y.shape[1]

@@ -223,6 +223,12 @@ class EngineConfig:
     max_loras: int = _option(4, "LoRA adapters that may run at once (each holds a slot of every adapted projection)",
                              minimum=1, maximum=256)
     max_lora_rank: int = _option(16, "highest LoRA rank an adapter may have (the slots' size)", minimum=1, maximum=256)
+    lora_dtype: str = _option(
+        "auto",
+        "The resident adapters' weight type (vLLM: lora_dtype). \"auto\": bfloat16 when the base model's "
+        "weights run packed on CPU (GGUF blocks, bfloat16 or int8: already rounded at least as coarsely), "
+        "else float32. Why: a step reads every resident adapter its rows use, and bfloat16 halves those bytes.",
+        choices=("auto", "float32", "bfloat16"))
     grammar_mask_budget_ms: float = _option(
         100.0,
         "Longest the grammar masks of one request's rows may take within one decode step (the whole "

@@ -105,6 +105,31 @@ def test_each_adapter_alone_and_more_adapters_than_slots(untied_llama_dir, adapt
     assert core.runner.loras.num_loads >= len(adapters)
 
 
+def bfloat16_copy(adapter: Path, folder: Path) -> Path:
+    """The adapter with every weight rounded to bfloat16 (kept as float32 values)."""
+    from safetensors.torch import load_file, save_file
+
+    folder.mkdir()
+    (folder / "adapter_config.json").write_text((adapter / "adapter_config.json").read_text())
+    weights = load_file(adapter / "adapter_model.safetensors")
+    save_file({k: v.bfloat16().float() for k, v in weights.items()}, folder / "adapter_model.safetensors")
+    return folder
+
+
+def test_bfloat16_stacks_give_the_tokens_of_the_adapter_rounded_to_bfloat16(untied_llama_dir, adapters, tmp_path):
+    """lora_dtype='bfloat16' stores the adapters rounded and reads them widened: its greedy tokens
+    equal peft's on the same adapter with its weights rounded to bfloat16 first."""
+    names = ["r8_all", "r64_mlp"]
+    rounded = {name: bfloat16_copy(adapters[name], tmp_path / name) for name in names}
+    config = EngineConfig(model=str(untied_llama_dir), num_gpu_blocks=128, max_lora_rank=64, lora_dtype="bfloat16",
+                          lora_modules=tuple((n, str(adapters[n])) for n in names))
+    core = EngineCore(config)
+    done = engine_greedy(core, {f"{n}-{i}": (p, n) for n in names for i, p in enumerate(PROMPTS)}, 16)
+    assert {t.dtype for stack in core.runner.loras.stacks.values() for t in (stack.a, stack.b)} == {torch.bfloat16}
+    for name in names:
+        assert [done[f"{name}-{i}"] for i in range(len(PROMPTS))] == peft_greedy(untied_llama_dir, rounded[name], PROMPTS, 16)
+
+
 def test_blocks_computed_under_an_adapter_are_hit_by_that_adapter_only(untied_llama_dir, adapters):
     prompt = list(range(1000, 1064))  # four full blocks
     config = EngineConfig(model=str(untied_llama_dir), num_gpu_blocks=128, max_lora_rank=64,

@@ -138,6 +138,21 @@ def test_cpp_matches_reference_and_dense(rows: int, ranks: tuple[int, ...], in_f
 
 
 @needs_cpp
+@pytest.mark.parametrize("rows", [1, 3, 64])
+def test_cpp_reads_bfloat16_stacks_kept_rank_major(rows: int) -> None:
+    """The engine's CPU stacks: A and B in bfloat16, B a transposed view of a rank-major tensor
+    (passed without a copy); the result is the formula on the bfloat16 weights widened."""
+    case = make_case(rows, (8, 16, 64), 576, 1536, seed=rows, device=torch.device("cpu"))
+    A = case.A.bfloat16()
+    B = case.B.bfloat16().transpose(1, 2).contiguous().transpose(1, 2)  # [S, out, R] view of [S, R, out]
+    widened = Case(case.x, case.wide, case.slot, A.float(), B.float(), case.rank, case.scale)
+    got = case.wide.clone()
+    cpu_lora.lora_shrink_expand(case.x, got[:, 7:-9], case.slot, A, B, case.rank, case.scale)
+    torch.testing.assert_close(got, dense(widened).float(), **TOL)
+    check_untouched(case.wide, got, case.slot)
+
+
+@needs_cpp
 @pytest.mark.parametrize("slots", [
     [0] * 40,  # one adapter: every block of B transposed once, axpys for all rows
     [1, 0] * 20,  # two interleaved

@@ -10,9 +10,15 @@
 // Weights are passed as 4-int64 views {format, panels, n_padded, K} (cpu_quant_gemm.h).
 // Row strides: GEMM outputs are [T, N padded to 48] (see cpu_gemm.cpp); everything else is
 // dense. Built at run time by kernels/cpu_build.py; called by kernels/cpu_layer.py.
+//
+// LoRA: a step with adapter rows passes `lora_step` (cpu_lora.h LoraStepField) and the layer's
+// `lora_layer` (LORA_PROJECTIONS stacks of LoraProjectionField); each adapted projection's
+// output gets its rows' deltas right after its GEMM (before bias, RoPE and activation, as a
+// delta on the projection's own output must). Both null: the base model.
 
 #include <cstdint>
 
+#include "cpu_lora.h"
 #include "cpu_ops.h"
 #include "cpu_paged_attention.h"
 #include "cpu_quant_gemm.h"
@@ -20,15 +26,33 @@
 
 #if defined(STREAMENGINE_SIMD)
 
-// qkv = x @ Wqkv^T (+ bias); RoPE on the q and k heads; k and v into their cache slots.
-// x [T, hidden]; qkv [T, qkv_padded]; caches [num_slots, kv_heads * head_dim] of cache_type.
+namespace {
+
+// y [T, out at y_stride] += the deltas of projection `which` of the layer, for x [T, in at x_stride].
+int add_lora(const int64_t* lora_step, const int64_t* lora_layer, LoraProjection which, const float* x,
+             int64_t x_stride, int64_t in, float* y, int64_t y_stride, int64_t out, int64_t T) {
+  if (lora_step == nullptr) return 0;
+  return streamengine_lora_projection(lora_step, lora_layer + which * LORA_PROJECTION_FIELDS, x, x_stride, y,
+                                      y_stride, T, in, out);
+}
+
+}  // namespace
+
+// qkv = x @ Wqkv^T (+ LoRA deltas, + bias); RoPE on the q and k heads; k and v into their cache
+// slots. x [T, hidden]; qkv [T, qkv_padded]; caches [num_slots, kv_heads * head_dim] of cache_type.
 extern "C" int streamengine_layer_in(const float* x, int64_t T, int64_t hidden, const int64_t* qkv_weight,
                                      const float* qkv_bias, int64_t heads,
                                      int64_t kv_heads, int64_t head_dim, const float* cos, const float* sin,
                                      const int64_t* slots, void* key_cache, void* value_cache,
-                                     int64_t cache_type, float* qkv) {
+                                     int64_t cache_type, const int64_t* lora_step, const int64_t* lora_layer,
+                                     float* qkv) {
   const int64_t qkv_n = (heads + 2 * kv_heads) * head_dim, qkv_padded = qkv_weight[WEIGHT_N_PADDED];
   if (qkv_weight[WEIGHT_K] != hidden || streamengine_gemm(qkv_weight, x, T, qkv) != 0) return -1;
+  const int64_t q_n = heads * head_dim, kv_n = kv_heads * head_dim;
+  if (add_lora(lora_step, lora_layer, LORA_Q, x, hidden, hidden, qkv, qkv_padded, q_n, T) != 0 ||
+      add_lora(lora_step, lora_layer, LORA_K, x, hidden, hidden, qkv + q_n, qkv_padded, kv_n, T) != 0 ||
+      add_lora(lora_step, lora_layer, LORA_V, x, hidden, hidden, qkv + q_n + kv_n, qkv_padded, kv_n, T) != 0)
+    return -1;
   if (qkv_bias != nullptr) streamengine_add_bias(qkv, qkv_padded, T, qkv_n, qkv_bias);
   streamengine_rope(qkv, T, qkv_padded, heads + kv_heads, head_dim, cos, sin);
   const float* k = qkv + heads * head_dim;
@@ -38,24 +62,35 @@ extern "C" int streamengine_layer_in(const float* x, int64_t T, int64_t hidden, 
 }
 
 // After the attention: h += attn @ Wo^T (+ bias); x = RMSNorm(h); h += down(silu(gate) * up);
+// each projection with its LoRA deltas;
 // x_out = RMSNorm(h) with the next layer's (or the final) norm weight.
 // attn [T, attn_width]; h, x_out [T, hidden]; scratch: o [T, o's n_padded], x [T, hidden],
 // gate_up [T, gate_up's n_padded], act [T, intermediate], down [T, down's n_padded].
 extern "C" int streamengine_layer_out(const float* attn, int64_t T, int64_t attn_width, const int64_t* o_weight,
                                       const float* o_bias, float* h, int64_t hidden, const float* post_norm,
                                       const int64_t* gu_weight, int64_t intermediate, const int64_t* down_weight,
-                                      const float* next_norm, float eps, float* o, float* x, float* gate_up,
+                                      const float* next_norm, float eps, const int64_t* lora_step,
+                                      const int64_t* lora_layer, float* o, float* x, float* gate_up,
                                       float* act, float* down, float* x_out) {
   const int64_t o_padded = o_weight[WEIGHT_N_PADDED], gu_padded = gu_weight[WEIGHT_N_PADDED];
   const int64_t down_padded = down_weight[WEIGHT_N_PADDED];
   if (o_weight[WEIGHT_K] != attn_width || gu_weight[WEIGHT_K] != hidden || down_weight[WEIGHT_K] != intermediate)
     return -1;
-  if (streamengine_gemm(o_weight, attn, T, o) != 0) return -1;
+  if (streamengine_gemm(o_weight, attn, T, o) != 0 ||
+      add_lora(lora_step, lora_layer, LORA_O, attn, attn_width, attn_width, o, o_padded, hidden, T) != 0)
+    return -1;
   if (o_bias != nullptr) streamengine_add_bias(o, o_padded, T, hidden, o_bias);
   streamengine_add_rms_norm(h, o, o_padded, post_norm, eps, T, hidden, x);
-  if (streamengine_gemm(gu_weight, x, T, gate_up) != 0) return -1;
+  // gate_up's row: gate's columns, then up's.
+  if (streamengine_gemm(gu_weight, x, T, gate_up) != 0 ||
+      add_lora(lora_step, lora_layer, LORA_GATE, x, hidden, hidden, gate_up, gu_padded, intermediate, T) != 0 ||
+      add_lora(lora_step, lora_layer, LORA_UP, x, hidden, hidden, gate_up + intermediate, gu_padded,
+               intermediate, T) != 0)
+    return -1;
   streamengine_silu_mul(gate_up, gu_padded, T, intermediate, act);
-  if (streamengine_gemm(down_weight, act, T, down) != 0) return -1;
+  if (streamengine_gemm(down_weight, act, T, down) != 0 ||
+      add_lora(lora_step, lora_layer, LORA_DOWN, act, intermediate, intermediate, down, down_padded, hidden, T) != 0)
+    return -1;
   return streamengine_add_rms_norm(h, down, down_padded, next_norm, eps, T, hidden, x_out);
 }
 
@@ -72,13 +107,15 @@ enum LayerField { QKV_WEIGHT, QKV_BIAS, O_WEIGHT, O_BIAS, POST_NORM, GU_WEIGHT, 
 // h [T, hidden]: the residual stream, updated in place. Decode plan as in paged_decode (one
 // row per sequence, `rows` lists them); caches of cache_type. work: scratch of
 // T * (qkv_padded + heads * head_dim + o_padded + hidden + gu_padded + intermediate + down_padded) floats.
+// LoRA: lora_step as in layer_in, lora_layers [num_layers, LORA_PROJECTIONS * LORA_PROJECTION_FIELDS]
+// (both null without adapter rows).
 extern "C" int streamengine_decode_layers(
     const int64_t* layers, int64_t num_layers, int64_t T, int64_t hidden, int64_t heads, int64_t kv_heads,
     int64_t head_dim, int64_t qkv_padded, int64_t o_padded, int64_t gu_padded, int64_t intermediate,
     int64_t down_padded, float eps, float scale, const float* cos, const float* sin, const int64_t* slots,
     int64_t cache_type, int64_t block_size, const int32_t* block_tables, int64_t table_stride,
-    const int32_t* seq_lens, const int32_t* query_start_loc, const int64_t* rows, int64_t num_rows, float* h,
-    float* x, float* work) {
+    const int32_t* seq_lens, const int32_t* query_start_loc, const int64_t* rows, int64_t num_rows,
+    const int64_t* lora_step, const int64_t* lora_layers, float* h, float* x, float* work) {
   float* qkv = work;
   float* attn = qkv + T * qkv_padded;
   float* o = attn + T * heads * head_dim;
@@ -91,13 +128,15 @@ extern "C" int streamengine_decode_layers(
     auto ptr = [&](LayerField i) { return reinterpret_cast<float*>(f[i]); };
     auto weight = [&](LayerField i) { return reinterpret_cast<const int64_t*>(f[i]); };
     auto cache = [&](LayerField i) { return reinterpret_cast<void*>(f[i]); };
+    const int64_t* lora_layer =
+        lora_step == nullptr ? nullptr : lora_layers + l * LORA_PROJECTIONS * LORA_PROJECTION_FIELDS;
     // The scratch above is laid out for these widths: a layer with others would overrun it.
     if (weight(QKV_WEIGHT)[WEIGHT_N_PADDED] != qkv_padded || weight(O_WEIGHT)[WEIGHT_N_PADDED] != o_padded ||
         weight(GU_WEIGHT)[WEIGHT_N_PADDED] != gu_padded || weight(DOWN_WEIGHT)[WEIGHT_N_PADDED] != down_padded)
       return -1;
     if (streamengine_layer_in(x, T, hidden, weight(QKV_WEIGHT), ptr(QKV_BIAS), heads, kv_heads,
                               head_dim, cos, sin, slots, cache(KEY_CACHE), cache(VALUE_CACHE), cache_type,
-                              qkv) != 0)
+                              lora_step, lora_layer, qkv) != 0)
       return -1;
     if (streamengine_paged_decode(qkv, qkv_padded, cache(KEY_CACHE), cache(VALUE_CACHE), cache_type,
                                   block_size, heads, kv_heads, head_dim, block_tables, table_stride, seq_lens,
@@ -106,7 +145,7 @@ extern "C" int streamengine_decode_layers(
     // x is free once layer_in has read it: layer_out writes the next layer's input there.
     if (streamengine_layer_out(attn, T, heads * head_dim, weight(O_WEIGHT), ptr(O_BIAS), h, hidden,
                                ptr(POST_NORM), weight(GU_WEIGHT), intermediate, weight(DOWN_WEIGHT),
-                               ptr(NEXT_NORM), eps, o, x_mid, gate_up, act, down, x) != 0)
+                               ptr(NEXT_NORM), eps, lora_step, lora_layer, o, x_mid, gate_up, act, down, x) != 0)
       return -1;
   }
   return 0;

@@ -27,7 +27,7 @@ from streamengine.models.attention import (
 from streamengine.models.cpu_backend import CpuPagedAttention
 from streamengine.models.gguf_weights import GgufWeights, check_against, read_gguf
 from streamengine.models.loader import LoadedModel
-from streamengine.models.lora import LoRAStacks, LoRAStep
+from streamengine.models.lora import LoRAStacks, LoRAStep, lora_dtype
 from streamengine.models.native import NativeDecoder, unsupported_reason
 from streamengine.models.torch_backend import TorchPagedAttention
 from streamengine.models.triton_backend import TritonPagedAttention
@@ -321,7 +321,8 @@ class ModelRunner(PagedModel):
         self.sampler = Sampler(self.masker)
         self.generator = torch.Generator(device).manual_seed(config.seed)  # on the logits' device
         self.draft = draft  # speculative decoding's draft model, its KV in the same blocks
-        self.loras = LoRAStacks(self.model.config, config.max_loras, config.max_lora_rank, device)
+        self.loras = LoRAStacks(self.model.config, config.max_loras, config.max_lora_rank, device,
+                                lora_dtype(config.lora_dtype, packed))
         self._lora_hooked = False  # transformers' projections get their hooks with the first adapter rows
 
     def _hook_lora(self) -> None:

@@ -146,29 +146,31 @@ class NativeDecoder:
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, plan: AttentionPlan,
                 lora: LoRAStep | None = None) -> torch.Tensor:
-        """With `lora` (rows of adapters in the step) every layer runs op by op: the adapters'
-        deltas are added after each projection, which the fused C++ layers do not expose."""
+        """With `lora` (rows of adapters in the step) each projection adds its rows' adapter
+        deltas: inside the fused C++ layers where they run, else after each op."""
         h = F.embedding(input_ids, self.embed)  # [T, hidden], the residual stream
         cos, sin = self._rope_tables(h, positions)
         x = add_rms_norm(h, None, self.layers[0].input_norm, self.eps)
-        if self.stack is not None and plan.decode_kernel is not None and lora is None:  # every layer in one call
-            self.stack.run(h, x, cos, sin, plan.meta.slot_mapping, plan.meta.kv_caches, plan.decode_kernel, self.scale)
+        native_lora = lora.native_view() if lora is not None and self.fused is not None else None
+        if self.stack is not None and plan.decode_kernel is not None:  # every layer in one call
+            self.stack.run(h, x, cos, sin, plan.meta.slot_mapping, plan.meta.kv_caches, plan.decode_kernel, self.scale,
+                           native_lora)
             return x
         for i, layer in enumerate(self.layers):
             next_norm = self.layers[i + 1].input_norm if i + 1 < len(self.layers) else self.final_norm
-            if self.fused is not None and lora is None:
-                x = self._fused_forward(i, self.fused[i], h, x, cos, sin, plan, next_norm)
+            if self.fused is not None:
+                x = self._fused_forward(i, self.fused[i], h, x, cos, sin, plan, next_norm, native_lora)
             else:
                 x = self._layer_forward(i, layer, h, x, cos, sin, plan, next_norm, lora)
         return x
 
     def _fused_forward(self, i: int, layer: cpu_layer.FusedLayer, h, x, cos, sin, plan: AttentionPlan,
-                       next_norm) -> torch.Tensor:
+                       next_norm, lora: cpu_layer.LoRAView | None) -> torch.Tensor:
         t = h.shape[0]
         key_cache, value_cache = plan.meta.kv_caches[i]
-        qkv = layer.layer_in(x, cos, sin, plan.meta.slot_mapping, key_cache, value_cache)  # [T, padded]; K/V stored
+        qkv = layer.layer_in(x, cos, sin, plan.meta.slot_mapping, key_cache, value_cache, lora, i)  # K/V stored
         attn = plan.attend(i, *self._split_qkv(qkv), self.scale)  # [T, heads, D]
-        return layer.layer_out(attn.view(t, self.num_heads * self.head_dim), h, next_norm)
+        return layer.layer_out(attn.view(t, self.num_heads * self.head_dim), h, next_norm, lora, i)
 
     def _split_qkv(self, qkv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Views of q [T, heads, D], k and v [T, kv_heads, D] in a [T, >= (heads + 2 kv) * D] row."""
