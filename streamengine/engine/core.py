@@ -199,9 +199,9 @@ class EngineCore:
         return core_pins.fail_unfittable(self)
 
     def block_hashes(self, prompt: str | list[int], tenant: str | None = None,
-                     cache_salt: str | None = None) -> list[bytes]:
+                     cache_salt: str | None = None, lora: str | None = None) -> list[bytes]:
         """The hashes of `prompt`'s full blocks for a request of `tenant` (core_pins)."""
-        return core_pins.block_hashes(self, prompt, tenant, cache_salt)
+        return core_pins.block_hashes(self, prompt, tenant, cache_salt, lora)
 
     def _new_seq(self, req: Request, group_size: int, token_ids: list[int] | None = None) -> Sequence:
         segments = req.salt_segments
