@@ -140,6 +140,16 @@ def test_block_hashes_name_the_blocks_a_request_under_an_adapter_stores(untied_l
         core.block_hashes(prompt, lora="nope")
 
 
+def test_a_failed_request_releases_its_adapter_so_a_removal_can_finish(untied_llama_dir, adapters):
+    core = EngineCore(EngineConfig(model=str(untied_llama_dir), num_gpu_blocks=64, max_lora_rank=64,
+                                   lora_modules=(("a", str(adapters["r8_all"])),)))
+    core.add_request("x", PROMPTS[0], SamplingParams(max_tokens=8), lora="a")
+    core.step()
+    assert core.remove_lora("a") is False
+    core.fail_request("x", "injected fault")
+    assert "a" not in core.loras.adapters and not core.loras.removing
+
+
 def core_hashes(core: EngineCore, prompt: list[int], lora: str | None) -> list[bytes]:
     from streamengine.engine.core_pins import salt_segments
     from streamengine.kv.block_hash import prompt_block_hashes

@@ -230,6 +230,8 @@ class EngineCore:
         whether the bookkeeping survived."""
         req = self.requests.pop(request_id, None)
         self.failures[request_id] = why  # its stream ends with the error either way
+        if req is not None and req.lora is not None:  # _release will not see it: a removal waits on it
+            self.loras.release(req.lora)
         self._grammar_freed |= req is not None and req.params.structured is not None
         for seq in self._request_seqs(request_id, req):
             try:

@@ -3,6 +3,7 @@ them, and dropped when removed and no request uses them any more."""
 
 from __future__ import annotations
 
+import asyncio
 from collections import Counter
 from pathlib import Path
 
@@ -15,7 +16,9 @@ class LoRARegistry:
         self.max_rank = max_rank
         self.adapters: dict[str, LoRAAdapter] = {}
         self.users: Counter[str] = Counter()  # requests in flight per adapter name
-        self.removing: set[str] = set()  # removed, waiting for their last request
+        # Removed, waiting for their last request: each event is set when its adapter goes, so
+        # whoever removes it can wait for that instead of polling.
+        self.removing: dict[str, asyncio.Event] = {}
 
     def add(self, name: str, path: str | Path) -> LoRAAdapter:
         """Loads the adapter in folder `path` under `name`; LoRAError names what is wrong."""
@@ -60,7 +63,7 @@ class LoRARegistry:
         if not self.users[name]:
             self._drop(name)
             return True
-        self.removing.add(name)
+        self.removing.setdefault(name, asyncio.Event())
         return False
 
     def is_loaded(self, name: str) -> bool:
@@ -69,6 +72,14 @@ class LoRARegistry:
     def names(self) -> list[str]:
         return sorted(n for n in self.adapters if n not in self.removing)
 
+    async def wait_dropped(self, name: str) -> None:
+        """Returns once `name`, removed while requests ran on it, is gone (at once if it is)."""
+        gone = self.removing.get(name)
+        if gone is not None:
+            await gone.wait()
+
     def _drop(self, name: str) -> None:
         self.adapters.pop(name, None)
-        self.removing.discard(name)
+        gone = self.removing.pop(name, None)
+        if gone is not None:
+            gone.set()
