@@ -17,9 +17,16 @@ class LoRAAdmin:
     """LoRA adapters of an AsyncEngine (see the module docstring)."""
 
     def lora_adapters(self) -> list[dict[str, Any]]:
-        """The loaded adapters: name, folder, rank, the projections they adapt."""
-        return [{"name": a.name, "path": a.path, "rank": a.rank, "target_modules": sorted(a.target_modules)}
+        """The loaded adapters: name, folder, rank, the projections they adapt, the digest of
+        their files (what their blocks are hashed with)."""
+        return [{"name": a.name, "path": a.path, "rank": a.rank, "target_modules": sorted(a.target_modules),
+                 "digest": a.digest}
                 for a in (self.core.loras.adapters[n] for n in self.core.loras.names())]
+
+    def lora_digests(self) -> dict[str, str]:
+        """Every adapter the engine holds, name -> the digest of its files, those removed but
+        still running requests included (a cluster's removal waits for them too)."""
+        return {name: adapter.digest for name, adapter in self.core.loras.adapters.items()}
 
     async def add_lora(self, name: str, path: str) -> None:
         """Loads the PEFT LoRA adapter in folder `path` as `name` (read in a thread: the loop
