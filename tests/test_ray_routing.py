@@ -16,7 +16,7 @@ from streamengine.kv.events import AllBlocksCleared, BlockRemoved, BlockStored, 
 from streamengine.ray.block_index import BlockIndex  # noqa: E402
 from streamengine.ray.cluster_engine import merge_stats  # noqa: E402
 from streamengine.ray.directory import DirectoryUpdate, ReplicaDirectory  # noqa: E402
-from streamengine.ray.request import ReplicaRequest  # noqa: E402
+from streamengine.ray.request import ClusterAdapter, ReplicaRequest  # noqa: E402
 from streamengine.ray.router import CachedBlockRouter  # noqa: E402
 from streamengine.sample.sampling_params import SamplingParams  # noqa: E402
 
@@ -102,6 +102,28 @@ async def test_directory_poll_waits_for_news_and_forgets_silent_replicas():
     assert set(await d.loads()) == {"r2"}
     gone = await d.poll(update.cursor, timeout_s=0.01)
     assert any(rid == "r1" for rid, _ in gone.batches)  # routers are told to drop r1's blocks
+
+
+async def test_a_removed_adapter_has_holders_until_every_replica_reported_it_gone():
+    d = ReplicaDirectory()
+    tune = ClusterAdapter("tune", "/adapters/tune", "d1")
+    await d.publish("r1", [], {"loras": {"tune": "d1"}})
+    await d.publish("r2", [], {"loras": {}})
+    assert await d.set_adapter("tune", tune) == {"r1": 1, "r2": 1}
+    assert await d.publish("r2", [], {}) == {"tune": tune}  # each replica reads the changes in the answer
+    since = await d.set_adapter("tune", None)
+    # r2 never held it, but its next report may have been made before it read the removal
+    assert await d.lora_holders("tune", since, timeout_s=0.01) == ["r1", "r2"]
+    await d.publish("r2", [], {})
+    await d.publish("r1", [], {"loras": {"tune": "d1"}})  # still running a request on it
+    assert await d.lora_holders("tune", since, timeout_s=0.01) == ["r1", "r2"]
+    await d.publish("r2", [], {})
+    waiter = asyncio.create_task(d.lora_holders("tune", since, timeout_s=60.0))
+    await asyncio.sleep(0.05)
+    assert not waiter.done()  # waits for the next report
+    await d.publish("r1", [], {"loras": {}})
+    assert await asyncio.wait_for(waiter, 10.0) == []
+    assert await d.adapters() == {"tune": None}
 
 
 # ---- the router's ranking -----------------------------------------------------------------
