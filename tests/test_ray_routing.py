@@ -223,6 +223,25 @@ def test_recent_placements_draw_a_burst_until_they_expire():
     assert router._recent.depths(hashes, ["r1"]) == {"r1": 0}
 
 
+def test_router_prefers_a_replica_holding_the_adapter_after_cached_blocks():
+    router = _router(affinity_ttl_s=5.0)
+    reps = [_Replica(_ID(f"r{i}")) for i in range(3)]
+    tune = ClusterAdapter("tune", "/adapters/tune", "d1")
+    router.apply(DirectoryUpdate(cursor=0, loras={"r1": {"tune": "d1"}, "r2": {"tune": "d0"}}))
+    router._in_flight.update({"r1": 2, "r2": 1})  # without the adapter criterion r0 (fewest in flight) wins
+    req = _request(range(4 * BS + 1))
+    req.lora = tune
+    hashes = router.request_hashes(req)
+    assert router.rank(reps, hashes, 4 * BS + 1, tune)[0] is reps[1]  # r2 holds other files under the name
+    assert router.rank(reps, hashes, 4 * BS + 1)[0] is reps[0]  # a base-model request: fewest in flight
+    router._index.add("r0", hashes[:1])  # cached blocks come first
+    assert router.rank(reps, hashes, 4 * BS + 1, tune)[0] is reps[0]
+    _routed(router, req, reps[0], "x")  # placed there: it loads the adapter, before it reports so
+    assert router.holds("r0", tune) and not router.holds("r0", ClusterAdapter("tune", "/elsewhere", "d2"))
+    router._expire(time.monotonic() + 5.1)
+    assert not router.holds("r0", tune) and router.holds("r1", tune)
+
+
 def test_router_forgets_replicas_that_left():
     router = _router()
     hashes = _hashes(2)
