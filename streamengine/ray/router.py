@@ -14,9 +14,9 @@ A replica's cost for a request is the prompt tokens it would compute (those past
 chain), times `cache_weight`, plus the tokens it has still to compute for the requests it
 holds: its last load report's `num_tokens_to_compute`, and what this router sent it since.
 The cheapest wins (ties: the deeper chain, then a replica holding the request's LoRA adapter,
-then fewer requests in flight). Queued work is
-measured in tokens because that is what a step's time follows; a replica deep in a long
-prefill loses a short cached turn to an idle one that must compute a few hundred tokens.
+then fewer requests in flight). Queued work is measured in tokens because that is what a
+step's time follows; a replica deep in a long prefill loses a short cached turn to an idle
+one that must compute a few hundred tokens.
 `cache_weight` above 1 charges a recomputation for more than the request's own wait: the
 copy it makes takes pool space, and the replica computing it delays what comes after.
 
