@@ -32,6 +32,8 @@ from streamengine.lora.registry import check_new_name, not_loaded
 from streamengine.ray.request import ClusterAdapter
 
 if TYPE_CHECKING:
+    from transformers import PretrainedConfig
+
     from streamengine.config import EngineConfig
     from streamengine.engine.async_engine import AsyncEngine
 
@@ -48,7 +50,7 @@ class ClusterLoRAs:
         self._config = config
         self._directory = directory
         self._served = {name: ClusterAdapter(name, path, files_digest(path)) for name, path in config.lora_modules}
-        self._model_config = None  # read when an adapter is first added
+        self._model_config: PretrainedConfig | None = None  # read when an adapter is first added
 
     def apply(self, changes: Changes) -> None:
         """Takes in the run-time changes made before this ingress started."""
@@ -95,7 +97,7 @@ class ClusterLoRAs:
     def _paths(self) -> dict[str, str]:
         return {name: adapter.path for name, adapter in self._served.items()}
 
-    async def _base_config(self):
+    async def _base_config(self) -> PretrainedConfig:
         if self._model_config is None:
             from streamengine.models.loader import load_model_config
 
