@@ -145,6 +145,36 @@ def test_blocks_computed_under_an_adapter_are_hit_by_that_adapter_only(untied_ll
     assert core.block_manager.stats.hits - before == 48  # its own three full blocks (the last token computes)
 
 
+def test_block_hashes_name_the_blocks_a_request_under_an_adapter_stores(untied_llama_dir, adapters):
+    """block_hashes(lora=...) hashes as generate does: the adapter the request names, or its
+    tenant's; the stored blocks' hashes (KV events) are exactly those, and the base model's differ."""
+    from streamengine.kv.events import BlockStored
+    from streamengine.tenancy.tenants import TenantConfig
+
+    config = EngineConfig(model=str(untied_llama_dir), num_gpu_blocks=64, max_lora_rank=64,
+                          lora_modules=(("a", str(adapters["r8_all"])),), tenants=(TenantConfig("bot", lora="a"),))
+    core = EngineCore(config)
+    core.record_kv_events(True)
+    prompt = list(range(700, 748))  # three full blocks
+    engine_greedy(core, {"x": (prompt, "a")}, 2)
+    stored = [h for e in core.take_kv_events() if isinstance(e, BlockStored) for h in e.block_hashes]
+    assert core.block_hashes(prompt, lora="a") == stored[:3]
+    assert core.block_hashes(prompt, tenant="bot") == core.block_hashes(prompt, tenant="bot", lora="a")
+    assert core.block_hashes(prompt) != stored[:3]  # the base model's blocks are others
+    with pytest.raises(LoRAError, match="no LoRA adapter named 'nope'"):
+        core.block_hashes(prompt, lora="nope")
+
+
+def test_a_failed_request_releases_its_adapter_so_a_removal_can_finish(untied_llama_dir, adapters):
+    core = EngineCore(EngineConfig(model=str(untied_llama_dir), num_gpu_blocks=64, max_lora_rank=64,
+                                   lora_modules=(("a", str(adapters["r8_all"])),)))
+    core.add_request("x", PROMPTS[0], SamplingParams(max_tokens=8), lora="a")
+    core.step()
+    assert core.remove_lora("a") is False
+    core.fail_request("x", "injected fault")
+    assert "a" not in core.loras.adapters and not core.loras.removing
+
+
 def core_hashes(core: EngineCore, prompt: list[int], lora: str | None) -> list[bytes]:
     from streamengine.engine.core_pins import salt_segments
     from streamengine.kv.block_hash import prompt_block_hashes

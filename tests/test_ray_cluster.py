@@ -22,7 +22,7 @@ from streamengine.server.tenants_file import parse_tenants  # noqa: E402
 
 pytestmark = pytest.mark.ray
 
-KEY_A, KEY_B = "key-a", "key-b"
+KEY_A, KEY_B, ADMIN_KEY = "key-a", "key-b", "key-admin"
 # Long enough for several full blocks: the part a bot's conversations share.
 SYSTEM = "You are the support bot of an example shop. " * 12
 STREAM_TIMEOUT_S = 60.0
@@ -50,6 +50,7 @@ def cluster(cluster_model_dir):
     from ray import serve
 
     from streamengine.ray import ClusterOptions, deploy
+    from streamengine.server.config import ServerConfig
 
     tenants = parse_tenants({"tenants": [
         {"name": "bot-a", "api_key": KEY_A}, {"name": "bot-b", "api_key": KEY_B},
@@ -59,7 +60,7 @@ def cluster(cluster_model_dir):
         replicas=2, router="cached", app_name="test", port=_free_port(), replica_cpus=1.0,
         # Room for the scale-down test's 600-token streams to end on a slow, loaded machine
         # (an AVX2-only CPU ran them past 30 s); a replica with nothing running leaves at once.
-        tenants_file=tenants, graceful_shutdown_timeout_s=120.0,
+        tenants_file=tenants, graceful_shutdown_timeout_s=120.0, server=ServerConfig(admin_keys=(ADMIN_KEY,)),
     )
     ray.init(num_cpus=2, include_dashboard=False, namespace="streamengine", log_to_driver=False)
     try:
@@ -192,6 +193,61 @@ async def test_websocket_streams_through_the_ingress(cluster):
                     aborted = msg
             assert aborted["id"] == "long" and aborted["finish_reason"] == "abort"
             assert aborted["usage"]["completion_tokens"] < 900
+
+
+async def test_an_adapter_added_on_the_cluster_serves_the_engines_tokens_and_goes_everywhere_at_removal(
+        cluster, cluster_model_dir, tmp_path_factory):
+    """Loaded through the ingress at run time, the adapter is loaded by the replica a request
+    goes to, which generates the single engine's greedy tokens under it; unloading returns
+    once no replica holds it, and a request naming it is refused from then on."""
+    import aiohttp
+    from conftest import make_adapter
+
+    from streamengine.engine.async_engine import AsyncEngine
+    from streamengine.sample.sampling_params import SamplingParams
+
+    # A strong adapter (scaling 32): this model's greedy text barely moves under a weak one.
+    path = str(make_adapter(cluster_model_dir, tmp_path_factory.mktemp("cluster_lora") / "tune", 8,
+                            ["q_proj", "v_proj", "o_proj", "up_proj", "down_proj"], seed=5, alpha=256))
+    prompt = list(range(300, 340))  # two full blocks, hashed with the adapter's identity
+    config = EngineConfig(model=str(cluster_model_dir), num_gpu_blocks=64, lora_modules=(("tune", path),))
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    async with AsyncEngine(config) as engine:
+        expected = [o async for o in engine.generate(prompt, params, lora="tune")][-1].outputs[0].token_ids
+        base = [o async for o in engine.generate(prompt, params)][-1].outputs[0].token_ids
+    assert list(expected) != list(base)  # the adapter changes the tokens: the check below means something
+    admin = {"Authorization": f"Bearer {ADMIN_KEY}"}
+    ws_params = {"lora": "tune", "max_tokens": 8, "temperature": 0.0, "ignore_eos": True}
+    async with aiohttp.ClientSession() as session:
+        async with session.post(f"{cluster.url}/v1/load_lora_adapter", headers=admin,
+                                json={"lora_name": "tune", "lora_path": path}) as r:
+            assert r.status == 200, await r.text()
+        done, tokens = await _ws_generate(session, cluster.url, prompt, ws_params)
+        assert done["type"] == "done" and tokens == list(expected)
+        deadline = time.monotonic() + 30
+        while not any("tune" in load.get("loras", {}) for load in cluster.replica_loads().values()):
+            assert time.monotonic() < deadline, "no replica reported the adapter"
+            await asyncio.sleep(0.1)
+        async with session.post(f"{cluster.url}/v1/unload_lora_adapter", headers=admin,
+                                json={"lora_name": "tune"}) as r:
+            assert r.status == 200, await r.text()
+        assert not any("tune" in load.get("loras", {}) for load in cluster.replica_loads().values())
+        refused, _ = await _ws_generate(session, cluster.url, prompt, ws_params)
+        assert refused["type"] == "error" and "no LoRA adapter named 'tune'" in refused["message"], refused
+
+
+async def _ws_generate(session, url: str, prompt: list[int], params: dict) -> tuple[dict, list[int]]:
+    """One request over the WebSocket: its last message (done or error) and its tokens."""
+    async with session.ws_connect(f"{url}/v1/stream", headers={"Authorization": f"Bearer {KEY_A}"}) as ws:
+        assert json.loads((await ws.receive(timeout=30)).data)["type"] == "ready"
+        await ws.send_json({"type": "generate", "id": "g", "prompt": prompt, "params": params})
+        tokens = []
+        while True:
+            msg = json.loads((await ws.receive(timeout=STREAM_TIMEOUT_S)).data)
+            if msg["type"] == "delta":
+                tokens += msg["token_ids"]
+            elif msg["type"] in ("done", "error"):
+                return msg, tokens
 
 
 async def test_y_a_replica_killed_mid_stream_ends_its_request_and_others_go_on(cluster):

@@ -1,11 +1,13 @@
 """ClusterEngine's fault handling against a stand-in DeploymentHandle (no cluster): a
 replica lost before the first output is retried, one lost mid-stream ends the request with a
 clear error, abort ends it with finish_reason "abort", and a replica's own error arrives as
-the original exception."""
+the original exception. Then LoRA adapters on a cluster: the ingress's checks and a replica's
+loading on first use."""
 
 from __future__ import annotations
 
 import asyncio
+from types import SimpleNamespace
 
 import pytest
 
@@ -14,8 +16,11 @@ pytest.importorskip("ray.serve")
 
 from streamengine.config import EngineConfig  # noqa: E402
 from streamengine.errors import RequestFailedError  # noqa: E402
+from streamengine.lora.adapter import LoRAError, files_digest  # noqa: E402
 from streamengine.ray.cluster_engine import ClusterEngine  # noqa: E402
+from streamengine.ray.directory import ReplicaDirectory  # noqa: E402
 from streamengine.ray.replica import PinSpec  # noqa: E402
+from streamengine.ray.request import ClusterAdapter  # noqa: E402
 from streamengine.sample.outputs import CompletionOutput, RequestOutput  # noqa: E402
 from streamengine.sample.sampling_params import SamplingParams  # noqa: E402
 from streamengine.tenancy.tenants import TenantConfig  # noqa: E402
@@ -153,3 +158,61 @@ async def test_tenants_and_pins_are_fixed_at_deploy_time(make_engine):
     with pytest.raises(ValueError, match="set when it is deployed"):
         await engine.pin_prefix(list(range(40)), tenant="bot")
     await engine.stop()
+
+
+class _DirectoryActor:
+    """A ReplicaDirectory called as its Ray actor is (`directory.method.remote(...)`)."""
+
+    def __init__(self):
+        self.directory = ReplicaDirectory()
+
+    def __getattr__(self, name):
+        return SimpleNamespace(remote=getattr(self.directory, name))
+
+
+async def test_cluster_adapters_are_checked_at_add_and_refused_as_the_engine_refuses_them(
+        make_engine, tiny_lora_dirs, tmp_path):
+    engine, handle = await make_engine([_Response([_out("r", [9], True, "length")])])
+    actor = _DirectoryActor()
+    engine._loras._directory = lambda: actor
+    with pytest.raises(LoRAError, match="no LoRA adapter named 'tune' is loaded"):  # the engine's words
+        await _all(engine, lora="tune")
+    with pytest.raises(LoRAError, match="missing adapter_config.json"):  # checked here, not on first use
+        await engine.add_lora("tune", str(tmp_path / "nothing"))
+    path = str(tiny_lora_dirs["lora-a"])
+    await engine.add_lora("tune", path)
+    with pytest.raises(LoRAError, match="already loaded"):
+        await engine.add_lora("tune", str(tiny_lora_dirs["lora-b"]))
+    assert engine.lora_adapters() == [{"name": "tune", "path": path}]
+    tune = ClusterAdapter("tune", path, files_digest(path))
+    assert (await actor.directory.adapters()) == {"tune": tune}  # where replicas read it
+    await _all(engine, lora="tune")
+    assert handle.requests[0].lora == tune  # what a replica lacking it loads
+    await engine.remove_lora("tune")  # no replica reports it: returns at once
+    assert engine.lora_adapters() == [] and (await actor.directory.adapters()) == {"tune": None}
+    with pytest.raises(LoRAError, match="no LoRA adapter named 'tune' is loaded"):
+        await _all(engine, lora="tune")
+    await engine.stop()
+
+
+async def test_a_replica_loads_an_adapter_on_first_use_and_drops_what_the_cluster_removed(
+        untied_llama_dir, tiny_lora_dirs, tmp_path):
+    from streamengine.engine.async_engine import AsyncEngine
+    from streamengine.ray.adapters import ReplicaLoRAs
+
+    path = str(tiny_lora_dirs["lora-a"])
+    tune = ClusterAdapter("tune", path, files_digest(path))
+    async with AsyncEngine(EngineConfig(model=str(untied_llama_dir), num_gpu_blocks=64)) as engine:
+        loras = ReplicaLoRAs(engine, "r0")
+        await asyncio.gather(loras.ensure(tune), loras.ensure(tune))  # one load: a second would be refused
+        assert loras.held() == {"tune": tune.digest}
+        lost = ClusterAdapter("lost", str(tmp_path / "nothing"), "0")
+        with pytest.raises(RequestFailedError, match="replica r0 could not load LoRA adapter 'lost' .*missing"):
+            await loras.ensure(lost)
+        loras.apply({"tune": ClusterAdapter("tune", path, "other files")})  # replaced on the cluster
+        await asyncio.wait_for(asyncio.gather(*loras._dropping.values()), 10)
+        assert loras.held() == {}
+        await loras.ensure(tune)
+        loras.apply({"other": None})  # nothing it holds
+        assert loras.held() == {"tune": tune.digest} and not loras._dropping
+        await loras.close()

@@ -16,7 +16,7 @@ from streamengine.kv.events import AllBlocksCleared, BlockRemoved, BlockStored, 
 from streamengine.ray.block_index import BlockIndex  # noqa: E402
 from streamengine.ray.cluster_engine import merge_stats  # noqa: E402
 from streamengine.ray.directory import DirectoryUpdate, ReplicaDirectory  # noqa: E402
-from streamengine.ray.request import ReplicaRequest  # noqa: E402
+from streamengine.ray.request import ClusterAdapter, ReplicaRequest  # noqa: E402
 from streamengine.ray.router import CachedBlockRouter  # noqa: E402
 from streamengine.sample.sampling_params import SamplingParams  # noqa: E402
 
@@ -102,6 +102,28 @@ async def test_directory_poll_waits_for_news_and_forgets_silent_replicas():
     assert set(await d.loads()) == {"r2"}
     gone = await d.poll(update.cursor, timeout_s=0.01)
     assert any(rid == "r1" for rid, _ in gone.batches)  # routers are told to drop r1's blocks
+
+
+async def test_a_removed_adapter_has_holders_until_every_replica_reported_it_gone():
+    d = ReplicaDirectory()
+    tune = ClusterAdapter("tune", "/adapters/tune", "d1")
+    await d.publish("r1", [], {"loras": {"tune": "d1"}})
+    await d.publish("r2", [], {"loras": {}})
+    assert await d.set_adapter("tune", tune) == {"r1": 1, "r2": 1}
+    assert await d.publish("r2", [], {}) == {"tune": tune}  # each replica reads the changes in the answer
+    since = await d.set_adapter("tune", None)
+    # r2 never held it, but its next report may have been made before it read the removal
+    assert await d.lora_holders("tune", since, timeout_s=0.01) == ["r1", "r2"]
+    await d.publish("r2", [], {})
+    await d.publish("r1", [], {"loras": {"tune": "d1"}})  # still running a request on it
+    assert await d.lora_holders("tune", since, timeout_s=0.01) == ["r1", "r2"]
+    await d.publish("r2", [], {})
+    waiter = asyncio.create_task(d.lora_holders("tune", since, timeout_s=60.0))
+    await asyncio.sleep(0.05)
+    assert not waiter.done()  # waits for the next report
+    await d.publish("r1", [], {"loras": {}})
+    assert await asyncio.wait_for(waiter, 10.0) == []
+    assert await d.adapters() == {"tune": None}
 
 
 # ---- the router's ranking -----------------------------------------------------------------
@@ -199,6 +221,25 @@ def test_recent_placements_draw_a_burst_until_they_expire():
     assert all(router.rank(reps, hashes)[0] is reps[1] for _ in range(10))
     router._expire(time.monotonic() + 5.1)  # past the time to live
     assert router._recent.depths(hashes, ["r1"]) == {"r1": 0}
+
+
+def test_router_prefers_a_replica_holding_the_adapter_after_cached_blocks():
+    router = _router(affinity_ttl_s=5.0)
+    reps = [_Replica(_ID(f"r{i}")) for i in range(3)]
+    tune = ClusterAdapter("tune", "/adapters/tune", "d1")
+    router.apply(DirectoryUpdate(cursor=0, loras={"r1": {"tune": "d1"}, "r2": {"tune": "d0"}}))
+    router._in_flight.update({"r1": 2, "r2": 1})  # without the adapter criterion r0 (fewest in flight) wins
+    req = _request(range(4 * BS + 1))
+    req.lora = tune
+    hashes = router.request_hashes(req)
+    assert router.rank(reps, hashes, 4 * BS + 1, tune)[0] is reps[1]  # r2 holds other files under the name
+    assert router.rank(reps, hashes, 4 * BS + 1)[0] is reps[0]  # a base-model request: fewest in flight
+    router._index.add("r0", hashes[:1])  # cached blocks come first
+    assert router.rank(reps, hashes, 4 * BS + 1, tune)[0] is reps[0]
+    _routed(router, req, reps[0], "x")  # placed there: it loads the adapter, before it reports so
+    assert router.holds("r0", tune) and not router.holds("r0", ClusterAdapter("tune", "/elsewhere", "d2"))
+    router._expire(time.monotonic() + 5.1)
+    assert not router.holds("r0", tune) and router.holds("r1", tune)
 
 
 def test_router_forgets_replicas_that_left():

@@ -304,10 +304,12 @@ class AsyncEngine(PinKeeper, LoRAAdmin):
 
     def block_hashes(
         self, prompt: str | list[int], tenant: str | None = None, cache_salt: str | None = None,
+        lora: str | None = None,
     ) -> list[bytes]:
         """The hashes of every full block of `prompt` that a request with these arguments
-        would look up now (salted as `generate` salts it), as KV events name them."""
-        return self.core.block_hashes(prompt, tenant, cache_salt)
+        would look up now (salted as `generate` salts it: under a LoRA adapter, the one
+        `lora` names or the tenant's, with the adapter's identity), as KV events name them."""
+        return self.core.block_hashes(prompt, tenant, cache_salt, lora)
 
     def _publish_kv_events(self) -> None:
         if self._kv_hub.active:

@@ -199,9 +199,9 @@ class EngineCore:
         return core_pins.fail_unfittable(self)
 
     def block_hashes(self, prompt: str | list[int], tenant: str | None = None,
-                     cache_salt: str | None = None) -> list[bytes]:
+                     cache_salt: str | None = None, lora: str | None = None) -> list[bytes]:
         """The hashes of `prompt`'s full blocks for a request of `tenant` (core_pins)."""
-        return core_pins.block_hashes(self, prompt, tenant, cache_salt)
+        return core_pins.block_hashes(self, prompt, tenant, cache_salt, lora)
 
     def _new_seq(self, req: Request, group_size: int, token_ids: list[int] | None = None) -> Sequence:
         segments = req.salt_segments
@@ -230,6 +230,8 @@ class EngineCore:
         whether the bookkeeping survived."""
         req = self.requests.pop(request_id, None)
         self.failures[request_id] = why  # its stream ends with the error either way
+        if req is not None and req.lora is not None:  # _release will not see it: a removal waits on it
+            self.loras.release(req.lora)
         self._grammar_freed |= req is not None and req.params.structured is not None
         for seq in self._request_seqs(request_id, req):
             try:

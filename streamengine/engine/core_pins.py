@@ -70,14 +70,19 @@ def salt_segments(core: EngineCore, prompt_ids: list[int], tenant: str, user_sal
     return segments if adapter is None else with_adapter(segments, adapter.identity)
 
 
-def block_hashes(core: EngineCore, prompt: str | list[int], tenant: str | None = None, cache_salt: str | None = None) -> list[bytes]:
+def block_hashes(core: EngineCore, prompt: str | list[int], tenant: str | None = None, cache_salt: str | None = None,
+                 lora: str | None = None) -> list[bytes]:
     """The hashes of every full block of `prompt` as a request of `tenant` with this
-    per-user `cache_salt` would compute them now (the pins in place decide its salt
-    segments, as in add_request). Registers no tenant."""
+    per-user `cache_salt`, run under the LoRA adapter `lora` (None: the tenant's, as in
+    generate), would compute them now (the pins in place decide its salt segments, as in
+    add_request). Registers no tenant; LoRAError for an adapter that is not loaded."""
     tenant = tenant if tenant is not None else DEFAULT_TENANT
     prompt_ids = core.intake.prompt_ids(prompt)
     config = core.tenants.get(tenant) if tenant in core.tenants else TenantConfig(tenant)
+    lora = lora if lora is not None else config.lora
+    adapter = core.loras.get(lora) if lora is not None else None
     segments = core.pins.segments(prompt_ids, tenant, config.salt, cache_salt)
+    segments = segments if adapter is None else with_adapter(segments, adapter.identity)
     return prompt_block_hashes(prompt_ids, core.config.block_size, segments, seq_salt(segments))
 
 

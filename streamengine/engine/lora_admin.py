@@ -1,8 +1,8 @@
 """LoRAAdmin: the AsyncEngine's LoRA adapters at run time, a mixin of AsyncEngine.
 
 Adding reads and checks the adapter's files in a thread, so the event loop keeps serving;
-removing refuses new requests at once and waits for those running on the adapter. The mixin
-uses the engine's `core` and `is_running`.
+removing refuses new requests at once and waits for those running on the adapter (an event the
+registry sets when the last of them releases it). The mixin uses the engine's `core`.
 """
 
 from __future__ import annotations
@@ -17,9 +17,16 @@ class LoRAAdmin:
     """LoRA adapters of an AsyncEngine (see the module docstring)."""
 
     def lora_adapters(self) -> list[dict[str, Any]]:
-        """The loaded adapters: name, folder, rank, the projections they adapt."""
-        return [{"name": a.name, "path": a.path, "rank": a.rank, "target_modules": sorted(a.target_modules)}
+        """The loaded adapters: name, folder, rank, the projections they adapt, the digest of
+        their files (what their blocks are hashed with)."""
+        return [{"name": a.name, "path": a.path, "rank": a.rank, "target_modules": sorted(a.target_modules),
+                 "digest": a.digest}
                 for a in (self.core.loras.adapters[n] for n in self.core.loras.names())]
+
+    def lora_digests(self) -> dict[str, str]:
+        """Every adapter the engine holds, name -> the digest of its files, those removed but
+        still running requests included (a cluster's removal waits for them too)."""
+        return {name: adapter.digest for name, adapter in self.core.loras.adapters.items()}
 
     async def add_lora(self, name: str, path: str) -> None:
         """Loads the PEFT LoRA adapter in folder `path` as `name` (read in a thread: the loop
@@ -32,7 +39,7 @@ class LoRAAdmin:
     async def remove_lora(self, name: str) -> None:
         """Refuses new requests for `name` at once and returns when the requests running on
         it have ended and it is gone. LoRAError if none is loaded under `name`."""
-        if self.core.remove_lora(name):
-            return
-        while name in self.core.loras.adapters and self.is_running:
-            await asyncio.sleep(0.05)  # its last request's release drops it (core._release)
+        if not self.core.remove_lora(name):
+            # Its last request's release drops it (core._release); so does stop(), which
+            # aborts every request.
+            await self.core.loras.wait_dropped(name)

@@ -3,7 +3,9 @@ them, and dropped when removed and no request uses them any more."""
 
 from __future__ import annotations
 
+import asyncio
 from collections import Counter
+from collections.abc import Iterable, Mapping
 from pathlib import Path
 
 from streamengine.lora.adapter import LoRAAdapter, LoRAError, load_adapter
@@ -15,7 +17,9 @@ class LoRARegistry:
         self.max_rank = max_rank
         self.adapters: dict[str, LoRAAdapter] = {}
         self.users: Counter[str] = Counter()  # requests in flight per adapter name
-        self.removing: set[str] = set()  # removed, waiting for their last request
+        # Removed, waiting for their last request: each event is set when its adapter goes, so
+        # whoever removes it can wait for that instead of polling.
+        self.removing: dict[str, asyncio.Event] = {}
 
     def add(self, name: str, path: str | Path) -> LoRAAdapter:
         """Loads the adapter in folder `path` under `name`; LoRAError names what is wrong."""
@@ -23,10 +27,7 @@ class LoRARegistry:
         return self.register(load_adapter(name, path, self.model_config, self.max_rank))
 
     def check_name(self, name: str) -> None:
-        if not name or not isinstance(name, str):
-            raise LoRAError(f"a LoRA adapter needs a name, got {name!r}")
-        if name in self.adapters:
-            raise LoRAError(f"a LoRA adapter named {name!r} is already loaded (from {self.adapters[name].path})")
+        check_new_name(name, {n: a.path for n, a in self.adapters.items()})
 
     def register(self, adapter: LoRAAdapter) -> LoRAAdapter:
         """Adds an adapter loaded elsewhere (a thread: AsyncEngine.add_lora)."""
@@ -38,7 +39,7 @@ class LoRARegistry:
         """The adapter a new request names; LoRAError if none is loaded under `name`."""
         adapter = self.adapters.get(name)
         if adapter is None or name in self.removing:
-            raise LoRAError(f"no LoRA adapter named {name!r} is loaded (loaded: {self.names()})")
+            raise not_loaded(name, self.names())
         return adapter
 
     def acquire(self, adapter: LoRAAdapter) -> None:
@@ -56,11 +57,11 @@ class LoRARegistry:
         """Refuses new requests for `name`; True once it is gone (now, if none uses it), False
         while requests still run on it (it goes with the last of them)."""
         if name not in self.adapters:
-            raise LoRAError(f"no LoRA adapter named {name!r} is loaded (loaded: {sorted(self.adapters)})")
+            raise not_loaded(name, self.adapters)
         if not self.users[name]:
             self._drop(name)
             return True
-        self.removing.add(name)
+        self.removing.setdefault(name, asyncio.Event())
         return False
 
     def is_loaded(self, name: str) -> bool:
@@ -69,6 +70,27 @@ class LoRARegistry:
     def names(self) -> list[str]:
         return sorted(n for n in self.adapters if n not in self.removing)
 
+    async def wait_dropped(self, name: str) -> None:
+        """Returns once `name`, removed while requests ran on it, is gone (at once if it is)."""
+        gone = self.removing.get(name)
+        if gone is not None:
+            await gone.wait()
+
     def _drop(self, name: str) -> None:
         self.adapters.pop(name, None)
-        self.removing.discard(name)
+        gone = self.removing.pop(name, None)
+        if gone is not None:
+            gone.set()
+
+
+def check_new_name(name: str, paths: Mapping[str, str]) -> None:
+    """LoRAError unless `name` can name a new adapter beside `paths` (name -> folder): the
+    engine's check, and a cluster's (streamengine.ray.adapters)."""
+    if not name or not isinstance(name, str):
+        raise LoRAError(f"a LoRA adapter needs a name, got {name!r}")
+    if name in paths:
+        raise LoRAError(f"a LoRA adapter named {name!r} is already loaded (from {paths[name]})")
+
+
+def not_loaded(name: str, loaded: Iterable[str]) -> LoRAError:
+    return LoRAError(f"no LoRA adapter named {name!r} is loaded (loaded: {sorted(loaded)})")

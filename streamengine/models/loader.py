@@ -15,8 +15,10 @@ from pathlib import Path
 
 import torch
 from transformers import (
+    AutoConfig,
     AutoModelForCausalLM,
     AutoTokenizer,
+    PretrainedConfig,
     PreTrainedModel,
     PreTrainedTokenizerBase,
 )
@@ -77,13 +79,24 @@ def load_model(model: str | None, dtype: str, device: str, cache_dir: str | None
 def load_tokenizer(model: str | None, cache_dir: str | None = None) -> tuple[PreTrainedTokenizerBase, str]:
     """(tokenizer, model name) of `model` as `load_model` names it, without the weights: for a
     process that routes and formats requests (the Ray ingress) but runs no model."""
+    folder, name = _folder(model, cache_dir)
+    return AutoTokenizer.from_pretrained(folder), name
+
+
+def load_model_config(model: str | None, cache_dir: str | None = None) -> PretrainedConfig:
+    """The model's config without its weights: what the Ray ingress checks an adapter against."""
+    return AutoConfig.from_pretrained(_folder(model, cache_dir)[0])
+
+
+def _folder(model: str | None, cache_dir: str | None) -> tuple[Path, str]:
+    """The transformers folder of `model` (a GGUF file's converted copy) and its name."""
     path = resolve_default_model() if model is None else Path(model)
     if not path.exists():
         raise FileNotFoundError(f"model not found: {path}")
     if path.suffix != ".gguf":
-        return AutoTokenizer.from_pretrained(path), path.name
+        return path, path.name
     folder = _converted_gguf(path, Path(cache_dir) if cache_dir else default_cache_dir())
-    return AutoTokenizer.from_pretrained(folder), DEFAULT_MODEL_NAME if model is None else path.stem
+    return folder, DEFAULT_MODEL_NAME if model is None else path.stem
 
 
 def _converted_gguf(path: Path, cache_dir: Path) -> Path:

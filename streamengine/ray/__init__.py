@@ -5,7 +5,8 @@ Install with `pip install -e '.[ray]'`. One `AsyncEngine` runs per replica deplo
 router (router.py) mirrors them in a block index (block_index.py) and sends a request to the
 replica holding the longest chain of its salted block hashes. The ingress deployment
 (ingress.py) runs the single-process aiohttp server unchanged over a `ClusterEngine`
-(cluster_engine.py), the engine interface backed by the replicas. app.py builds and runs it.
+(cluster_engine.py), the engine interface backed by the replicas; adapters.py keeps the
+cluster's LoRA adapters, which replicas load on first use. app.py builds and runs it.
 """
 
 from __future__ import annotations

@@ -6,6 +6,9 @@ DeploymentHandle (streamed, placed by the request router); the figures the serve
 synchronously (`stats`, `health`, `kv_state`) come from the replicas' reports in the
 directory, refreshed in the background.
 
+LoRA adapters are the deployed ones, changed at run time by `add_lora` / `remove_lora` on the
+whole cluster; each replica loads an adapter on its first request for it (adapters.py).
+
 Tenants and pinned prefixes are the application's, fixed when it is deployed: every replica,
 including one that replaces a dead one, registers the same tenants and pins the same
 prefixes at start, so every replica hashes a request's blocks the same way and the ingress
@@ -33,7 +36,8 @@ from streamengine.config import EngineConfig
 from streamengine.engine.async_engine import AsyncEngine
 from streamengine.engine.intake import encode_prompt
 from streamengine.errors import EngineDeadError, RequestFailedError
-from streamengine.lora.adapter import LoRAError, files_digest, identity, with_adapter
+from streamengine.lora.adapter import identity, with_adapter
+from streamengine.ray.adapters import ClusterLoRAs
 from streamengine.ray.directory import get_or_create_directory
 from streamengine.ray.replica import PinSpec
 from streamengine.ray.request import ReplicaRequest
@@ -71,7 +75,7 @@ class ClusterEngine:
         self._prompt_text = prompt_text  # the router matches text (Ray's prefix router)
         self.tokenizer, self._model_name = load_tokenizer(config.model, config.cache_dir)
         self._loads: dict[str, dict[str, Any]] = {}
-        self._lora_identities: dict[str, str] = {}
+        self._loras = ClusterLoRAs(config, lambda: get_or_create_directory(app_name))
         self._live: dict[str, Any] = {}  # request id -> its streaming response
         self._aborted: set[str] = set()
         self._task: asyncio.Task | None = None
@@ -102,6 +106,10 @@ class ClusterEngine:
 
     async def _refresh(self) -> None:
         directory = get_or_create_directory(self._app_name)
+        try:  # adapters added or removed before this ingress started (it may replace another)
+            self._loras.apply(await directory.adapters.remote())
+        except Exception:
+            log.warning("reading the cluster's LoRA adapters failed; serving the deployed ones", exc_info=True)
         while True:
             try:
                 self._loads = await directory.loads.remote()
@@ -173,35 +181,29 @@ class ClusterEngine:
         name = tenant if tenant is not None else DEFAULT_TENANT
         segments = self._pins.segments(ids, name, self._tenants.get(name).salt, cache_salt)
         lora = lora if lora is not None else self._tenants.get(name).lora
-        if lora is not None:  # hashed as the replica will (core_pins.salt_segments), for the router
-            segments = with_adapter(segments, self._lora_identity(lora))
+        adapter = self._loras.get(lora) if lora is not None else None  # LoRAError as the engine's
+        if adapter is not None:  # hashed as the replica will (core_pins.salt_segments), for the router
+            segments = with_adapter(segments, identity(adapter.name, adapter.digest))
         text = "" if not self._prompt_text else prompt if isinstance(prompt, str) else self.tokenizer.decode(ids)
         return ReplicaRequest(
             ids, params if params is not None else SamplingParams(), request_id or uuid.uuid4().hex,
-            cache_salt, tenant, segments, lora=lora, prompt=text,
+            cache_salt, tenant, segments, lora=adapter, prompt=text,
         )
 
-    def _lora_identity(self, name: str) -> str:
-        """The deployed adapter's identity; LoRAError for a name the cluster was not deployed with."""
-        if name not in self._lora_identities:
-            paths = dict(self.config.lora_modules)
-            if name not in paths:
-                raise LoRAError(f"no LoRA adapter named {name!r} is loaded (loaded: {sorted(paths)})")
-            self._lora_identities[name] = identity(name, files_digest(paths[name]))
-        return self._lora_identities[name]
-
-    # -- LoRA adapters: set when the cluster is deployed ------------------------------------
+    # -- LoRA adapters: the deployed ones, changed at run time on every replica ---------------
 
     def lora_adapters(self) -> list[dict[str, Any]]:
-        return [{"name": name, "path": path} for name, path in self.config.lora_modules]
+        return self._loras.listing()
 
     async def add_lora(self, name: str, path: str) -> None:
-        raise LoRAError(f"LoRA adapter {name!r}: a cluster's adapters are set when it is deployed "
-                        "(EngineConfig.lora_modules or --lora-modules); redeploy to change them")
+        """As AsyncEngine.add_lora, for the whole cluster: checked here against the base model
+        (LoRAError says what is wrong), loaded by each replica on its first request for it."""
+        await self._loras.add(name, path)
 
     async def remove_lora(self, name: str) -> None:
-        raise LoRAError(f"LoRA adapter {name!r}: a cluster's adapters are set when it is deployed "
-                        "(EngineConfig.lora_modules or --lora-modules); redeploy to change them")
+        """As AsyncEngine.remove_lora, for the whole cluster: refuses new requests for `name`
+        at once and returns when every replica has dropped it (after its running requests)."""
+        await self._loras.remove(name)
 
     async def abort(self, request_id: str) -> None:
         """Ends the request; its stream yields a final output with finish_reason "abort"."""

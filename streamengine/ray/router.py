@@ -13,11 +13,21 @@ prefill the replica's engine then shares, instead of each replica computing it a
 A replica's cost for a request is the prompt tokens it would compute (those past its cached
 chain), times `cache_weight`, plus the tokens it has still to compute for the requests it
 holds: its last load report's `num_tokens_to_compute`, and what this router sent it since.
-The cheapest wins (ties: the deeper chain, then fewer requests in flight). Queued work is
-measured in tokens because that is what a step's time follows; a replica deep in a long
-prefill loses a short cached turn to an idle one that must compute a few hundred tokens.
+The cheapest wins (ties: the deeper chain, then a replica holding the request's LoRA adapter,
+then fewer requests in flight). Queued work is measured in tokens because that is what a
+step's time follows; a replica deep in a long prefill loses a short cached turn to an idle
+one that must compute a few hundred tokens.
 `cache_weight` above 1 charges a recomputation for more than the request's own wait: the
 copy it makes takes pool space, and the replica computing it delays what comes after.
+
+LoRA adapters come after cached blocks. A replica lacking the request's adapter loads it on
+first use and keeps it (adapters.py), a one-time cost that is not worth queueing a request
+behind work or a recomputation for, so holding it decides only between replicas that are
+otherwise equal: idle replicas and a prompt nobody has cached, the usual case for an adapter's
+first requests, which then gather where it is loaded. A replica with cached blocks of the
+request already holds its adapter: blocks computed under an adapter are hashed with its
+identity. Which replica holds which adapter (name and digest) comes from their reports, plus
+the router's own placements of the last `affinity_ttl_s`, as for blocks.
 """
 
 from __future__ import annotations
@@ -37,7 +47,7 @@ from streamengine.kv.block_hash import prompt_block_hashes
 from streamengine.kv.events import decode
 from streamengine.ray.block_index import BlockIndex
 from streamengine.ray.directory import DirectoryUpdate, get_or_create_directory
-from streamengine.ray.request import ReplicaRequest
+from streamengine.ray.request import ClusterAdapter, ReplicaRequest
 
 log = logging.getLogger(__name__)
 
@@ -65,7 +75,10 @@ class CachedBlockRouter(RequestRouter):
         self._ttl, self._lag = affinity_ttl_s, report_lag_s
         self._index = BlockIndex()  # what the replicas' KV events say they hold
         self._recent = BlockIndex()  # where this router sent prefixes lately
-        self._placements: deque[tuple[float, str, list[bytes]]] = deque()  # (when, replica, hashes)
+        # (when, replica, hashes, adapter) of the placements of the last `affinity_ttl_s`
+        self._placements: deque[tuple[float, str, list[bytes], ClusterAdapter | None]] = deque()
+        self._loras: dict[str, dict[str, str]] = {}  # replica -> its adapters' name -> digest, as reported
+        self._placed_loras: Counter[tuple[str, ClusterAdapter]] = Counter()  # (replica, adapter) placed lately
         self._work: dict[str, tuple[int, int]] = {}  # replica -> (tokens to compute, report number)
         # replica -> (when, prompt tokens it was expected to compute) of the placements its
         # last report may not show yet, oldest first
@@ -87,7 +100,7 @@ class CachedBlockRouter(RequestRouter):
         if request is None:  # a call that is not a generate: any replica will do
             return [self._two_choices(candidate_replicas)]
         hashes = self.request_hashes(request)
-        ranked = self.rank(candidate_replicas, hashes, len(request.prompt_token_ids))
+        ranked = self.rank(candidate_replicas, hashes, len(request.prompt_token_ids), request.lora)
         return [[ranked[0]], ranked[1:]] if len(ranked) > 1 else [ranked]
 
     def request_hashes(self, request: ReplicaRequest) -> list[bytes]:
@@ -100,16 +113,19 @@ class CachedBlockRouter(RequestRouter):
 
     def rank(
         self, candidates: list[RunningReplica], hashes: list[bytes], num_tokens: int | None = None,
+        adapter: ClusterAdapter | None = None,
     ) -> list[RunningReplica]:
         """Candidates cheapest first (see the module docstring). `num_tokens` is the prompt's
-        length (default: its full blocks, all a cache could hold)."""
+        length (default: its full blocks, all a cache could hold); `adapter` its LoRA adapter."""
         self._expire(time.monotonic())
         by_id = {r.replica_id.unique_id: r for r in candidates}
         depth = self._depths(hashes, by_id)
         size = len(hashes) * self._block_size if num_tokens is None else num_tokens
         cost = {rid: self._cache_weight * (size - depth[rid] * self._block_size) + self.queued_tokens(rid)
                 for rid in by_id}
-        order = sorted(by_id, key=lambda rid: (cost[rid], -depth[rid], self._in_flight[rid], random.random()))
+        lacks = {rid: adapter is not None and not self.holds(rid, adapter) for rid in by_id}
+        order = sorted(by_id, key=lambda rid: (cost[rid], -depth[rid], lacks[rid], self._in_flight[rid],
+                                               random.random()))
         deepest = max(depth.values())
         self.decisions["fresh" if deepest == 0 else "cached" if depth[order[0]] == deepest else "balanced"] += 1
         return [by_id[rid] for rid in order]
@@ -121,6 +137,11 @@ class CachedBlockRouter(RequestRouter):
         pending = self._unreported.get(rid)
         _drop_older(pending, time.monotonic() - self._ttl)
         return self._work.get(rid, (0, 0))[0] + sum(n for _, n in pending or ())
+
+    def holds(self, rid: str, adapter: ClusterAdapter) -> bool:
+        """Whether `rid` holds `adapter` (these files: a name re-added with others is another
+        adapter), as it reported or as this router placed requests lately."""
+        return self._loras.get(rid, {}).get(adapter.name) == adapter.digest or self._placed_loras[(rid, adapter)] > 0
 
     def _depths(self, hashes: list[bytes], replicas: dict[str, Any]) -> dict[str, int]:
         cached = self._index.depths(hashes, replicas)
@@ -143,8 +164,10 @@ class CachedBlockRouter(RequestRouter):
             computed = len(request.prompt_token_ids) - self._depths(hashes, {rid: None})[rid] * self._block_size
             now = time.monotonic()
             self._recent.add(rid, hashes)
-            self._placements.append((now, rid, hashes))
+            self._placements.append((now, rid, hashes, request.lora))
             self._unreported.setdefault(rid, deque()).append((now, computed))
+            if request.lora is not None:
+                self._placed_loras[(rid, request.lora)] += 1
 
     def on_request_completed(self, replica_id: ReplicaID, internal_request_id: str) -> None:
         rid = self._by_request.pop(internal_request_id, replica_id.unique_id)
@@ -169,14 +192,19 @@ class CachedBlockRouter(RequestRouter):
         self._in_flight.pop(rid, None)
         self._work.pop(rid, None)
         self._unreported.pop(rid, None)
+        self._loras.pop(rid, None)
+        for key in [key for key in self._placed_loras if key[0] == rid]:
+            del self._placed_loras[key]
         if ray.is_initialized():  # not in unit tests, which have no cluster
             with contextlib.suppress(Exception):
                 get_or_create_directory(self._app_name).leave.remote(rid)
 
     def _expire(self, now: float) -> None:
         while self._placements and now - self._placements[0][0] > self._ttl:
-            _, rid, hashes = self._placements.popleft()
+            _, rid, hashes, adapter = self._placements.popleft()
             self._recent.remove(rid, hashes)
+            if adapter is not None:  # -= drops counts that reach 0 (and one forgotten since)
+                self._placed_loras -= Counter([(rid, adapter)])
 
     # -- the directory feed ----------------------------------------------------------------
 
@@ -207,6 +235,7 @@ class CachedBlockRouter(RequestRouter):
                 self._index.add(rid, hashes)
         for rid, data in update.batches:
             self._index.apply(rid, decode(data))
+        self._loras = dict(update.loras)  # every live replica's, in each update
         now = time.monotonic()
         for rid, work in update.work.items():
             if self._work.get(rid, (0, 0))[1] != work[1]:  # a new report: it counts what came before
