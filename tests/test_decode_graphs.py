@@ -250,3 +250,52 @@ def test_steps_past_the_largest_bucket_run_eagerly(untied_llama_dir, monkeypatch
     graphs, seen = generate_all(untied_llama_dir, n_prompts=4, cuda_graphs="on")
     assert graphs == eager
     assert seen and max(len(lens) for lens in seen) <= 2
+
+
+class ReplayingStep:
+    """A CudaGraphStep stand-in on CPU: 'captures' by running fn once, replays by running it."""
+
+    captured: list[int] = []
+
+    def __init__(self, fn, pool) -> None:
+        self.fn, self.output = fn, fn()
+        ReplayingStep.captured.append(self.output.shape[0])
+
+    def replay(self) -> torch.Tensor:
+        return self.fn()
+
+
+def cuda_runner(monkeypatch, step_class) -> tuple[DecodeGraphRunner, Recorder]:
+    from streamengine.models import decode_graphs
+
+    monkeypatch.setattr(torch.cuda, "graph_pool_handle", lambda: "pool")
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda: None)
+    monkeypatch.setattr(decode_graphs, "CudaGraphStep", step_class)
+    forward = Recorder()
+    buffers = DecodeBuffers(8, 4, BLOCK, pad_block=9, device=torch.device("cpu"))
+    return DecodeGraphRunner(forward, buffers, bucket_sizes(8), [], static_bound=64, cuda=True), forward
+
+
+def test_capture_takes_every_bucket_largest_first_over_padding_rows(monkeypatch):
+    ReplayingStep.captured = []
+    runner, forward = cuda_runner(monkeypatch, ReplayingStep)
+    assert runner.capture_all(required=True) is runner
+    assert ReplayingStep.captured == [8, 4, 2, 1]  # the smaller graphs reuse the largest one's pool
+    assert all(meta.slot_mapping.tolist() == [9 * BLOCK] * len(ids) for ids, _, meta in forward.calls)
+    out = runner.run(decode_batch([20, 3, 5], [[1, 2], [5], [6]]))
+    assert out[:, 0].tolist() == [7 * 10 + 20.0, 8 * 10 + 3.0, 9 * 10 + 5.0]
+    assert forward.calls[-1][2] is forward.calls[1][2]  # bucket 4's metadata, planned at capture
+
+
+def test_a_failed_capture_turns_graphs_off_or_raises(monkeypatch, caplog):
+    class Uncapturable:
+        def __init__(self, fn, pool) -> None:
+            raise RuntimeError("operation not permitted when stream is capturing")
+
+    runner, _ = cuda_runner(monkeypatch, Uncapturable)
+    with caplog.at_level("WARNING", logger="streamengine.models.decode_graphs"):
+        assert runner.capture_all(required=False) is None
+    assert "capture failed" in caplog.text and "not permitted" in caplog.text and not runner.steps
+    runner, _ = cuda_runner(monkeypatch, Uncapturable)
+    with pytest.raises(RuntimeError, match="capturing decode graphs failed"):
+        runner.capture_all(required=True)

@@ -75,10 +75,10 @@ class DecodeBuffers:
                                        device=device)  # [R, W]
         # One query token per row: the row starts never change.
         self.query_start_loc = torch.arange(max_rows + 1, dtype=torch.int32, device=device)  # [R + 1]
-        # Host staging, pinned on CUDA so the copies are asynchronous; written through numpy.
-        # The previous step's copies have landed before the next fill: sampling reads its
-        # tokens back to the host in between.
+        # Host staging, pinned on CUDA so the copies are asynchronous; written through numpy,
+        # once the previous step's copies out of it have landed (`_copied`).
         pin = device.type == "cuda"
+        self._copied = torch.cuda.Event() if pin else None
         self._host_rows = torch.zeros((3, max_rows), dtype=torch.int64, pin_memory=pin)  # ids, positions, slots
         self._host_lens = torch.ones(max_rows, dtype=torch.int32, pin_memory=pin)
         self._host_tables = torch.full((max_rows, max_blocks_per_seq), pad_block, dtype=torch.int32, pin_memory=pin)
@@ -93,6 +93,8 @@ class DecodeBuffers:
         longest = max(len(t) for t in batch.block_tables)
         if longest > self.width:
             raise ValueError(f"a block table of {longest} blocks exceeds the graph buffers' {self.width}")
+        if self._copied is not None:
+            self._copied.synchronize()  # sampling has usually waited for it already
         rows, lens, tables = self._host_rows.numpy(), self._host_lens.numpy(), self._host_tables.numpy()
         rows[0, :n], rows[1, :n], rows[2, :n] = batch.token_ids, batch.positions, batch.slot_mapping
         rows[:2, n:bucket], rows[2, n:bucket] = 0, self.pad_slot
@@ -105,6 +107,8 @@ class DecodeBuffers:
         self.slot_mapping[:bucket].copy_(self._host_rows[2, :bucket], non_blocking=True)
         self.seq_lens[:bucket].copy_(self._host_lens[:bucket], non_blocking=True)
         self.block_tables[:bucket].copy_(self._host_tables[:bucket], non_blocking=True)
+        if self._copied is not None:
+            self._copied.record()
         self.seq_lens_host = [*batch.seq_lens, *[1] * (bucket - n)]
 
     def metadata(self, bucket: int, kv_caches: KVCaches, seq_lens_host: list[int]) -> AttentionMetadata:

@@ -81,7 +81,8 @@ class CudaGraphStep:
                 fn()
         torch.cuda.current_stream().wait_stream(side)
         self.graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(self.graph, pool=pool):
+        # thread_local: an embedding application's other threads may use CUDA meanwhile.
+        with torch.cuda.graph(self.graph, pool=pool, capture_error_mode="thread_local"):
             self.output = fn()
 
     def replay(self) -> torch.Tensor:
