@@ -9,7 +9,8 @@ switches it to its own paged SDPA. A word-level tokenizer of the model's vocabul
 for the real one (the prompts are token ids; only detokenization reads it).
 
 Systems, each on the same prompts (random ids, `--prompt-len` tokens, `--output-len` new
-tokens each, EOS ignored; startup and a warm-up request never timed):
+tokens each, EOS ignored; the engine's start-up and a warm-up request, and transformers' manager
+start-up (timing starts when its loop takes up the first request), never timed):
 
   engine_eager     EngineConfig(cuda_graphs="off"): every step launched eagerly
   engine_graphs    cuda_graphs="on": decode steps replay a CUDA graph of their bucket
@@ -43,6 +44,7 @@ import os
 import statistics
 import sys
 import time
+import traceback
 from pathlib import Path
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -122,9 +124,10 @@ async def _generate(engine, prompts: list[list[int]], output_len: int) -> dict:
 
 
 def latency_figures(run: dict, num_tokens: int) -> dict:
+    """Throughput and per-request latency of one run (None where per-token times are missing)."""
     return {"output_tok_s": round(num_tokens / run["seconds"], 1), "seconds": round(run["seconds"], 3),
-            "ttft_p50_s": round(statistics.median(run["ttft"]), 4),
-            "tpot_mean_ms": round(1000 * statistics.fmean(run["tpot"]), 3)}
+            "ttft_p50_s": round(statistics.median(run["ttft"]), 4) if run["ttft"] else None,
+            "tpot_mean_ms": round(1000 * statistics.fmean(run["tpot"]), 3) if run["tpot"] else None}
 
 
 def engine_system(loaded, args, prompts: list[list[int]], **overrides) -> dict:
@@ -178,7 +181,9 @@ def cb_config(model, args, num_requests: int):
 
 
 def _hf_batch(model, args, prompts: list[list[int]]) -> dict:
-    """generate_batch over `prompts`, timed from its requests' creation (after its warm-up)."""
+    """generate_batch over `prompts`, timed from when its loop took up the first request: each
+    call starts a manager (warm-up, a thread) after its requests are created, and the engine's
+    start-up is not timed either."""
     from transformers import GenerationConfig
 
     gen = GenerationConfig(do_sample=False, max_new_tokens=args.output_len, eos_token_id=-1, pad_token_id=2)
@@ -188,12 +193,11 @@ def _hf_batch(model, args, prompts: list[list[int]]) -> dict:
     outs = list(outs.values())
     if len(outs) != len(prompts) or any(o.error for o in outs):
         raise RuntimeError(f"generate_batch failed: {[o.error for o in outs if o.error][:3]}")
-    start = min(o.created_time for o in outs)
+    start = min([o.lifespan[0] for o in outs if o.lifespan[0] > 0] or [o.created_time for o in outs])
     end = max([o.lifespan[1] for o in outs if o.lifespan[1] > 0] or [returned])  # finish times when recorded
-    ttft = [o.timestamps[0] - o.created_time for o in outs if o.timestamps]
+    ttft = [o.timestamps[0] - start for o in outs if o.timestamps]
     tpot = [(o.timestamps[-1] - o.timestamps[0]) / max(1, len(o.timestamps) - 1) for o in outs if o.timestamps]
-    return {"tokens": [o.generated_tokens for o in outs], "seconds": end - start, "ttft": ttft or [float("nan")],
-            "tpot": tpot or [float("nan")]}
+    return {"tokens": [o.generated_tokens for o in outs], "seconds": end - start, "ttft": ttft, "tpot": tpot}
 
 
 def hf_system(loaded, args, prompts: list[list[int]]) -> dict:
@@ -239,16 +243,19 @@ def run_size(size: str, args, report: dict, write) -> None:
 
 
 def one_system(system: str, loaded, args, prompts) -> dict:
+    """The system's figures; {"skipped": why} where the engine refuses fp8, {"error": ...} where
+    a system failed (the run goes on: a GPU session is short, the other systems still count)."""
     try:
         if system == "hf_generate_batch":
             return hf_system(loaded, args, prompts)
         overrides = {"engine_eager": {"cuda_graphs": "off"}, "engine_graphs": {"cuda_graphs": "on"},
                      "engine_fp8": {"cuda_graphs": "on", "kv_cache_dtype": "fp8"}}[system]
         return engine_system(loaded, args, prompts, **overrides)
-    except ValueError as exc:  # a configuration this engine refuses (fp8 before it lands): say why
-        if system != "engine_fp8":
-            raise
-        return {"skipped": f"{type(exc).__name__}: {exc}"}
+    except Exception as exc:  # noqa: BLE001
+        if system == "engine_fp8" and isinstance(exc, ValueError):  # a configuration refused: say why
+            return {"skipped": f"{type(exc).__name__}: {exc}"}
+        traceback.print_exc()
+        return {"error": f"{type(exc).__name__}: {exc}"}
 
 
 def ratios(systems: dict) -> dict:
@@ -269,8 +276,8 @@ def print_table(report: dict) -> None:
     print(f"{'size':<5} {'system':<18} {'tok/s':>9} {'TTFT p50 s':>11} {'TPOT ms':>8} {'b1 ms/tok':>10} {'graph steps':>11}")
     for size, entry in report["sizes"].items():
         for name, s in entry["systems"].items():
-            if "skipped" in s:
-                print(f"{size:<5} {name:<18} skipped: {s['skipped'][:70]}")
+            if "skipped" in s or "error" in s:
+                print(f"{size:<5} {name:<18} {'skipped' if 'skipped' in s else 'ERROR'}: {s.get('skipped') or s['error']}"[:120])
                 continue
             print(f"{size:<5} {name:<18} {s['output_tok_s']:>9} {s['ttft_p50_s']:>11} {s['tpot_mean_ms']:>8} "
                   f"{s['b1_ms_per_token']:>10} {s.get('decode_graph_replays', '-'):>11}")
@@ -332,10 +339,12 @@ def main(argv: list[str] | None = None) -> int:
     for size in args.sizes:
         run_size(size, args, report, write)
     report["seconds"] = round(time.perf_counter() - start, 1)
+    failed = [f"{size}/{name}" for size, e in report["sizes"].items() for name, s in e["systems"].items() if "error" in s]
+    report["failed"] = failed
     write()
     print_table(report)
-    print(f"wrote {args.json}", file=sys.stderr)
-    return 0
+    print(f"wrote {args.json}" + (f"; FAILED: {failed}" if failed else ""), file=sys.stderr)
+    return 1 if failed else 0
 
 
 if __name__ == "__main__":

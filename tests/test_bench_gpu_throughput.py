@@ -48,3 +48,19 @@ def test_unknown_sizes_and_a_gpu_run_without_cuda_are_usage_errors(capsys):
     with pytest.raises(SystemExit):
         bench.parse_args([])  # 1b and 7b need CUDA
     assert "no CUDA device" in capsys.readouterr().err
+
+
+def test_a_failing_system_is_recorded_and_the_run_goes_on(tmp_path, monkeypatch):
+    bench = load_bench()
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("capture exploded")
+
+    monkeypatch.setattr(bench, "engine_system", broken)
+    out = tmp_path / "r.json"
+    assert bench.main(["--tiny", "--systems", "engine_eager,engine_graphs", "--json", str(out)]) == 1
+    report = json.loads(out.read_text())
+    systems = report["sizes"]["tiny"]["systems"]
+    assert systems["engine_eager"] == {"error": "RuntimeError: capture exploded"} and "error" in systems["engine_graphs"]
+    assert report["failed"] == ["tiny/engine_eager", "tiny/engine_graphs"]
+    assert report["sizes"]["tiny"]["graphs_vs_eager_tput"] is None
