@@ -106,7 +106,9 @@ class DecodeBuffers:
         self.positions[:bucket].copy_(self._host_rows[1, :bucket], non_blocking=True)
         self.slot_mapping[:bucket].copy_(self._host_rows[2, :bucket], non_blocking=True)
         self.seq_lens[:bucket].copy_(self._host_lens[:bucket], non_blocking=True)
-        self.block_tables[:bucket].copy_(self._host_tables[:bucket], non_blocking=True)
+        # Only the columns this step's longest table uses: a long max_model_len makes wide rows,
+        # and the columns past a row's context are never read.
+        self.block_tables[:bucket, :longest].copy_(self._host_tables[:bucket, :longest], non_blocking=True)
         if self._copied is not None:
             self._copied.record()
         self.seq_lens_host = [*batch.seq_lens, *[1] * (bucket - n)]
