@@ -95,6 +95,13 @@ class DecodeBuffers:
             raise ValueError(f"a block table of {longest} blocks exceeds the graph buffers' {self.width}")
         if self._copied is not None:
             self._copied.synchronize()  # sampling has usually waited for it already
+        self._stage(batch, bucket)
+        self._upload(bucket, longest)
+        self.seq_lens_host = [*batch.seq_lens, *[1] * (bucket - n)]
+
+    def _stage(self, batch: PackedBatch, bucket: int) -> None:
+        """The step's rows and its padding rows into the host staging."""
+        n = len(batch.token_ids)
         rows, lens, tables = self._host_rows.numpy(), self._host_lens.numpy(), self._host_tables.numpy()
         rows[0, :n], rows[1, :n], rows[2, :n] = batch.token_ids, batch.positions, batch.slot_mapping
         rows[:2, n:bucket], rows[2, n:bucket] = 0, self.pad_slot
@@ -102,16 +109,17 @@ class DecodeBuffers:
         for i, table in enumerate(batch.block_tables):
             tables[i, :len(table)] = table  # entries past a row's context are never read
         tables[n:bucket, 0] = self.pad_block
+
+    def _upload(self, bucket: int, longest: int) -> None:
+        """The staging's first `bucket` rows into the device buffers, asynchronously on CUDA."""
         self.input_ids[:bucket].copy_(self._host_rows[0, :bucket], non_blocking=True)
         self.positions[:bucket].copy_(self._host_rows[1, :bucket], non_blocking=True)
         self.slot_mapping[:bucket].copy_(self._host_rows[2, :bucket], non_blocking=True)
         self.seq_lens[:bucket].copy_(self._host_lens[:bucket], non_blocking=True)
-        # Only the columns this step's longest table uses: a long max_model_len makes wide rows,
-        # and the columns past a row's context are never read.
+        # Only the columns the longest table uses: rows are max_model_len wide.
         self.block_tables[:bucket, :longest].copy_(self._host_tables[:bucket, :longest], non_blocking=True)
         if self._copied is not None:
             self._copied.record()
-        self.seq_lens_host = [*batch.seq_lens, *[1] * (bucket - n)]
 
     def metadata(self, bucket: int, kv_caches: KVCaches, seq_lens_host: list[int]) -> AttentionMetadata:
         """The first `bucket` rows as one decode step's metadata. `seq_lens_host` is what the
