@@ -16,8 +16,9 @@ What must hold for capture: no host sync, no allocation that is not replayed the
 fixed shapes. So the backend plans once, at capture, from host-side bounds (every row's
 context taken as the longest the buffers hold), and reads the real lengths from the device
 tensors at run time: true of the Triton backend, the only one captured on CUDA. The CPU
-backends plan from the step's own lengths, so on CPU (`cuda_graphs="on"`, for tests) a bucket
-runs as an `EagerStep`: the same buffers and padding, planned per step, no graph.
+backends plan from the step's own lengths, so they plan every step. CPU has no graphs: there
+(`cuda_graphs="on"`, for tests) each bucket runs as an `EagerStep` over the same buffers and
+padding, planned once like a graph with the (interpreted) Triton backend, per step otherwise.
 """
 
 from __future__ import annotations
