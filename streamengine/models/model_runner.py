@@ -25,6 +25,7 @@ from streamengine.models.attention import (
     KVCaches,
 )
 from streamengine.models.cpu_backend import CpuPagedAttention
+from streamengine.models.decode_graphs import DecodeGraphRunner, pad_blocks
 from streamengine.models.gguf_weights import GgufWeights, check_against, read_gguf
 from streamengine.models.loader import LoadedModel
 from streamengine.models.lora import LoRAStacks, LoRAStep, lora_dtype
@@ -269,13 +270,14 @@ class PagedModel:
     target model's runner is one; a draft model (speculative decoding) is another, its tensors
     indexed by the same block ids."""
 
-    def __init__(self, loaded: LoadedModel, config: EngineConfig, device: torch.device, kv: KVCacheSpec) -> None:
+    def __init__(self, loaded: LoadedModel, config: EngineConfig, device: torch.device, kv: KVCacheSpec,
+                 extra_blocks: int = 0) -> None:
         self.model = loaded.model
         self.device = device
         self.kv_dtype = kv.dtype
         self.block_size = kv.block_size
         pin = device.type == "cuda"
-        self.kv_caches = allocate_kv_caches(kv, kv.num_blocks, device)
+        self.kv_caches = allocate_kv_caches(kv, kv.num_blocks + extra_blocks, device)  # extra: never handed out
         self.cpu_caches = allocate_kv_caches(kv, kv.num_cpu_blocks, "cpu", pin) if kv.num_cpu_blocks else []
         self.backend = select_backend(
             config.attention_backend, device, self.model.config, kv.block_size, getattr(torch, config.dtype), kv.dtype
@@ -286,9 +288,15 @@ class PagedModel:
         self.lora_step: LoRAStep | None = None
 
     def _forward(self, batch: PackedBatch, lora: LoRAStep | None = None) -> torch.Tensor:
-        attn_plan = self.backend.plan(attention_metadata(batch, self.kv_caches, self.device))
+        meta = attention_metadata(batch, self.kv_caches, self.device)
         input_ids = torch.tensor(batch.token_ids, dtype=torch.int64, device=self.device)  # [T]
         positions = torch.tensor(batch.positions, dtype=torch.int64, device=self.device)  # [T]
+        return self.forward_tensors(input_ids, positions, meta, lora)
+
+    def forward_tensors(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
+                        lora: LoRAStep | None = None) -> torch.Tensor:
+        """Hidden states [T, hidden] of one step given as tensors: what a decode graph captures."""
+        attn_plan = self.backend.plan(meta)
         if self.native is not None:
             return self.native.forward(input_ids, positions, attn_plan, lora)
         self.lora_step = lora  # read by the projections' hooks (ModelRunner._hook_lora)
@@ -311,7 +319,7 @@ class PagedModel:
 class ModelRunner(PagedModel):
     def __init__(self, loaded: LoadedModel, config: EngineConfig, device: torch.device, kv: KVCacheSpec,
                  draft: DraftModel | None = None) -> None:
-        super().__init__(loaded, config, device, kv)
+        super().__init__(loaded, config, device, kv, extra_blocks=pad_blocks(config, device))
         # Swaps run on their own stream on CUDA; the forward waits on an event, so blocks
         # swapped out are not overwritten before their copy has landed.
         self.swap_stream = torch.cuda.Stream(device) if device.type == "cuda" else None
@@ -324,6 +332,8 @@ class ModelRunner(PagedModel):
         self.loras = LoRAStacks(self.model.config, config.max_loras, config.max_lora_rank, device,
                                 lora_dtype(config.lora_dtype, packed))
         self._lora_hooked = False  # transformers' projections get their hooks with the first adapter rows
+        self.decode_graphs = DecodeGraphRunner.build(config, device, self.backend, self.forward_tensors,
+                                                     self.kv_caches, kv, self.model.config)
 
     def _hook_lora(self) -> None:
         """On transformers' modules, each adaptable projection adds its rows' LoRA deltas to
@@ -356,7 +366,8 @@ class ModelRunner(PagedModel):
         if self.draft is not None:
             self.draft.propose(plan)
         batch = pack_batch(plan, self.block_size)
-        hidden = self._forward(batch, self._lora_step(batch))  # [T, hidden]
+        graphs = self.decode_graphs  # decode steps replay a CUDA graph of their batch size
+        hidden = graphs.run(batch) if graphs and graphs.takes(batch) else self._forward(batch, self._lora_step(batch))
         if self.draft is not None:
             self.draft.follow(batch)
         prompt = self._prompt_logprobs(hidden, batch.prompt_rows) if batch.prompt_rows else []
