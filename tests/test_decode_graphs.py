@@ -23,7 +23,7 @@ from streamengine.models.decode_buffers import (
     pick_bucket,
 )
 from streamengine.models.decode_graphs import DecodeGraphRunner, EagerStep, graph_mode, pad_blocks
-from streamengine.models.model_runner import PackedBatch
+from streamengine.models.packed_batch import PackedBatch
 from streamengine.models.torch_backend import TorchPagedAttention
 from streamengine.models.triton_backend import TritonPagedAttention
 

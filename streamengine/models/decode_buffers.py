@@ -25,7 +25,7 @@ import torch
 from streamengine.models.attention import AttentionMetadata, KVCaches
 
 if TYPE_CHECKING:
-    from streamengine.models.model_runner import PackedBatch
+    from streamengine.models.packed_batch import PackedBatch
 
 MAX_GRAPH_ROWS = 256
 """The largest bucket captured, whatever max_num_seqs says: bigger decode batches are bound

@@ -42,7 +42,7 @@ from streamengine.models.decode_buffers import (
 from streamengine.models.triton_backend import TritonPagedAttention
 
 if TYPE_CHECKING:
-    from streamengine.models.model_runner import PackedBatch
+    from streamengine.models.packed_batch import PackedBatch
 
 log = logging.getLogger(__name__)
 

@@ -24,7 +24,8 @@ import torch
 from streamengine.config import EngineConfig
 from streamengine.kv.spec import KVCacheSpec
 from streamengine.models.loader import LoadedModel
-from streamengine.models.model_runner import PackedBatch, PagedModel
+from streamengine.models.model_runner import PagedModel
+from streamengine.models.packed_batch import PackedBatch
 from streamengine.sched.plan import ScheduledSeq, SchedulerOutput
 from streamengine.sequence import DRAFT_SLOT
 
