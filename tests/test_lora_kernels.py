@@ -138,11 +138,13 @@ def test_cpp_matches_reference_and_dense(rows: int, ranks: tuple[int, ...], in_f
 
 
 @needs_cpp
+@pytest.mark.parametrize("in_f,out_f", [(576, 1536), (576, 576), (100, 70)])
 @pytest.mark.parametrize("rows", [1, 3, 64])
-def test_cpp_reads_bfloat16_stacks_kept_rank_major(rows: int) -> None:
+def test_cpp_reads_bfloat16_stacks_kept_rank_major(rows: int, in_f: int, out_f: int) -> None:
     """The engine's CPU stacks: A and B in bfloat16, B a transposed view of a rank-major tensor
-    (passed without a copy); the result is the formula on the bfloat16 weights widened."""
-    case = make_case(rows, (8, 16, 64), 576, 1536, seed=rows, device=torch.device("cpu"))
+    (passed without a copy); the result is the formula on the bfloat16 weights widened. Widths
+    whose column share per thread ends inside a tile, or inside a block."""
+    case = make_case(rows, (8, 16, 64), in_f, out_f, seed=rows, device=torch.device("cpu"))
     A = case.A.bfloat16()
     B = case.B.bfloat16().transpose(1, 2).contiguous().transpose(1, 2)  # [S, out, R] view of [S, R, out]
     widened = Case(case.x, case.wide, case.slot, A.float(), B.float(), case.rank, case.scale)

@@ -15,10 +15,10 @@
 // engine keeps its CPU stacks transposed once, at load).
 //
 // Two phases in one parallel region, split so that no two threads write the same memory:
-//   shrink: h[i, :] = scale * A[s] @ x[t] for each sorted row i, threads over rows (a thread's
-//           rows are consecutive, so mostly of one group, and it reads that A once);
+//   shrink: h[i, :] = scale * A[s] @ x[t] for each sorted row i, threads over chunks of each
+//           group's rank rows, so every A is read once in all, sequentially;
 //   expand: y[t, o0:o0 + 16] += h[i] @ Bt[s, :, o0:o0 + 16] for every group, threads over
-//           blocks of 16 output columns, so every Bt is read once in all.
+//           blocks of 16 output columns, so every Bt is read once in all, group by group.
 //
 // `streamengine_lora_projection` is the same for one projection of the fused decoder layers
 // (cpu_layer.cpp), with the step's and the projection's tensors passed as address tables.
@@ -27,9 +27,12 @@
 
 #include "cpu_lora.h"
 
+#include <omp.h>
+
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
+#include <utility>
 #include <vector>
 
 #include "cpu_simd.h"
@@ -44,6 +47,8 @@ constexpr int64_t LANES = 16;
 constexpr int64_t MAX_RANK = 256;
 // Below this many multiply-adds a call is a few microseconds: waking a second thread costs more.
 constexpr int64_t PARALLEL_MIN_FMAS = 1 << 16;
+// Rank rows of A per shrink work item: a few KiB of contiguous A, enough items to share out.
+constexpr int64_t SHRINK_ROWS = 4;
 
 int64_t round_up(int64_t n, int64_t m) { return (n + m - 1) / m * m; }
 
@@ -77,40 +82,6 @@ inline vf wload_first(const uint16_t* p, int64_t n) {
   return vload_bf16(tmp);
 }
 
-// h[0, rank rounded up to 16) = scale * (A[:rank] @ x), zero past rank. a: [>= rank, in]
-// contiguous. Four A rows at a time share each load of x; their four sums per 16 ranks are
-// reduced together by one transpose_sum.
-template <typename W>
-void shrink_row(const W* a, int64_t in, int64_t rank, float scale, const float* x, float* h) {
-  for (int64_t c = 0; c < rank; c += LANES) {
-    vf sums[LANES];
-    for (int64_t r = 0; r < LANES; r += 4) {
-      vf acc[4] = {vzero(), vzero(), vzero(), vzero()};
-      if (c + r < rank) {
-        // Rows past rank may not exist (rank == R): read the last real row again, its sums
-        // are masked off below.
-        const W* row[4];
-        UNROLL_TILE
-        for (int j = 0; j < 4; ++j) row[j] = a + std::min(c + r + j, rank - 1) * in;
-        int64_t k = 0;
-        for (; k + LANES <= in; k += LANES) {
-          const vf xv = vload(x + k);
-          UNROLL_TILE
-          for (int j = 0; j < 4; ++j) acc[j] = vfmadd(wload(row[j] + k), xv, acc[j]);
-        }
-        if (k < in) {
-          const vf xv = vload_first(x + k, in - k);
-          UNROLL_TILE
-          for (int j = 0; j < 4; ++j) acc[j] = vfmadd(wload_first(row[j] + k, in - k), xv, acc[j]);
-        }
-      }
-      UNROLL_TILE
-      for (int j = 0; j < 4; ++j) sums[r + j] = acc[j];
-    }
-    vstore(h + c, vmul(keep(first_lanes(std::min(LANES, rank - c)), transpose_sum(sums)), vset1(scale)));
-  }
-}
-
 // y[0, n) += the first n lanes of v, n in [1, 16].
 inline void add_to_row(float* y, int64_t n, vf v) {
   if (n == LANES) {
@@ -122,21 +93,33 @@ inline void add_to_row(float* y, int64_t n, vf v) {
   for (int64_t i = 0; i < n; ++i) y[i] += tmp[i];
 }
 
-// y_j[0, n) += h_j[:rank] @ bt[:rank, 0:n) for NR rows at once: bt's rows at stride `out`
-// (Bt of one slot, offset to the block). Each row of bt is loaded once for all NR rows, and
-// their NR independent accumulator chains hide the multiply-add latency.
-template <typename W, int NR>
-void expand_rows(const W* bt, int64_t out, int64_t rank, int64_t n, const float* const* h, float* const* y) {
-  vf acc[NR];
+// y_j[c, c + 16 NB) += h_j[:rank] @ bt[:rank, c, c + 16 NB) for NR rows j and NB blocks of 16
+// columns at once (n columns in all, the last block maybe partial): bt is one slot's Bt at row
+// stride `out`, offset to column c. Per rank row, NB loads of Bt and NR broadcasts of h feed
+// NR x NB multiply-adds in independent chains: loads, not the multiply-adds, bound a smaller tile.
+template <typename W, int NR, int NB>
+void expand_tile(const W* bt, int64_t out, int64_t rank, int64_t n, const float* const* h, float* const* y) {
+  vf acc[NR][NB];
   UNROLL_TILE
-  for (int j = 0; j < NR; ++j) acc[j] = vzero();
-  for (int64_t r = 0; r < rank; ++r) {
-    const vf col = wload_first(bt + r * out, n);
+  for (int j = 0; j < NR; ++j)
     UNROLL_TILE
-    for (int j = 0; j < NR; ++j) acc[j] = vfmadd(vset1(h[j][r]), col, acc[j]);
+    for (int b = 0; b < NB; ++b) acc[j][b] = vzero();
+  for (int64_t r = 0; r < rank; ++r) {
+    vf col[NB];
+    UNROLL_TILE
+    for (int b = 0; b < NB; ++b) col[b] = b * LANES < n ? wload_first(bt + r * out + b * LANES, n - b * LANES) : vzero();
+    UNROLL_TILE
+    for (int j = 0; j < NR; ++j) {
+      const vf hv = vset1(h[j][r]);
+      UNROLL_TILE
+      for (int b = 0; b < NB; ++b) acc[j][b] = vfmadd(hv, col[b], acc[j][b]);
+    }
   }
   UNROLL_TILE
-  for (int j = 0; j < NR; ++j) add_to_row(y[j], n, acc[j]);
+  for (int j = 0; j < NR; ++j)
+    UNROLL_TILE
+    for (int b = 0; b < NB; ++b)
+      if (b * LANES < n) add_to_row(y[j] + b * LANES, std::min(LANES, n - b * LANES), acc[j][b]);
 }
 
 template <typename W>
@@ -153,33 +136,65 @@ struct Problem {
   int64_t h_stride;  // R rounded up to 16
 };
 
-// The expand of one group (slot s, sorted rows [first, last)) over output columns [o0, o0 + n).
+// h[i, r] = scale * (A[s, r] @ x[order[i]]) for the group's sorted rows i in [first, last) and
+// rank rows r in [r0, r1). The rows of A are contiguous, so this is one sequential pass over
+// that part of A[s], each row loaded once for up to four x rows (from L1) at a time: a stream
+// the hardware prefetcher follows, where a pass per x row would read A again for every row.
+template <typename W>
+void shrink_group(const Problem<W>& p, const int32_t* order, int64_t s, int64_t first, int64_t last, int64_t r0,
+                  int64_t r1, float* h) {
+  const W* a = p.a + s * p.R * p.in;
+  const float scale = p.scale[s];
+  const int64_t in = p.in;
+  for (int64_t r = r0; r < r1; ++r) {
+    const W* row = a + r * in;
+    for (int64_t i = first; i < last; i += 4) {
+      const int64_t rows = std::min<int64_t>(4, last - i);
+      const float* xs[4];
+      UNROLL_TILE
+      for (int j = 0; j < 4; ++j) xs[j] = p.x + order[i + std::min<int64_t>(j, rows - 1)] * p.x_stride;
+      vf acc[4] = {vzero(), vzero(), vzero(), vzero()};
+      int64_t k = 0;
+      for (; k + LANES <= in; k += LANES) {
+        const vf w = wload(row + k);
+        UNROLL_TILE
+        for (int j = 0; j < 4; ++j) acc[j] = vfmadd(w, vload(xs[j] + k), acc[j]);
+      }
+      if (k < in) {
+        const vf w = wload_first(row + k, in - k);
+        UNROLL_TILE
+        for (int j = 0; j < 4; ++j) acc[j] = vfmadd(w, vload_first(xs[j] + k, in - k), acc[j]);
+      }
+      for (int64_t j = 0; j < rows; ++j) h[(i + j) * p.h_stride + r] = scale * vreduce_add(acc[j]);
+    }
+  }
+}
+
+// The expand of one group (slot s, sorted rows [first, last)) over output columns [c0, c1):
+// tiles of four rows by two blocks, or of two (or one) rows by four blocks.
 template <typename W>
 void expand_group(const Problem<W>& p, const int32_t* order, const float* h, int64_t s, int64_t first,
-                  int64_t last, int64_t o0, int64_t n) {
+                  int64_t last, int64_t c0, int64_t c1) {
   const int64_t rank = p.rank[s];
-  const W* bt = p.bt + s * p.R * p.out + o0;
-  constexpr int TILE = 4;
-  int64_t i = first;
-  for (; i + TILE <= last; i += TILE) {
-    const float* hs[TILE];
-    float* ys[TILE];
-    for (int j = 0; j < TILE; ++j) {
+  const W* bt = p.bt + s * p.R * p.out;
+  for (int64_t i = first; i < last;) {
+    const int64_t rows = last - i >= 4 ? 4 : std::min<int64_t>(2, last - i);
+    const float* hs[4];
+    float* ys[4];
+    for (int64_t j = 0; j < rows; ++j) {
       hs[j] = h + (i + j) * p.h_stride;
-      ys[j] = p.y + order[i + j] * p.y_stride + o0;
+      ys[j] = p.y + order[i + j] * p.y_stride;
     }
-    expand_rows<W, TILE>(bt, p.out, rank, n, hs, ys);
-  }
-  if (last - i >= 2) {
-    const float* hs[2] = {h + i * p.h_stride, h + (i + 1) * p.h_stride};
-    float* ys[2] = {p.y + order[i] * p.y_stride + o0, p.y + order[i + 1] * p.y_stride + o0};
-    expand_rows<W, 2>(bt, p.out, rank, n, hs, ys);
-    i += 2;
-  }
-  if (i < last) {
-    const float* hs[1] = {h + i * p.h_stride};
-    float* ys[1] = {p.y + order[i] * p.y_stride + o0};
-    expand_rows<W, 1>(bt, p.out, rank, n, hs, ys);
+    const int64_t width = (rows == 4 ? 2 : 4) * LANES;
+    for (int64_t c = c0; c < c1; c += width) {
+      const int64_t n = std::min(width, c1 - c);
+      float* yc[4];
+      for (int64_t j = 0; j < rows; ++j) yc[j] = ys[j] + c;
+      if (rows == 4) expand_tile<W, 4, 2>(bt + c, p.out, rank, n, hs, yc);
+      else if (rows == 2) expand_tile<W, 2, 4>(bt + c, p.out, rank, n, hs, yc);
+      else expand_tile<W, 1, 4>(bt + c, p.out, rank, n, hs, yc);
+    }
+    i += rows;
   }
 }
 
@@ -201,28 +216,35 @@ int shrink_expand(const float* x, int64_t x_stride, float* y, int64_t y_stride, 
   const Problem<W> p{x, x_stride, y, y_stride, a, bt, rank, scale, max_rank, in_features, out_features,
                      round_up(max_rank, LANES)};
   std::vector<float> h(active * p.h_stride);
-  // Each sorted row's slot, so the shrink loop needs no search over the groups.
-  std::vector<int32_t> row_slot(active);
-  for (int64_t s = 0; s < slots; ++s) std::fill(row_slot.begin() + start[s], row_slot.begin() + start[s + 1], s);
+  // The shrink's work items: each present group's rank rows in chunks of SHRINK_ROWS, as
+  // (slot, first rank row), so two threads share even a single adapter's A.
+  std::vector<std::pair<int64_t, int64_t>> items;
+  for (int64_t s = 0; s < slots; ++s)
+    if (start[s + 1] > start[s])
+      for (int64_t r0 = 0; r0 < rank[s]; r0 += SHRINK_ROWS) items.emplace_back(s, r0);
+  const int64_t num_items = static_cast<int64_t>(items.size());
   const int64_t blocks = (out_features + LANES - 1) / LANES;
   const int64_t fmas = active * max_rank * (in_features + out_features);
 
 #pragma omp parallel if (fmas >= PARALLEL_MIN_FMAS)
   {
 #pragma omp for schedule(static)
-    for (int64_t i = 0; i < active; ++i) {
-      const int64_t s = row_slot[i];
-      shrink_row(a + s * max_rank * in_features, in_features, rank[s], scale[s], x + order[i] * x_stride,
-                 h.data() + i * p.h_stride);
+    for (int64_t item = 0; item < num_items; ++item) {
+      const auto [s, r0] = items[item];
+      shrink_group(p, order.data(), s, start[s], start[s + 1], r0, std::min<int64_t>(r0 + SHRINK_ROWS, rank[s]),
+                   h.data());
     }
     // Implicit barrier: every h row is complete before any expand reads it.
-#pragma omp for schedule(static)
-    for (int64_t blk = 0; blk < blocks; ++blk) {
-      const int64_t o0 = blk * LANES, n = std::min(LANES, out_features - o0);
+    // Each thread owns one range of whole column blocks and runs every group over it, group by
+    // group: no two threads write the same y entries, and a thread streams one adapter's Bt at
+    // a time (blocks outside and groups inside would keep rank rows of every adapter in flight
+    // at once, more streams than the hardware prefetcher follows).
+    const int64_t threads = omp_get_num_threads(), tid = omp_get_thread_num();
+    const int64_t c0 = std::min(out_features, blocks * tid / threads * LANES);
+    const int64_t c1 = std::min(out_features, blocks * (tid + 1) / threads * LANES);
+    if (c0 < c1)
       for (int64_t s = 0; s < slots; ++s)
-        if (start[s + 1] > start[s] && rank[s] > 0)
-          expand_group(p, order.data(), h.data(), s, start[s], start[s + 1], o0, n);
-    }
+        if (start[s + 1] > start[s] && rank[s] > 0) expand_group(p, order.data(), h.data(), s, start[s], start[s + 1], c0, c1);
   }
   return 0;
 }
