@@ -28,12 +28,13 @@
 
 namespace {
 
-// y [T, out at y_stride] += the deltas of projection `which` of the layer, for x [T, in at x_stride].
-int add_lora(const int64_t* lora_step, const int64_t* lora_layer, LoraProjection which, const float* x,
-             int64_t x_stride, int64_t in, float* y, int64_t y_stride, int64_t out, int64_t T) {
+// y[i] [T, outs[i] at y_stride] += the deltas of projection which[i] of the layer, all of them
+// reading x [T, in at x_stride].
+template <int N>
+int add_lora(const int64_t* lora_step, const int64_t* lora_layer, const LoraProjection (&which)[N], const float* x,
+             int64_t x_stride, int64_t in, float* const (&y)[N], int64_t y_stride, const int64_t (&outs)[N], int64_t T) {
   if (lora_step == nullptr) return 0;
-  return streamengine_lora_projection(lora_step, lora_layer + which * LORA_PROJECTION_FIELDS, x, x_stride, y,
-                                      y_stride, T, in, out);
+  return streamengine_lora_projections(lora_step, lora_layer, which, N, x, x_stride, in, y, y_stride, outs, T);
 }
 
 }  // namespace
@@ -49,9 +50,8 @@ extern "C" int streamengine_layer_in(const float* x, int64_t T, int64_t hidden, 
   const int64_t qkv_n = (heads + 2 * kv_heads) * head_dim, qkv_padded = qkv_weight[WEIGHT_N_PADDED];
   if (qkv_weight[WEIGHT_K] != hidden || streamengine_gemm(qkv_weight, x, T, qkv) != 0) return -1;
   const int64_t q_n = heads * head_dim, kv_n = kv_heads * head_dim;
-  if (add_lora(lora_step, lora_layer, LORA_Q, x, hidden, hidden, qkv, qkv_padded, q_n, T) != 0 ||
-      add_lora(lora_step, lora_layer, LORA_K, x, hidden, hidden, qkv + q_n, qkv_padded, kv_n, T) != 0 ||
-      add_lora(lora_step, lora_layer, LORA_V, x, hidden, hidden, qkv + q_n + kv_n, qkv_padded, kv_n, T) != 0)
+  if (add_lora(lora_step, lora_layer, {LORA_Q, LORA_K, LORA_V}, x, hidden, hidden,
+               {qkv, qkv + q_n, qkv + q_n + kv_n}, qkv_padded, {q_n, kv_n, kv_n}, T) != 0)
     return -1;
   if (qkv_bias != nullptr) streamengine_add_bias(qkv, qkv_padded, T, qkv_n, qkv_bias);
   streamengine_rope(qkv, T, qkv_padded, heads + kv_heads, head_dim, cos, sin);
@@ -77,19 +77,18 @@ extern "C" int streamengine_layer_out(const float* attn, int64_t T, int64_t attn
   if (o_weight[WEIGHT_K] != attn_width || gu_weight[WEIGHT_K] != hidden || down_weight[WEIGHT_K] != intermediate)
     return -1;
   if (streamengine_gemm(o_weight, attn, T, o) != 0 ||
-      add_lora(lora_step, lora_layer, LORA_O, attn, attn_width, attn_width, o, o_padded, hidden, T) != 0)
+      add_lora(lora_step, lora_layer, {LORA_O}, attn, attn_width, attn_width, {o}, o_padded, {hidden}, T) != 0)
     return -1;
   if (o_bias != nullptr) streamengine_add_bias(o, o_padded, T, hidden, o_bias);
   streamengine_add_rms_norm(h, o, o_padded, post_norm, eps, T, hidden, x);
   // gate_up's row: gate's columns, then up's.
   if (streamengine_gemm(gu_weight, x, T, gate_up) != 0 ||
-      add_lora(lora_step, lora_layer, LORA_GATE, x, hidden, hidden, gate_up, gu_padded, intermediate, T) != 0 ||
-      add_lora(lora_step, lora_layer, LORA_UP, x, hidden, hidden, gate_up + intermediate, gu_padded,
-               intermediate, T) != 0)
+      add_lora(lora_step, lora_layer, {LORA_GATE, LORA_UP}, x, hidden, hidden, {gate_up, gate_up + intermediate},
+               gu_padded, {intermediate, intermediate}, T) != 0)
     return -1;
   streamengine_silu_mul(gate_up, gu_padded, T, intermediate, act);
   if (streamengine_gemm(down_weight, act, T, down) != 0 ||
-      add_lora(lora_step, lora_layer, LORA_DOWN, act, intermediate, intermediate, down, down_padded, hidden, T) != 0)
+      add_lora(lora_step, lora_layer, {LORA_DOWN}, act, intermediate, intermediate, {down}, down_padded, {hidden}, T) != 0)
     return -1;
   return streamengine_add_rms_norm(h, down, down_padded, next_norm, eps, T, hidden, x_out);
 }

@@ -20,8 +20,8 @@
 //   expand: y[t, o0:o0 + 16] += h[i] @ Bt[s, :, o0:o0 + 16] for every group, threads over
 //           blocks of 16 output columns, so every Bt is read once in all, group by group.
 //
-// `streamengine_lora_projection` is the same for one projection of the fused decoder layers
-// (cpu_layer.cpp), with the step's and the projection's tensors passed as address tables.
+// `streamengine_lora_projections` is the same for the projections of a fused decoder layer that
+// read one input (cpu_layer.cpp), with the step's and the layer's tensors as address tables.
 //
 // Built at run time by kernels/cpu_build.py; called by kernels/cpu_lora.py and cpu_layer.cpp.
 
@@ -198,55 +198,81 @@ void expand_group(const Problem<W>& p, const int32_t* order, const float* h, int
   }
 }
 
+// Checks one problem's sizes and ranks: 0, -1 or -3 as streamengine_lora_shrink_expand says.
 template <typename W>
-int shrink_expand(const float* x, int64_t x_stride, float* y, int64_t y_stride, const int32_t* slot, int64_t rows,
-                  const W* a, const W* bt, const int32_t* rank, const float* scale, int64_t slots, int64_t max_rank,
-                  int64_t in_features, int64_t out_features) {
-  if (rows < 0 || slots < 0 || max_rank < 0 || max_rank > MAX_RANK || in_features <= 0 || out_features <= 0 ||
-      (rows > 1 && (x_stride < in_features || y_stride < out_features)))
+int check_problem(const Problem<W>& p, int64_t rows, int64_t slots) {
+  if (p.R < 0 || p.R > MAX_RANK || p.in <= 0 || p.out <= 0 ||
+      (rows > 1 && (p.x_stride < p.in || p.y_stride < p.out)))
     return -1;
   for (int64_t s = 0; s < slots; ++s)
-    if (rank[s] < 0 || rank[s] > max_rank) return -3;
+    if (p.rank[s] < 0 || p.rank[s] > p.R) return -3;
+  return 0;
+}
+
+// The deltas of `count` projections that read the same x (q, k and v, say), in one parallel
+// region: the rows are grouped once, the shrinks of all of them share the threads, then each
+// projection's expand is split by columns as below.
+template <typename W>
+int shrink_expand(const Problem<W>* ps, int64_t count, const int32_t* slot, int64_t rows, int64_t slots) {
+  if (rows < 0 || slots < 0) return -1;
+  for (int64_t q = 0; q < count; ++q)
+    if (const int rc = check_problem(ps[q], rows, slots); rc != 0) return rc;
   std::vector<int64_t> start;
   std::vector<int32_t> order;
   const int64_t active = group_rows(slot, rows, slots, start, order);
   if (active < 0) return static_cast<int>(active);
-  if (active == 0 || max_rank == 0) return 0;
+  if (active == 0) return 0;
 
-  const Problem<W> p{x, x_stride, y, y_stride, a, bt, rank, scale, max_rank, in_features, out_features,
-                     round_up(max_rank, LANES)};
-  std::vector<float> h(active * p.h_stride);
-  // The shrink's work items: each present group's rank rows in chunks of SHRINK_ROWS, as
-  // (slot, first rank row), so two threads share even a single adapter's A.
-  std::vector<std::pair<int64_t, int64_t>> items;
-  for (int64_t s = 0; s < slots; ++s)
-    if (start[s + 1] > start[s])
-      for (int64_t r0 = 0; r0 < rank[s]; r0 += SHRINK_ROWS) items.emplace_back(s, r0);
+  std::vector<std::vector<float>> h(count);
+  // The shrink's work items: each projection's present groups' rank rows in chunks of
+  // SHRINK_ROWS, as (projection, slot, first rank row), so two threads share even a single
+  // adapter's A.
+  struct Item { int64_t q, s, r0; };
+  std::vector<Item> items;
+  int64_t fmas = 0;
+  for (int64_t q = 0; q < count; ++q) {
+    const Problem<W>& p = ps[q];
+    h[q].resize(active * p.h_stride);
+    fmas += active * p.R * (p.in + p.out);
+    for (int64_t s = 0; s < slots; ++s)
+      if (start[s + 1] > start[s])
+        for (int64_t r0 = 0; r0 < p.rank[s]; r0 += SHRINK_ROWS) items.push_back({q, s, r0});
+  }
   const int64_t num_items = static_cast<int64_t>(items.size());
-  const int64_t blocks = (out_features + LANES - 1) / LANES;
-  const int64_t fmas = active * max_rank * (in_features + out_features);
 
 #pragma omp parallel if (fmas >= PARALLEL_MIN_FMAS)
   {
 #pragma omp for schedule(static)
     for (int64_t item = 0; item < num_items; ++item) {
-      const auto [s, r0] = items[item];
-      shrink_group(p, order.data(), s, start[s], start[s + 1], r0, std::min<int64_t>(r0 + SHRINK_ROWS, rank[s]),
-                   h.data());
+      const auto [q, s, r0] = items[item];
+      shrink_group(ps[q], order.data(), s, start[s], start[s + 1], r0,
+                   std::min<int64_t>(r0 + SHRINK_ROWS, ps[q].rank[s]), h[q].data());
     }
     // Implicit barrier: every h row is complete before any expand reads it.
-    // Each thread owns one range of whole column blocks and runs every group over it, group by
-    // group: no two threads write the same y entries, and a thread streams one adapter's Bt at
-    // a time (blocks outside and groups inside would keep rank rows of every adapter in flight
-    // at once, more streams than the hardware prefetcher follows).
+    // Each thread owns one range of whole column blocks of each projection and runs every
+    // group over it, group by group: no two threads write the same y entries, and a thread
+    // streams one adapter's Bt at a time (blocks outside and groups inside would keep rank
+    // rows of every adapter in flight at once, more streams than the hardware prefetcher follows).
     const int64_t threads = omp_get_num_threads(), tid = omp_get_thread_num();
-    const int64_t c0 = std::min(out_features, blocks * tid / threads * LANES);
-    const int64_t c1 = std::min(out_features, blocks * (tid + 1) / threads * LANES);
-    if (c0 < c1)
-      for (int64_t s = 0; s < slots; ++s)
-        if (start[s + 1] > start[s] && rank[s] > 0) expand_group(p, order.data(), h.data(), s, start[s], start[s + 1], c0, c1);
+    for (int64_t q = 0; q < count; ++q) {
+      const Problem<W>& p = ps[q];
+      const int64_t blocks = (p.out + LANES - 1) / LANES;
+      const int64_t c0 = std::min(p.out, blocks * tid / threads * LANES);
+      const int64_t c1 = std::min(p.out, blocks * (tid + 1) / threads * LANES);
+      if (c0 < c1)
+        for (int64_t s = 0; s < slots; ++s)
+          if (start[s + 1] > start[s] && p.rank[s] > 0)
+            expand_group(p, order.data(), h[q].data(), s, start[s], start[s + 1], c0, c1);
+    }
   }
   return 0;
+}
+
+template <typename W>
+Problem<W> problem(const float* x, int64_t x_stride, float* y, int64_t y_stride, const void* a, const void* bt,
+                   const int32_t* rank, const float* scale, int64_t max_rank, int64_t in, int64_t out) {
+  return {x, x_stride, y, y_stride, static_cast<const W*>(a), static_cast<const W*>(bt), rank, scale, max_rank, in,
+          out, round_up(max_rank, LANES)};
 }
 
 }  // namespace
@@ -264,29 +290,56 @@ extern "C" int streamengine_lora_shrink_expand(const float* x, int64_t x_stride,
                                                int64_t max_rank, int64_t in_features, int64_t out_features,
                                                int64_t weight_type) {
   switch (weight_type) {
-    case LORA_FLOAT32:
-      return shrink_expand(x, x_stride, y, y_stride, slot, rows, static_cast<const float*>(a),
-                           static_cast<const float*>(bt), rank, scale, slots, max_rank, in_features, out_features);
-    case LORA_BFLOAT16:
-      return shrink_expand(x, x_stride, y, y_stride, slot, rows, static_cast<const uint16_t*>(a),
-                           static_cast<const uint16_t*>(bt), rank, scale, slots, max_rank, in_features,
-                           out_features);
+    case LORA_FLOAT32: {
+      const auto p = problem<float>(x, x_stride, y, y_stride, a, bt, rank, scale, max_rank, in_features, out_features);
+      return shrink_expand(&p, 1, slot, rows, slots);
+    }
+    case LORA_BFLOAT16: {
+      const auto p = problem<uint16_t>(x, x_stride, y, y_stride, a, bt, rank, scale, max_rank, in_features,
+                                       out_features);
+      return shrink_expand(&p, 1, slot, rows, slots);
+    }
     default:
       return -5;
   }
 }
 
-int streamengine_lora_projection(const int64_t* step, const int64_t* projection, const float* x, int64_t x_stride,
-                                 float* y, int64_t y_stride, int64_t rows, int64_t in_features,
-                                 int64_t out_features) {
-  if (step == nullptr || projection[LORA_A] == 0) return 0;
+namespace {
+
+template <typename W>
+int projections(const int64_t* step, const int64_t* layer, const LoraProjection* which, int64_t count,
+                const float* x, int64_t x_stride, int64_t in_features, float* const* y, int64_t y_stride,
+                const int64_t* out_features, int64_t rows) {
+  Problem<W> ps[LORA_PROJECTIONS];
+  int64_t used = 0;
   auto address = [](int64_t v) { return reinterpret_cast<const void*>(v); };
-  return streamengine_lora_shrink_expand(
-      x, x_stride, y, y_stride, static_cast<const int32_t*>(address(step[LORA_SLOT])), rows,
-      address(projection[LORA_A]), address(projection[LORA_BT]),
-      static_cast<const int32_t*>(address(projection[LORA_RANK])),
-      static_cast<const float*>(address(projection[LORA_SCALE])), step[LORA_SLOTS], step[LORA_MAX_RANK],
-      in_features, out_features, step[LORA_WEIGHT_TYPE]);
+  for (int64_t i = 0; i < count; ++i) {
+    const int64_t* f = layer + which[i] * LORA_PROJECTION_FIELDS;
+    if (f[LORA_A] == 0) continue;  // no resident adapter adapts it
+    ps[used++] = problem<W>(x, x_stride, y[i], y_stride, address(f[LORA_A]), address(f[LORA_BT]),
+                            static_cast<const int32_t*>(address(f[LORA_RANK])),
+                            static_cast<const float*>(address(f[LORA_SCALE])), step[LORA_MAX_RANK], in_features,
+                            out_features[i]);
+  }
+  if (used == 0) return 0;
+  return shrink_expand(ps, used, static_cast<const int32_t*>(address(step[LORA_SLOT])), rows, step[LORA_SLOTS]);
+}
+
+}  // namespace
+
+int streamengine_lora_projections(const int64_t* step, const int64_t* layer, const LoraProjection* which,
+                                  int64_t count, const float* x, int64_t x_stride, int64_t in_features,
+                                  float* const* y, int64_t y_stride, const int64_t* out_features, int64_t rows) {
+  if (step == nullptr || count <= 0 || count > LORA_PROJECTIONS) return step == nullptr ? 0 : -1;
+  switch (step[LORA_WEIGHT_TYPE]) {
+    case LORA_FLOAT32:
+      return projections<float>(step, layer, which, count, x, x_stride, in_features, y, y_stride, out_features, rows);
+    case LORA_BFLOAT16:
+      return projections<uint16_t>(step, layer, which, count, x, x_stride, in_features, y, y_stride, out_features,
+                                   rows);
+    default:
+      return -5;
+  }
 }
 
 extern "C" int streamengine_lora_available() { return 1; }
@@ -299,8 +352,8 @@ extern "C" int streamengine_lora_shrink_expand(const float*, int64_t, float*, in
   return -4;
 }
 
-int streamengine_lora_projection(const int64_t*, const int64_t*, const float*, int64_t, float*, int64_t, int64_t,
-                                 int64_t, int64_t) {
+int streamengine_lora_projections(const int64_t*, const int64_t*, const LoraProjection*, int64_t, const float*,
+                                  int64_t, int64_t, float* const*, int64_t, const int64_t*, int64_t) {
   return -4;
 }
 

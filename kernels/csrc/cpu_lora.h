@@ -30,8 +30,10 @@ int streamengine_lora_available();
 
 }  // extern "C"
 
-// The same for one projection of a fused layer: `step` (LoraStepField) may be null and
-// `projection` (LoraProjectionField) may have A == 0, both meaning no adapter: y untouched.
-int streamengine_lora_projection(const int64_t* step, const int64_t* projection, const float* x, int64_t x_stride,
-                                 float* y, int64_t y_stride, int64_t rows, int64_t in_features,
-                                 int64_t out_features);
+// The same for `count` projections of a fused layer that read the same x ([rows, in_features]):
+// projection which[i] adds into y[i] ([rows, out_features[i]], all at row stride y_stride).
+// `step` (LoraStepField) may be null, and a projection of `layer` may have A == 0, both
+// meaning no adapter there: y untouched.
+int streamengine_lora_projections(const int64_t* step, const int64_t* layer, const LoraProjection* which,
+                                  int64_t count, const float* x, int64_t x_stride, int64_t in_features,
+                                  float* const* y, int64_t y_stride, const int64_t* out_features, int64_t rows);
