@@ -18,8 +18,10 @@ from .cpu_build import F32, I64, PTR
 from .cpu_ops import cache_type
 
 # The C signature both paged-attention kernels share (decode here, prefill in
-# cpu_prefill_attention.py), in `PagedPlan._launch`'s order, and that of their shape probes.
+# cpu_prefill_attention.py), that of their `_scaled` entry points (`PagedPlan._launch`'s order:
+# k_scale and v_scale after the softmax scale), and that of their shape probes.
 PAGED_ATTENTION_ARGS = [PTR, I64, PTR, PTR, I64, I64, I64, I64, I64, PTR, I64, PTR, PTR, PTR, I64, F32, PTR]
+SCALED_ATTENTION_ARGS = [*PAGED_ATTENTION_ARGS[:-1], F32, F32, PTR]
 SUPPORTED_ARGS = [I64, I64, I64, I64]
 
 
@@ -28,11 +30,12 @@ def load_library() -> ctypes.CDLL | None:
     return cpu_build.bind({
         "streamengine_paged_decode_supported": SUPPORTED_ARGS,
         "streamengine_paged_decode": PAGED_ATTENTION_ARGS,
+        "streamengine_paged_decode_scaled": SCALED_ATTENTION_ARGS,
     })
 
 
 def decode_supported(num_heads: int, num_kv_heads: int, head_dim: int, block_size: int) -> bool:
-    """Whether the kernel runs here for this shape (float32 queries, a float32 or float16 cache,
+    """Whether the kernel runs here for this shape (float32 queries, a float32, float16 or float8 cache,
     head_dim a multiple of 16 up to 256, up to 16 query heads per KV head, block size a
     multiple of 8)."""
     lib = load_library()
@@ -73,8 +76,9 @@ class PagedPlan:
         self.rows, self.num_rows = rows.data_ptr(), rows.numel()
 
     def _launch(self, kernel, query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
-                scale: float, out: torch.Tensor) -> int:
-        """Checks this layer's tensors against the plan and calls `kernel`; its return code."""
+                scale: float, out: torch.Tensor, k_scale: float, v_scale: float) -> int:
+        """Checks this layer's tensors against the plan and calls `kernel` (a `_scaled` entry
+        point); its return code."""
         _, num_heads, head_dim = query.shape
         _, block_size, num_kv_heads, cache_dim = key_cache.shape
         if query.stride(2) != 1 or query.stride(1) != head_dim:
@@ -82,7 +86,9 @@ class PagedPlan:
         for name, t in (("query", query), ("out", out)):
             if t.dtype != torch.float32 or t.device.type != "cpu":
                 raise ValueError(f"{name} must be a CPU torch.float32 tensor, got {t.dtype} on {t.device}")
-        code = cache_type(key_cache, value_cache)
+        code = cache_type(key_cache, value_cache, scaled=True)
+        if not (k_scale > 0 and v_scale > 0):
+            raise ValueError(f"k_scale and v_scale must be > 0, got {k_scale}, {v_scale}")
         if not (key_cache.is_contiguous() and value_cache.is_contiguous() and out.is_contiguous()):
             raise ValueError("key_cache, value_cache and out must be contiguous")
         if cache_dim != head_dim:
@@ -94,14 +100,15 @@ class PagedPlan:
         return kernel(
             query.data_ptr(), query.stride(0), key_cache.data_ptr(), value_cache.data_ptr(), code,
             block_size, num_heads, num_kv_heads, head_dim, self.tables, self.table_stride, self.seq_lens,
-            self.query_start_loc, self.rows, self.num_rows, scale, out.data_ptr(),
+            self.query_start_loc, self.rows, self.num_rows, scale, k_scale, v_scale, out.data_ptr(),
         )
 
     @staticmethod
     def _unsupported(kind: str, query: torch.Tensor, key_cache: torch.Tensor) -> ValueError:
         _, block_size, num_kv_heads, _ = key_cache.shape
         return ValueError(f"{kind} does not support heads={query.shape[1]} kv_heads={num_kv_heads} "
-                          f"head_dim={query.shape[2]} block_size={block_size}")
+                          f"head_dim={query.shape[2]} block_size={block_size}, or scales other than 1 "
+                          f"for a {key_cache.dtype} cache")
 
 
 class DecodePlan(PagedPlan):
@@ -112,8 +119,10 @@ class DecodePlan(PagedPlan):
         super().__init__(load_library(), block_tables, seq_lens, query_start_loc, rows)
 
     def run(self, query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor, scale: float,
-            out: torch.Tensor) -> None:
-        if self._launch(self.lib.streamengine_paged_decode, query, key_cache, value_cache, scale, out) != 0:
+            out: torch.Tensor, k_scale: float = 1.0, v_scale: float = 1.0) -> None:
+        """k_scale / v_scale: an 8-bit cache's scales (kernels/fp8.py); 1 for the other types."""
+        kernel = self.lib.streamengine_paged_decode_scaled
+        if self._launch(kernel, query, key_cache, value_cache, scale, out, k_scale, v_scale) != 0:
             raise self._unsupported("paged_decode", query, key_cache)
 
 
@@ -127,5 +136,8 @@ def paged_decode(
     rows: torch.Tensor,  # [R] int64: the decode sequences
     scale: float,
     out: torch.Tensor,  # [T, num_heads, head_dim] contiguous: rows' query tokens are written
+    k_scale: float = 1.0,  # an 8-bit cache's scales
+    v_scale: float = 1.0,
 ) -> None:
-    DecodePlan(block_tables, seq_lens, query_start_loc, rows).run(query, key_cache, value_cache, scale, out)
+    DecodePlan(block_tables, seq_lens, query_start_loc, rows).run(
+        query, key_cache, value_cache, scale, out, k_scale, v_scale)

@@ -1,7 +1,7 @@
 """Fused element-wise layer steps (kernels/csrc/cpu_ops.cpp) with PyTorch fallbacks.
 
 Every function takes and returns float32 CPU tensors whose last dimension is dense (the KV
-cache may also be float16). With the C++ library they run as one call each; without it (neither
+cache may also be float16, or an 8-bit float with per-tensor scales: kernels/fp8.py). With the C++ library they run as one call each; without it (neither
 AVX-512 nor AVX2, no compiler, other dtypes or devices) the same math runs as PyTorch ops, in
 transformers' order of operations.
 """
@@ -14,7 +14,7 @@ import functools
 import torch
 import torch.nn.functional as F
 
-from . import cpu_build
+from . import cpu_build, fp8
 from .cpu_build import F32, I64, PTR
 
 
@@ -25,27 +25,47 @@ def load_library() -> ctypes.CDLL | None:
         "streamengine_rope": [PTR, I64, I64, I64, I64, PTR, PTR],
         "streamengine_silu_mul": [PTR, I64, I64, I64, PTR],
         "streamengine_store_kv": [PTR, I64, PTR, I64, PTR, I64, I64, PTR, PTR, I64],
+        "streamengine_store_kv_scaled": [PTR, I64, PTR, I64, PTR, I64, I64, PTR, PTR, I64, F32, F32],
+        "streamengine_fp8_to_float": [PTR, I64, I64, PTR],
     }, probe="streamengine_cpu_ops_available")
 
 
 CACHE_TYPES = {torch.float32: 0, torch.float16: 1}
-"""KV-cache element types the C++ kernels read and write, by their CacheType code (csrc/cpu_vec_math.h)."""
+"""KV-cache element types every C++ kernel reads and writes (the fused layers included), by
+their CacheType code (csrc/cpu_vec_math.h)."""
+SCALED_CACHE_TYPES = {**CACHE_TYPES, torch.float8_e4m3fn: 2, torch.float8_e5m2: 3}
+"""Those and the 8-bit formats, which the store and attention kernels take with their scales
+(the `*_scaled` entry points); the fused layers do not."""
 
 
-def _cache_code(key_cache: torch.Tensor, value_cache: torch.Tensor) -> int | None:
-    """The CacheType code of a cache pair the kernels take (same dtype, both on CPU), else None."""
+def _cache_code(key_cache: torch.Tensor, value_cache: torch.Tensor, types: dict[torch.dtype, int]) -> int | None:
+    """The code in `types` of a cache pair (same dtype, both on CPU), else None."""
     on_cpu = key_cache.device.type == value_cache.device.type == "cpu"
-    return CACHE_TYPES.get(key_cache.dtype) if on_cpu and key_cache.dtype == value_cache.dtype else None
+    return types.get(key_cache.dtype) if on_cpu and key_cache.dtype == value_cache.dtype else None
 
 
-def cache_type(key_cache: torch.Tensor, value_cache: torch.Tensor) -> int:
-    """The CacheType code of a cache pair on CPU; ValueError for any other pair."""
-    code = _cache_code(key_cache, value_cache)
+def cache_type(key_cache: torch.Tensor, value_cache: torch.Tensor, scaled: bool = False) -> int:
+    """The CacheType code of a cache pair on CPU; ValueError for any other pair. `scaled`: the
+    caller passes scales, so an 8-bit pair is taken too."""
+    code = _cache_code(key_cache, value_cache, SCALED_CACHE_TYPES if scaled else CACHE_TYPES)
     if code is None:
-        raise ValueError(
-            f"the CPU kernels take float32 or float16 caches on CPU, got {key_cache.dtype}/{value_cache.dtype}"
-        )
+        kinds = "float32 or float16 caches" + (", or float8 ones with scales," if scaled else "")
+        raise ValueError(f"the CPU kernels take {kinds} on CPU, got {key_cache.dtype}/{value_cache.dtype}")
     return code
+
+
+def fp8_to_float(codes: torch.Tensor) -> torch.Tensor:
+    """A float8 tensor (numel a multiple of 16) widened to float32 by the kernels' own load (tests);
+    torch's `.float()` without the library."""
+    lib = load_library()
+    code = SCALED_CACHE_TYPES[codes.dtype]
+    if lib is None:
+        return codes.float()
+    src = codes.contiguous()
+    out = torch.empty(src.shape, dtype=torch.float32)
+    if lib.streamengine_fp8_to_float(src.data_ptr(), src.numel(), code, out.data_ptr()) != 0:
+        raise ValueError(f"fp8_to_float takes float8 tensors of a multiple of 16 values, got {codes.numel()}")
+    return out
 
 
 def _native(*tensors: torch.Tensor) -> ctypes.CDLL | None:
@@ -108,22 +128,27 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
 
 
 def store_kv(
-    k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor
+    k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
+    k_scale: float = 1.0, v_scale: float = 1.0,
 ) -> None:
     """key_cache/value_cache [num_blocks, block_size, kv_heads, head_dim] at the slots of this
     step's k/v [tokens, kv_heads, head_dim] (each head's head_dim dense, heads adjacent),
-    converted to the caches' dtype."""
+    converted to the caches' dtype; an 8-bit cache stores k / k_scale and v / v_scale
+    (kernels/fp8.py), the others take scales of 1."""
     tokens, kv_heads, head_dim = k.shape
     width = kv_heads * head_dim
     dense = all(t.stride(1) == head_dim and t.stride(2) == 1 for t in (k, v))
     lib = _native(k, v) if dense and slot_mapping.dtype == torch.int64 else None
-    code = _cache_code(key_cache, value_cache)
+    code = _cache_code(key_cache, value_cache, SCALED_CACHE_TYPES)
     if lib is None or code is None or not (key_cache.is_contiguous() and value_cache.is_contiguous()):
-        # index_copy_ needs the cache's dtype: a lower-precision cache rounds here.
-        key_cache.view(-1, kv_heads, head_dim).index_copy_(0, slot_mapping, k.to(key_cache.dtype))
-        value_cache.view(-1, kv_heads, head_dim).index_copy_(0, slot_mapping, v.to(value_cache.dtype))
+        # index_copy_ needs the cache's dtype: a lower-precision cache rounds (or quantizes) here.
+        fp8.store_slots(key_cache.view(-1, kv_heads, head_dim), slot_mapping, k, k_scale)
+        fp8.store_slots(value_cache.view(-1, kv_heads, head_dim), slot_mapping, v, v_scale)
         return
-    lib.streamengine_store_kv(
+    rc = lib.streamengine_store_kv_scaled(
         k.data_ptr(), k.stride(0), v.data_ptr(), v.stride(0), slot_mapping.data_ptr(), tokens, width,
-        key_cache.data_ptr(), value_cache.data_ptr(), code,
+        key_cache.data_ptr(), value_cache.data_ptr(), code, k_scale, v_scale,
     )
+    if rc != 0:
+        raise ValueError(f"store_kv: scales ({k_scale}, {v_scale}) must be > 0, and 1 for a {key_cache.dtype} cache")
+

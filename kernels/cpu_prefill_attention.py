@@ -15,7 +15,7 @@ import functools
 import torch
 
 from . import cpu_build
-from .cpu_attention import PAGED_ATTENTION_ARGS, SUPPORTED_ARGS, PagedPlan
+from .cpu_attention import PAGED_ATTENTION_ARGS, SCALED_ATTENTION_ARGS, SUPPORTED_ARGS, PagedPlan
 
 
 @functools.lru_cache(maxsize=1)
@@ -23,6 +23,7 @@ def load_library() -> ctypes.CDLL | None:
     return cpu_build.bind({
         "streamengine_paged_prefill_supported": SUPPORTED_ARGS,
         "streamengine_paged_prefill": PAGED_ATTENTION_ARGS,
+        "streamengine_paged_prefill_scaled": SCALED_ATTENTION_ARGS,
     })
 
 
@@ -34,7 +35,7 @@ def prefill_available() -> bool:
 
 @functools.lru_cache(maxsize=64)
 def prefill_supported(num_heads: int, num_kv_heads: int, head_dim: int, block_size: int) -> bool:
-    """Whether the kernel runs here for this shape (float32 queries, a float32 or float16 cache,
+    """Whether the kernel runs here for this shape (float32 queries, a float32, float16 or float8 cache,
     head_dim a multiple of 16 up to 256, up to 64 query heads per KV head, any block size).
     Cached: the engine asks once per layer call."""
     lib = load_library()
@@ -57,8 +58,10 @@ class PrefillPlan(PagedPlan):
         return query.shape[2] == head_dim and prefill_supported(query.shape[1], num_kv_heads, head_dim, block_size)
 
     def run(self, query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor, scale: float,
-            out: torch.Tensor) -> None:
-        rc = self._launch(self.lib.streamengine_paged_prefill, query, key_cache, value_cache, scale, out)
+            out: torch.Tensor, k_scale: float = 1.0, v_scale: float = 1.0) -> None:
+        """k_scale / v_scale: an 8-bit cache's scales (kernels/fp8.py); 1 for the other types."""
+        kernel = self.lib.streamengine_paged_prefill_scaled
+        rc = self._launch(kernel, query, key_cache, value_cache, scale, out, k_scale, v_scale)
         if rc == -2:
             raise ValueError("a listed row has more query tokens (query_start_loc) than context (seq_lens)")
         if rc != 0:
@@ -75,5 +78,8 @@ def paged_prefill(
     rows: torch.Tensor,  # [R] int64: the sequences to attend
     scale: float,
     out: torch.Tensor,  # [T, num_heads, head_dim] contiguous: rows' query tokens are written
+    k_scale: float = 1.0,  # an 8-bit cache's scales
+    v_scale: float = 1.0,
 ) -> None:
-    PrefillPlan(block_tables, seq_lens, query_start_loc, rows).run(query, key_cache, value_cache, scale, out)
+    PrefillPlan(block_tables, seq_lens, query_start_loc, rows).run(
+        query, key_cache, value_cache, scale, out, k_scale, v_scale)

@@ -18,7 +18,7 @@ from streamengine.kernels import cpu_build
 
 TESTS = Path(__file__).parent
 KERNEL_TESTS = ["test_quant_gemm.py", "test_cpu_decode_kernel.py", "test_cpu_prefill_attention.py",
-                "test_packed_weights.py", "test_lora_kernels.py"]
+                "test_packed_weights.py", "test_lora_kernels.py", "test_cpu_fp8_kv.py"]
 
 
 @pytest.mark.skipif(cpu_build.instruction_set() != "avx512" or cpu_build.instruction_set("avx2") != "avx2",

@@ -9,6 +9,7 @@
 
 #include <cmath>
 #include <cstdint>
+#include <type_traits>
 
 #include "cpu_vec_math.h"
 
@@ -116,14 +117,26 @@ extern "C" int streamengine_silu_mul(const float* gate_up, int64_t in_stride, in
 
 namespace {
 
+using streamengine_cpu::e4m3_t, streamengine_cpu::e5m2_t, streamengine_cpu::half_t;
+
+template <typename T>
+inline void store_row_as(const float* src, int64_t n, float inv_scale, T* dst) {
+  if constexpr (std::is_same_v<T, e4m3_t> || std::is_same_v<T, e5m2_t>)
+    streamengine_cpu::store_row_fp8(src, n, inv_scale, dst);
+  else
+    streamengine_cpu::store_row(src, n, dst);  // unscaled formats: the caller checked inv_scale == 1
+}
+
 template <typename T>
 void store_kv_rows(const float* k, int64_t k_stride, const float* v, int64_t v_stride, const int64_t* slots,
-                   int64_t tokens, int64_t width, T* key_cache, T* value_cache) {
+                   int64_t tokens, int64_t width, float k_inv, float v_inv, void* key_cache, void* value_cache) {
+  T* kc = static_cast<T*>(key_cache);
+  T* vc = static_cast<T*>(value_cache);
   // Slots are scattered over the pool: each row is a cache miss, so spread them over threads.
 #pragma omp parallel for if (tokens >= 16)
   for (int64_t t = 0; t < tokens; ++t) {
-    streamengine_cpu::store_row(k + t * k_stride, width, key_cache + slots[t] * width);
-    streamengine_cpu::store_row(v + t * v_stride, width, value_cache + slots[t] * width);
+    store_row_as(k + t * k_stride, width, k_inv, kc + slots[t] * width);
+    store_row_as(v + t * v_stride, width, v_inv, vc + slots[t] * width);
   }
 }
 
@@ -131,20 +144,55 @@ void store_kv_rows(const float* k, int64_t k_stride, const float* v, int64_t v_s
 
 // The K/V of this step's tokens into their cache slots: k/v rows [tokens, kv_heads * head_dim]
 // at row strides k_stride / v_stride; caches [num_slots, kv_heads * head_dim] of cache_type
-// (streamengine_cpu::CacheType).
+// (streamengine_cpu::CacheType). An 8-bit cache stores k / k_scale and v / v_scale (rounded to
+// nearest even, saturated); the other types take scales of 1 only. Returns 0, or -1.
+extern "C" int streamengine_store_kv_scaled(const float* k, int64_t k_stride, const float* v, int64_t v_stride,
+                                            const int64_t* slots, int64_t tokens, int64_t width, void* key_cache,
+                                            void* value_cache, int64_t cache_type, float k_scale, float v_scale) {
+  using namespace streamengine_cpu;
+  if (!(k_scale > 0.0f && v_scale > 0.0f)) return -1;
+  // One reciprocal per call, so the stored codes are those of torch's x * (1 / scale) in float32.
+  const float k_inv = 1.0f / k_scale, v_inv = 1.0f / v_scale;
+  const bool unit = k_scale == 1.0f && v_scale == 1.0f;
+  auto run = [&](auto* type_tag) {
+    using T = std::remove_pointer_t<decltype(type_tag)>;
+    store_kv_rows<T>(k, k_stride, v, v_stride, slots, tokens, width, k_inv, v_inv, key_cache, value_cache);
+    return 0;
+  };
+  switch (cache_type) {
+    case CACHE_F32: return unit ? run(static_cast<float*>(nullptr)) : -1;
+    case CACHE_F16: return unit ? run(static_cast<half_t*>(nullptr)) : -1;
+    case CACHE_FP8_E4M3: return run(static_cast<e4m3_t*>(nullptr));
+    case CACHE_FP8_E5M2: return run(static_cast<e5m2_t*>(nullptr));
+    default: return -1;
+  }
+}
+
+// The unscaled store the fused layers (cpu_layer.cpp) call: float32 and float16 caches only, so
+// an 8-bit cache is never written without its scales.
 extern "C" int streamengine_store_kv(const float* k, int64_t k_stride, const float* v, int64_t v_stride,
                                      const int64_t* slots, int64_t tokens, int64_t width,
                                      void* key_cache, void* value_cache, int64_t cache_type) {
   using namespace streamengine_cpu;
-  if (cache_type == CACHE_F32)
-    store_kv_rows(k, k_stride, v, v_stride, slots, tokens, width, static_cast<float*>(key_cache),
-                  static_cast<float*>(value_cache));
-  else if (cache_type == CACHE_F16)
-    store_kv_rows(k, k_stride, v, v_stride, slots, tokens, width, static_cast<half_t*>(key_cache),
-                  static_cast<half_t*>(value_cache));
-  else
-    return -1;
-  return 0;
+  if (cache_type != CACHE_F32 && cache_type != CACHE_F16) return -1;
+  return streamengine_store_kv_scaled(k, k_stride, v, v_stride, slots, tokens, width, key_cache, value_cache,
+                                      cache_type, 1.0f, 1.0f);
+}
+
+// Tests' view of the kernels' 8-bit reads: n (a multiple of 16) codes of cache_type (an 8-bit
+// CacheType) widened to float32 as the attention kernels load them. Returns 0, or -1.
+extern "C" int streamengine_fp8_to_float(const uint8_t* src, int64_t n, int64_t cache_type, float* dst) {
+  using namespace streamengine_cpu;
+  if (n % 16 != 0) return -1;
+  auto run = [&](auto* type_tag) {
+    using T = std::remove_pointer_t<decltype(type_tag)>;
+    const vf unit = vset1(load_unit<T>());
+    for (int64_t i = 0; i < n; i += 16) vstore(dst + i, vmul(load16(reinterpret_cast<const T*>(src) + i), unit));
+    return 0;
+  };
+  if (cache_type == CACHE_FP8_E4M3) return run(static_cast<e4m3_t*>(nullptr));
+  if (cache_type == CACHE_FP8_E5M2) return run(static_cast<e5m2_t*>(nullptr));
+  return -1;
 }
 
 // y[r, :n] += bias for a [rows, >= n] matrix at row stride ldy.

@@ -4,8 +4,10 @@
 // context: each (sequence, KV head) pair reads exactly its own blocks.
 //
 // Cache layout: [num_blocks, block_size, num_kv_heads, head_dim] (the engine's, see
-// model_runner.py), float32 or float16 (widened to float32 as it is loaded). The query heads of
-// a GQA group share one pass over their KV head's blocks.
+// model_runner.py), float32, float16 or an 8-bit float with per-tensor scales (each widened to
+// float32 as it is loaded; the scales never enter the loops: k_scale is folded into the query,
+// v_scale into the final normalization). The query heads of a GQA group share one pass over
+// their KV head's blocks.
 // Built at run time by kernels/cpu_build.py; called by kernels/cpu_attention.py.
 
 #include "cpu_paged_attention.h"
@@ -137,9 +139,10 @@ struct HeadState {
       for (int64_t d = 0; d < vecs; ++d) acc[g][d] = a[g][d];
   }
 
-  void finish(float* out, const Layout& L) const {
+  // v_factor: what the loaded values are multiplied by (the V scale, times the load unit).
+  void finish(float* out, float v_factor, const Layout& L) const {
     for (int64_t g = 0; g < group; ++g) {
-      const vf inv = vset1(1.0f / running_sum[g]);
+      const vf inv = vset1(v_factor / running_sum[g]);
       for (int64_t d = 0; d < vecs; ++d) vstore(out + g * L.head_dim + d * 16, vmul(acc[g][d], inv));
     }
   }
@@ -147,9 +150,10 @@ struct HeadState {
 
 // KV heads [first_kv, last_kv) of one sequence: q and out are that sequence's [heads, head_dim]
 // rows (dense). Each span of up to 64 tokens is read once for all of these heads: with all of
-// them, a block's K and V are each one contiguous run of memory.
+// them, a block's K and V are each one contiguous run of memory. scale: the softmax scale times
+// the K factor (scale and load unit); v_factor: the V one.
 template <int GROUP, int VECS, typename T>
-void attend(const float* q, float scale, const void* key_cache_bytes, const void* value_cache_bytes,
+void attend(const float* q, float scale, float v_factor, const void* key_cache_bytes, const void* value_cache_bytes,
             const int32_t* table, int64_t context_len, int64_t first_kv, int64_t last_kv,
             const Layout& L, float* out) {
   const T* key_cache = static_cast<const T*>(key_cache_bytes);
@@ -173,10 +177,10 @@ void attend(const float* q, float scale, const void* key_cache_bytes, const void
       state[h].chunk(key_cache, value_cache, head_offsets, lens, pieces, L.token_stride);
     }
   }
-  for (int64_t h = 0; h < heads; ++h) state[h].finish(out + (first_kv + h) * L.group * L.head_dim, L);
+  for (int64_t h = 0; h < heads; ++h) state[h].finish(out + (first_kv + h) * L.group * L.head_dim, v_factor, L);
 }
 
-using AttendFn = void (*)(const float*, float, const void*, const void*, const int32_t*, int64_t,
+using AttendFn = void (*)(const float*, float, float, const void*, const void*, const int32_t*, int64_t,
                          int64_t, int64_t, const Layout&, float*);
 
 template <int GROUP, typename T>
@@ -215,19 +219,31 @@ extern "C" int streamengine_paged_decode_supported(int64_t num_heads, int64_t nu
 // rows:   the sequences to attend (indices into query_start_loc / seq_lens / block_tables);
 //         each has one query token, at query_start_loc[row].
 // out:    [num_tokens, num_heads, head_dim] contiguous; only the rows' tokens are written.
-// The caches hold cache_type elements (streamengine_cpu::CacheType).
-extern "C" int streamengine_paged_decode(
+// The caches hold cache_type elements (streamengine_cpu::CacheType); an 8-bit cache's values
+// are its codes times k_scale / v_scale (scales of 1 only for the other types).
+extern "C" int streamengine_paged_decode_scaled(
     const float* query, int64_t q_token_stride, const void* key_cache, const void* value_cache,
     int64_t cache_type, int64_t block_size, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
     const int32_t* block_tables, int64_t table_stride, const int32_t* seq_lens,
-    const int32_t* query_start_loc, const int64_t* rows, int64_t num_rows, float scale, float* out) {
+    const int32_t* query_start_loc, const int64_t* rows, int64_t num_rows, float scale, float k_scale,
+    float v_scale, float* out) {
+  using namespace streamengine_cpu;
   if (!streamengine_paged_decode_supported(num_heads, num_kv_heads, head_dim, block_size)) return -1;
   const Layout L{block_size, num_kv_heads, num_heads / num_kv_heads, head_dim,
                  block_size * num_kv_heads * head_dim, num_kv_heads * head_dim};
-  using streamengine_cpu::CACHE_F16, streamengine_cpu::CACHE_F32, streamengine_cpu::half_t;
-  if (cache_type != CACHE_F32 && cache_type != CACHE_F16) return -1;
-  const AttendFn attend_one = cache_type == CACHE_F16 ? pick_attend<half_t>(L.group, head_dim / 16)
-                                                      : pick_attend<float>(L.group, head_dim / 16);
+  const bool unit = k_scale == 1.0f && v_scale == 1.0f;
+  const int64_t vecs = head_dim / 16;
+  AttendFn attend_one = nullptr;
+  float unit_factor = 1.0f;
+  if (cache_type == CACHE_F32 && unit) attend_one = pick_attend<float>(L.group, vecs);
+  if (cache_type == CACHE_F16 && unit) attend_one = pick_attend<half_t>(L.group, vecs);
+  if (cache_type == CACHE_FP8_E4M3) {
+    attend_one = pick_attend<e4m3_t>(L.group, vecs);
+    unit_factor = load_unit<e4m3_t>();
+  }
+  if (cache_type == CACHE_FP8_E5M2) attend_one = pick_attend<e5m2_t>(L.group, vecs);
+  if (attend_one == nullptr || !(k_scale > 0.0f && v_scale > 0.0f)) return -1;
+  const float k_factor = scale * k_scale * unit_factor, v_factor = v_scale * unit_factor;
   // Work items: all KV heads of a sequence (one contiguous read per block) when there are
   // enough sequences to keep every thread busy, else single heads (batch 1 still uses both
   // cores). Dynamic scheduling: context lengths differ.
@@ -242,11 +258,25 @@ extern "C" int streamengine_paged_decode(
     const int64_t first_kv = (w % items_per_row) * per_item;
     const int64_t last_kv = std::min(num_kv_heads, first_kv + per_item);
     const int64_t token = query_start_loc[row];
-    attend_one(query + token * q_token_stride, scale, key_cache, value_cache,
+    attend_one(query + token * q_token_stride, k_factor, v_factor, key_cache, value_cache,
                block_tables + row * table_stride, seq_lens[row], first_kv, last_kv, L,
                out + token * num_heads * head_dim);
   }
   return 0;
+}
+
+// The unscaled entry point the fused decode stack (cpu_layer.cpp) calls: float32 and float16
+// caches only, so an 8-bit cache is never read without its scales.
+extern "C" int streamengine_paged_decode(
+    const float* query, int64_t q_token_stride, const void* key_cache, const void* value_cache,
+    int64_t cache_type, int64_t block_size, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
+    const int32_t* block_tables, int64_t table_stride, const int32_t* seq_lens,
+    const int32_t* query_start_loc, const int64_t* rows, int64_t num_rows, float scale, float* out) {
+  using streamengine_cpu::CACHE_F16, streamengine_cpu::CACHE_F32;
+  if (cache_type != CACHE_F32 && cache_type != CACHE_F16) return -1;
+  return streamengine_paged_decode_scaled(query, q_token_stride, key_cache, value_cache, cache_type, block_size,
+                                          num_heads, num_kv_heads, head_dim, block_tables, table_stride, seq_lens,
+                                          query_start_loc, rows, num_rows, scale, 1.0f, 1.0f, out);
 }
 
 #else  // neither AVX-512 nor AVX2: the Python side keeps the PyTorch path.
@@ -257,6 +287,13 @@ extern "C" int streamengine_paged_decode(const float*, int64_t, const void*, con
                                          int64_t, int64_t, int64_t, const int32_t*, int64_t,
                                          const int32_t*, const int32_t*, const int64_t*, int64_t,
                                          float, float*) {
+  return -1;
+}
+
+extern "C" int streamengine_paged_decode_scaled(const float*, int64_t, const void*, const void*, int64_t,
+                                                int64_t, int64_t, int64_t, int64_t, const int32_t*, int64_t,
+                                                const int32_t*, const int32_t*, const int64_t*, int64_t,
+                                                float, float, float, float*) {
   return -1;
 }
 

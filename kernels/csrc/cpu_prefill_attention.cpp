@@ -14,8 +14,9 @@
 // time, so the threads finish together.
 //
 // Cache layout: [num_blocks, block_size, num_kv_heads, head_dim] (the engine's, see
-// model_runner.py), float32 (read in place) or float16 (each key tile widened to float32 once
-// per item). Built at run time by kernels/cpu_build.py; called by kernels/cpu_prefill_attention.py.
+// model_runner.py), float32 (read in place), or float16 or an 8-bit float (each key tile widened
+// to float32 once per item; an 8-bit cache's per-tensor scales are folded into the queries and
+// the final normalization, never into the loops). Built at run time by kernels/cpu_build.py; called by kernels/cpu_prefill_attention.py.
 
 #include "cpu_prefill_attention.h"
 
@@ -34,7 +35,7 @@
 namespace {
 
 using namespace streamengine_simd;
-using streamengine_cpu::half_t;
+using streamengine_cpu::e4m3_t, streamengine_cpu::e5m2_t, streamengine_cpu::half_t;
 using streamengine_cpu::load16;
 
 // Query lanes per work item: 3 vectors measured faster than 4 (whose register tiles are
@@ -61,7 +62,8 @@ struct Step {
   int64_t table_stride;
   const int32_t* seq_lens;
   const int32_t* query_start_loc;
-  float scale;
+  float scale;     // the softmax scale times the keys' factor (tensor scale x load unit)
+  float v_factor;  // the values' factor
   float* out;
 };
 
@@ -101,7 +103,7 @@ template <> struct Tiles<4> { static constexpr int SCORE_BLOCK = 1, ACC_BLOCK = 
 #endif
 
 // Points krow/vrow at keys [start, start + n) of KV head kv: into the cache itself (float32),
-// or into the scratch copies widened from float16.
+// or into the scratch copies widened from float16 or 8 bits.
 template <typename T>
 void cache_rows(const T* key_cache, const T* value_cache, const int32_t* table, int64_t kv, int64_t start,
                 int64_t n, const Layout& L, Scratch& s) {
@@ -239,7 +241,7 @@ void write_out(const Step& st, const Item& it, int64_t token0, int64_t width, co
   for (int64_t lane = 0; lane < it.count * L.group; ++lane) {
     const int64_t t = lane / L.group, head = it.kv_head * L.group + lane % L.group;
     float* o = st.out + (token0 + t) * L.num_heads * L.head_dim + head * L.head_dim;
-    const float inv = 1.0f / sums[lane];
+    const float inv = st.v_factor / sums[lane];
     for (int64_t d = 0; d < L.head_dim; ++d) o[d] = s.acc[d * width + lane] * inv;
   }
 }
@@ -343,30 +345,50 @@ extern "C" int streamengine_paged_prefill_supported(int64_t num_heads, int64_t n
 //         positions seq_lens[r] - q_len .. seq_lens[r] - 1, and the keys and values of
 //         positions 0 .. seq_lens[r] - 1 are already in the caches.
 // out:    [num_tokens, num_heads, head_dim] contiguous; only the rows' tokens are written.
-// The caches hold cache_type elements (streamengine_cpu::CacheType). Returns 0, -1 for an
-// unsupported shape or cache type, -2 for a row with more query tokens than context.
-extern "C" int streamengine_paged_prefill(
+// The caches hold cache_type elements (streamengine_cpu::CacheType); an 8-bit cache's values
+// are its codes times k_scale / v_scale (scales of 1 only for the other types). Returns 0, -1
+// for an unsupported shape or cache type, -2 for a row with more query tokens than context.
+extern "C" int streamengine_paged_prefill_scaled(
     const float* query, int64_t q_token_stride, const void* key_cache, const void* value_cache,
     int64_t cache_type, int64_t block_size, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
     const int32_t* block_tables, int64_t table_stride, const int32_t* seq_lens,
-    const int32_t* query_start_loc, const int64_t* rows, int64_t num_rows, float scale, float* out) {
-  using streamengine_cpu::CACHE_F16, streamengine_cpu::CACHE_F32;
+    const int32_t* query_start_loc, const int64_t* rows, int64_t num_rows, float scale, float k_scale,
+    float v_scale, float* out) {
+  using namespace streamengine_cpu;
   if (!streamengine_paged_prefill_supported(num_heads, num_kv_heads, head_dim, block_size)) return -1;
-  if (cache_type != CACHE_F32 && cache_type != CACHE_F16) return -1;
+  const bool unit = k_scale == 1.0f && v_scale == 1.0f, eight_bit = cache_type == CACHE_FP8_E4M3 || cache_type == CACHE_FP8_E5M2;
+  if (!(eight_bit || ((cache_type == CACHE_F32 || cache_type == CACHE_F16) && unit))) return -1;
+  if (!(k_scale > 0.0f && v_scale > 0.0f)) return -1;
   for (int64_t r = 0; r < num_rows; ++r) {
     const int64_t q_len = query_start_loc[rows[r] + 1] - query_start_loc[rows[r]];
     if (q_len < 0 || q_len > seq_lens[rows[r]]) return -2;
   }
   const Layout L{block_size, num_heads, num_heads / num_kv_heads, head_dim,
                  block_size * num_kv_heads * head_dim, num_kv_heads * head_dim};
+  const float unit_factor = cache_type == CACHE_FP8_E4M3 ? load_unit<e4m3_t>() : 1.0f;
   const Step st{query, q_token_stride, key_cache, value_cache, block_tables, table_stride,
-                seq_lens, query_start_loc, scale, out};
+                seq_lens, query_start_loc, scale * k_scale * unit_factor, v_scale * unit_factor, out};
   const std::vector<Item> items = plan_items(st, rows, num_rows, num_kv_heads, L.group);
-  if (cache_type == CACHE_F16)
-    run_items<half_t>(st, items, L);
-  else
-    run_items<float>(st, items, L);
+  switch (cache_type) {
+    case CACHE_F16: run_items<half_t>(st, items, L); break;
+    case CACHE_FP8_E4M3: run_items<e4m3_t>(st, items, L); break;
+    case CACHE_FP8_E5M2: run_items<e5m2_t>(st, items, L); break;
+    default: run_items<float>(st, items, L);
+  }
   return 0;
+}
+
+// The unscaled entry point: float32 and float16 caches only.
+extern "C" int streamengine_paged_prefill(
+    const float* query, int64_t q_token_stride, const void* key_cache, const void* value_cache,
+    int64_t cache_type, int64_t block_size, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
+    const int32_t* block_tables, int64_t table_stride, const int32_t* seq_lens,
+    const int32_t* query_start_loc, const int64_t* rows, int64_t num_rows, float scale, float* out) {
+  using streamengine_cpu::CACHE_F16, streamengine_cpu::CACHE_F32;
+  if (cache_type != CACHE_F32 && cache_type != CACHE_F16) return -1;
+  return streamengine_paged_prefill_scaled(query, q_token_stride, key_cache, value_cache, cache_type, block_size,
+                                           num_heads, num_kv_heads, head_dim, block_tables, table_stride,
+                                           seq_lens, query_start_loc, rows, num_rows, scale, 1.0f, 1.0f, out);
 }
 
 #else  // neither AVX-512 nor AVX2: the Python side keeps the PyTorch path.
@@ -377,6 +399,13 @@ extern "C" int streamengine_paged_prefill(const float*, int64_t, const void*, co
                                           int64_t, int64_t, int64_t, const int32_t*, int64_t,
                                           const int32_t*, const int32_t*, const int64_t*, int64_t,
                                           float, float*) {
+  return -1;
+}
+
+extern "C" int streamengine_paged_prefill_scaled(const float*, int64_t, const void*, const void*, int64_t,
+                                                 int64_t, int64_t, int64_t, int64_t, const int32_t*, int64_t,
+                                                 const int32_t*, const int32_t*, const int64_t*, int64_t,
+                                                 float, float, float, float*) {
   return -1;
 }
 

@@ -4,6 +4,7 @@
 
 #include <cstdint>
 
+#include "cpu_fp8.h"
 #include "cpu_simd.h"
 
 #if defined(STREAMENGINE_SIMD)
@@ -14,13 +15,17 @@ using namespace streamengine_simd;
 
 // KV-cache element types (EngineConfig.kv_cache_dtype): float32, or IEEE half precision kept
 // as raw 16-bit words and converted with the F16C instructions (round to nearest even, as
-// torch's .to(torch.float16)). Half the bytes per token: attention over long contexts is
-// bound by reading K/V.
-enum CacheType : int64_t { CACHE_F32 = 0, CACHE_F16 = 1 };
+// torch's .to(torch.float16)), or one of the 8-bit floats of cpu_fp8.h with a per-tensor scale.
+// Fewer bytes per token: attention over long contexts is bound by reading K/V.
+enum CacheType : int64_t { CACHE_F32 = 0, CACHE_F16 = 1, CACHE_FP8_E4M3 = 2, CACHE_FP8_E5M2 = 3 };
 using half_t = uint16_t;
 
+// 16 elements as float32, in units of load_unit<T>() (cpu_fp8.h): the caller folds that factor
+// and the tensor's scale into one multiply outside its loops.
 inline vf load16(const float* p) { return vload(p); }
 inline vf load16(const half_t* p) { return vload_half(p); }
+inline vf load16(const e4m3_t* p) { return vload_fp8(p); }
+inline vf load16(const e5m2_t* p) { return vload_fp8(p); }
 
 // n floats from src into dst, converted to the cache's element type.
 inline void store_row(const float* src, int64_t n, float* dst) {
@@ -30,6 +35,14 @@ inline void store_row(const float* src, int64_t n, half_t* dst) {
   int64_t i = 0;
   for (; i + 16 <= n; i += 16) vstore_half(dst + i, vload(src + i));
   for (; i < n; ++i) dst[i] = _cvtss_sh(src[i], _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+}
+// 8-bit floats store src * inv_scale (the tensor's scale is 1 / inv_scale), saturated.
+template <typename T>
+inline void store_row_fp8(const float* src, int64_t n, float inv_scale, T* dst) {
+  const vf s = vset1(inv_scale);
+  int64_t i = 0;
+  for (; i + 16 <= n; i += 16) vstore_fp8(dst + i, vmul(vload(src + i), s));
+  for (; i < n; ++i) dst[i].bits = fp8_from_float<T>(src[i] * inv_scale);
 }
 
 // e^x as 2^(x log2 e) = 2^n * 2^f with |f| <= 1/2 and 2^f from its degree-7 Taylor
