@@ -18,6 +18,7 @@ import triton
 import triton.language as tl
 
 from ._launch import cdiv, check_launchable
+from .fp8 import as_bytes
 
 _NAME = "copy_blocks"
 _CHUNK = 4096
@@ -102,6 +103,7 @@ def copy_blocks(
         if not (_block_is_contiguous(k_cache) and _block_is_contiguous(v_cache)):
             raise ValueError(f"{_NAME}: layer {layer} cache blocks must each be contiguous")
         check_launchable(_NAME, _copy_blocks_kernel, k_cache.device)
+        k_cache, v_cache = as_bytes(k_cache), as_bytes(v_cache)  # an fp8 cache copies as bytes
         mapping = block_mapping.to(k_cache.device, non_blocking=True)
         block_numel = k_cache[0].numel()
         grid = (num_pairs, cdiv(block_numel, _CHUNK))

@@ -17,6 +17,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from .fp8 import as_bytes
+
 # Upper bound on the padded K/V elements gathered for one batched decode call, so a batch of
 # long contexts is split into several calls instead of one huge temporary.
 _DECODE_GATHER_ELEMENTS = 1 << 24
@@ -213,6 +215,7 @@ def ref_copy_blocks(
     dst = block_mapping[:, 1].to(torch.int64)
     for cache in (*key_caches, *value_caches):
         s, d = src.to(cache.device), dst.to(cache.device)
+        cache = as_bytes(cache)  # torch has no index_copy_ for float8: copy an 8-bit cache's bytes
         cache.index_copy_(0, d, cache.index_select(0, s))
 
 

@@ -50,6 +50,15 @@ def _int_or_none(text: str) -> int | None:
         raise argparse.ArgumentTypeError(f"expected an integer or 'none', got {text!r}") from None
 
 
+def _float_or_none(text: str) -> float | None:
+    if text.strip().lower() == "none":
+        return None
+    try:
+        return float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number or 'none', got {text!r}") from None
+
+
 def _speculative_config(text: str) -> SpeculativeConfig | None:
     """vLLM's --speculative-config: a JSON object of SpeculativeConfig's fields, or 'none'."""
     if text.strip().lower() == "none":
@@ -86,11 +95,11 @@ def _tenants_file(path: str) -> TenantsFile:
 
 
 _PARSERS: dict[Any, Any] = {
-    int: int, int | None: _int_or_none, float: float, str: str, str | None: str,
+    int: int, int | None: _int_or_none, float: float, float | None: _float_or_none, str: str, str | None: str,
     tuple[TenantConfig, ...]: _tenants_file,
     SpeculativeConfig | None: _speculative_config,
 }
-_METAVARS: dict[Any, str] = {int: "N", int | None: "N", float: "X", tuple[TenantConfig, ...]: "FILE",
+_METAVARS: dict[Any, str] = {int: "N", int | None: "N", float: "X", float | None: "X", tuple[TenantConfig, ...]: "FILE",
                              SpeculativeConfig | None: "JSON"}
 _MORE_HELP = {
     "tenants": "; FILE is TOML: [[tenants]] tables of name, api_key or api_key_sha256, weight, max_running, "

@@ -23,7 +23,9 @@ first token (measurements: docs/design/step_length.md, "Choosing max_prefill_chu
 ATTENTION_BACKENDS = ("auto", "triton", "torch", "cpu")
 PREEMPTION_MODES = ("auto", "recompute", "swap")
 DTYPES = ("float32", "float16", "bfloat16")
-KV_CACHE_DTYPES = ("auto", *DTYPES)
+FP8_KV_CACHE_DTYPES = ("fp8", "fp8_e4m3", "fp8_e5m2")
+"""8-bit float caches, as vLLM names them: "fp8" is e4m3 (torch.float8_e4m3fn)."""
+KV_CACHE_DTYPES = ("auto", *DTYPES, *FP8_KV_CACHE_DTYPES)
 MODEL_IMPLS = ("auto", "native", "transformers")
 WEIGHT_FORMATS = ("auto", "dequantized", "packed", "int8")
 SCHEDULING_POLICIES = ("fair", "fcfs")
@@ -109,8 +111,17 @@ class EngineConfig:
         "auto",
         "The KV cache's element type; \"auto\" is the model's dtype. A float32 model with a float16 "
         "cache holds twice the tokens in the same bytes and reads half per token in attention, at "
-        "the cost of rounding K/V (greedy output can then differ from transformers').",
+        "the cost of rounding K/V (greedy output can then differ from transformers'). \"fp8\" "
+        "(= \"fp8_e4m3\") and \"fp8_e5m2\": one byte per value, a quarter of float32's, each K (V) "
+        "tensor stored as K / k_scale with one scale per layer (k_scale, v_scale).",
         choices=KV_CACHE_DTYPES)
+    k_scale: float | None = _option(
+        None,
+        "An fp8 cache's K scale, for every layer (stored code = K / k_scale, saturated). None: each "
+        "layer's scale is set from the K of the first step that writes to its cache (max |K| x "
+        "4 / the format's largest value) and kept for the engine's life, so it depends on that "
+        "first batch (as vLLM's calculate_kv_scales).")
+    v_scale: float | None = _option(None, "An fp8 cache's V scale, for every layer; None: as k_scale says.")
     num_gpu_blocks: int | None = _option(
         None, "KV pool size in blocks; overrides kv_cache_bytes (name as in vLLM)", minimum=1)
     max_num_seqs: int = _option(128, "most sequences running in one step", minimum=1)
@@ -259,6 +270,18 @@ class EngineConfig:
         names = [t.name for t in self.tenants]
         if len(set(names)) != len(names):
             raise ValueError(f"EngineConfig.tenants names a tenant twice: {names}")
+        self._check_kv_scales()
+
+    def _check_kv_scales(self) -> None:
+        for name in ("k_scale", "v_scale"):
+            value = getattr(self, name)
+            if value is None:
+                continue
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < float("inf"):
+                raise ValueError(f"EngineConfig.{name} must be a finite number > 0 or None, got {value!r}")
+            if self.kv_cache_dtype not in FP8_KV_CACHE_DTYPES:
+                raise ValueError(f"EngineConfig.{name} scales an fp8 KV cache (kv_cache_dtype in "
+                                 f"{FP8_KV_CACHE_DTYPES}), not kv_cache_dtype={self.kv_cache_dtype!r}")
 
 
 def _check_field(f: Field, value: Any) -> None:

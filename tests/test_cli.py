@@ -141,12 +141,16 @@ def non_default_argv(tmp_path) -> tuple[list[str], dict]:
             argv.append(option_of(f.name) if not default else f"--no-{option_of(f.name)[2:]}")
             expected[f.name] = not default
             continue
-        if choices:
+        if f.name == "kv_cache_dtype":
+            value = "fp8"  # k_scale and v_scale scale an fp8 cache only
+        elif choices:
             value = next(c for c in choices if c != default)
         elif FIELD_TYPES[f.name] in (int, int | None):
             value = 7 if default != 7 else 8
         elif FIELD_TYPES[f.name] is float:
             value = default + 0.25
+        elif FIELD_TYPES[f.name] == float | None:
+            value = 0.5
         elif f.name == "tenants":
             path = tmp_path / "tenants.toml"
             path.write_text(TENANTS_TOML)

@@ -276,12 +276,12 @@ def test_kv_cache_dtype_sizes_the_pool_and_is_validated(tiny_llama_dir):
     model_config = AutoConfig.from_pretrained(tiny_llama_dir)
     budget = 64 * kv_bytes_per_block(model_config, 16, torch.float32)
     blocks = {}
-    for kv_dtype in ("auto", "float16", "bfloat16"):
+    for kv_dtype in ("auto", "float16", "bfloat16", "fp8", "fp8_e5m2"):
         core = EngineCore(EngineConfig(model=str(tiny_llama_dir), kv_cache_bytes=budget, kv_cache_dtype=kv_dtype))
         runner = core.runner
         assert all(c.dtype == runner.kv_dtype for pair in runner.kv_caches for c in pair)
         blocks[kv_dtype] = core.stats()["num_total_blocks"]
-        # Each cache type serves a request through its attention path (float16: the C++
+        # Each cache type serves a request through its attention path (float16 and fp8: the C++
         # kernels where they run; bfloat16: PyTorch) and gives every block back.
         core.add_request("r", "Hello there, how are you today?", SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
         outputs = []
@@ -292,9 +292,10 @@ def test_kv_cache_dtype_sizes_the_pool_and_is_validated(tiny_llama_dir):
         final = outputs[-1]
         assert final.finished and len(final.outputs[0].token_ids) == 8
         assert core.stats()["num_free_blocks"] == blocks[kv_dtype]
-    assert blocks == {"auto": 64, "float16": 128, "bfloat16": 128}  # same bytes, twice the tokens
+    # Same bytes: twice the tokens in 16 bits, four times in 8.
+    assert blocks == {"auto": 64, "float16": 128, "bfloat16": 128, "fp8": 256, "fp8_e5m2": 256}
     with pytest.raises(ValueError, match="EngineConfig.kv_cache_dtype must be one of"):
-        EngineConfig(kv_cache_dtype="fp8")
+        EngineConfig(kv_cache_dtype="fp8_e4m3fn")
     with pytest.raises(ValueError, match="kv_cache_dtype=torch.float16 runs on CPU only"):
         select_backend("triton", torch.device("cpu"), model_config, 16, torch.float32, torch.float16)
 

@@ -71,8 +71,14 @@ def _block_bytes(shape: AttentionShape, block_size: int, dtype: torch.dtype) -> 
     return 2 * shape.num_layers * block_size * shape.num_kv_heads * shape.head_dim * elem  # K and V
 
 
+FP8_TORCH_DTYPES = {"fp8": torch.float8_e4m3fn, "fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}
+"""The torch dtypes of EngineConfig's 8-bit cache names (FP8_KV_CACHE_DTYPES)."""
+
+
 def kv_cache_dtype(config: EngineConfig) -> torch.dtype:
     """The cache's element type: the model's dtype unless `kv_cache_dtype` names another."""
+    if config.kv_cache_dtype in FP8_TORCH_DTYPES:
+        return FP8_TORCH_DTYPES[config.kv_cache_dtype]
     name = config.dtype if config.kv_cache_dtype == "auto" else config.kv_cache_dtype
     return getattr(torch, name)
 

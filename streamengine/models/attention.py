@@ -22,6 +22,7 @@ from transformers.masking_utils import AttentionMaskInterface
 
 if TYPE_CHECKING:
     from streamengine.kernels.cpu_attention import DecodePlan
+    from streamengine.models.kv_scales import KVScales
 
 ATTN_IMPLEMENTATION = "streamengine_paged"
 
@@ -40,6 +41,7 @@ class AttentionMetadata:
     seq_lens_host: list[int]
     max_query_len: int
     kv_caches: KVCaches
+    kv_scales: KVScales | None = None  # an fp8 cache's per-layer scales; None for other caches
 
 
 class AttentionPlan(Protocol):

@@ -17,15 +17,11 @@ from streamengine.config import EngineConfig
 from streamengine.kernels import cpu_build, cpu_quant_linear
 from streamengine.kv.spec import AttentionShape, KVCacheSpec
 from streamengine.lora.adapter import TARGET_MODULES
-from streamengine.models.attention import (
-    AttentionBackend,
-    AttentionMetadata,
-    AttentionPlan,
-    KVCaches,
-)
+from streamengine.models.attention import AttentionBackend, AttentionMetadata, AttentionPlan, KVCaches
 from streamengine.models.cpu_backend import CpuPagedAttention
 from streamengine.models.decode_graphs import DecodeGraphRunner, pad_blocks
 from streamengine.models.gguf_weights import GgufWeights, check_against, read_gguf
+from streamengine.models.kv_scales import KVScales
 from streamengine.models.loader import LoadedModel
 from streamengine.models.lora import LoRAStacks, LoRAStep, lora_dtype
 from streamengine.models.native import NativeDecoder, unsupported_reason
@@ -55,10 +51,10 @@ def select_backend(
     runs, else PyTorch on CPU and Triton on CUDA."""
     if name in ("cpu", "auto") and device.type == "cpu":
         if CpuPagedAttention.available(AttentionShape.of(model_config), block_size, dtype, kv_dtype):
-            return CpuPagedAttention()
+            return CpuPagedAttention(kv_dtype)
         if name == "cpu":
             raise ValueError(
-                "attention_backend='cpu' needs a float32 model, a float32 or float16 KV cache, AVX-512 or AVX2, "
+                "attention_backend='cpu' needs a float32 model, a float32, float16 or fp8 KV cache, AVX-512 or AVX2, "
                 "a C++ compiler and a supported head shape"
             )
     if name == "torch" or (name == "auto" and device.type != "cuda"):
@@ -191,6 +187,7 @@ class PagedModel:
         self.block_size = kv.block_size
         pin = device.type == "cuda"
         self.kv_caches = allocate_kv_caches(kv, kv.num_blocks + extra_blocks, device)  # extra: never handed out
+        self.kv_scales = KVScales.of(config, kv.shape.num_layers, kv.dtype)  # None unless the cache is fp8
         self.cpu_caches = allocate_kv_caches(kv, kv.num_cpu_blocks, "cpu", pin) if kv.num_cpu_blocks else []
         self.backend = select_backend(
             config.attention_backend, device, self.model.config, kv.block_size, getattr(torch, config.dtype), kv.dtype
@@ -201,7 +198,7 @@ class PagedModel:
         self.lora_step: LoRAStep | None = None
 
     def _forward(self, batch: PackedBatch, lora: LoRAStep | None = None) -> torch.Tensor:
-        meta = attention_metadata(batch, self.kv_caches, self.device)
+        meta = attention_metadata(batch, self.kv_caches, self.device, self.kv_scales)
         input_ids = torch.tensor(batch.token_ids, dtype=torch.int64, device=self.device)  # [T]
         positions = torch.tensor(batch.positions, dtype=torch.int64, device=self.device)  # [T]
         return self.forward_tensors(input_ids, positions, meta, lora)

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 import torch
 
 from streamengine.models.attention import AttentionMetadata, KVCaches
+from streamengine.models.kv_scales import KVScales
 from streamengine.sched.plan import SchedulerOutput
 
 
@@ -86,7 +87,8 @@ def pack_batch(plan: SchedulerOutput, block_size: int) -> PackedBatch:
     return batch
 
 
-def attention_metadata(batch: PackedBatch, kv_caches: KVCaches, device: torch.device) -> AttentionMetadata:
+def attention_metadata(batch: PackedBatch, kv_caches: KVCaches, device: torch.device,
+                       kv_scales: KVScales | None = None) -> AttentionMetadata:
     max_blocks = max(len(t) for t in batch.block_tables)
     padded = [t + [0] * (max_blocks - len(t)) for t in batch.block_tables]
     starts = [0]
@@ -101,4 +103,5 @@ def attention_metadata(batch: PackedBatch, kv_caches: KVCaches, device: torch.de
         seq_lens_host=batch.seq_lens,
         max_query_len=max(batch.query_lens),
         kv_caches=kv_caches,
+        kv_scales=kv_scales,
     )

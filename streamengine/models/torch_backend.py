@@ -16,7 +16,9 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from streamengine.kernels import fp8
 from streamengine.models.attention import AttentionMetadata
+from streamengine.models.kv_scales import layer_scales, store_scales
 
 
 @dataclass(slots=True)
@@ -61,16 +63,18 @@ class TorchPlan:
 
     def store(self, layer_idx: int, k: torch.Tensor, v: torch.Tensor) -> None:
         flat_k, flat_v = flat_caches(self.meta, layer_idx)
-        flat_k.index_copy_(0, self.meta.slot_mapping, k.to(flat_k.dtype))  # a float16 cache rounds here
-        flat_v.index_copy_(0, self.meta.slot_mapping, v.to(flat_v.dtype))
+        k_scale, v_scale = store_scales(self.meta.kv_scales, layer_idx, k, v)
+        fp8.store_slots(flat_k, self.meta.slot_mapping, k, k_scale)  # a narrower cache rounds here
+        fp8.store_slots(flat_v, self.meta.slot_mapping, v, v_scale)
 
     def attend(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
         key_cache, value_cache = self.meta.kv_caches[layer_idx]
+        scales = layer_scales(self.meta.kv_scales, layer_idx)
         if self.direct:
-            return decode_rows(q, key_cache, value_cache, self.decode_groups[0], scale)
+            return decode_rows(q, key_cache, value_cache, self.decode_groups[0], scale, scales)
         out = torch.empty_like(q)  # [T, num_heads, head_dim]
         for group in self.decode_groups:
-            out[group.tokens] = decode_rows(q[group.tokens], key_cache, value_cache, group, scale)
+            out[group.tokens] = decode_rows(q[group.tokens], key_cache, value_cache, group, scale, scales)
         for i in self.other_rows:
             prefill_row(self.meta, layer_idx, i, q, k, v, scale, out)
         return out
@@ -106,8 +110,10 @@ def flat_caches(meta: AttentionMetadata, layer_idx: int) -> tuple[torch.Tensor, 
     return key_cache.view(-1, num_kv_heads, head_dim), value_cache.view(-1, num_kv_heads, head_dim)
 
 
-def decode_rows(qd, key_cache, value_cache, group: DecodeGroup, scale: float) -> torch.Tensor:
-    """qd [G, num_heads, D], one query token per decode row -> [G, num_heads, D]."""
+def decode_rows(qd, key_cache, value_cache, group: DecodeGroup, scale: float,
+                kv_scales: tuple[float, float] = (1.0, 1.0)) -> torch.Tensor:
+    """qd [G, num_heads, D], one query token per decode row -> [G, num_heads, D]; kv_scales:
+    an fp8 cache's (k_scale, v_scale)."""
     num_seqs = group.tokens.shape[0]
     num_kv_heads, head_dim = key_cache.shape[2], key_cache.shape[3]
     num_q_per_kv = qd.shape[1] // num_kv_heads
@@ -116,7 +122,8 @@ def decode_rows(qd, key_cache, value_cache, group: DecodeGroup, scale: float) ->
     # index_select copies whole rows; several times faster on CPU than advanced indexing.
     kd = key_cache.index_select(0, group.blocks).view(num_seqs, -1, num_kv_heads, head_dim).transpose(1, 2)  # [G, kv_heads, L, D]
     vd = value_cache.index_select(0, group.blocks).view(num_seqs, -1, num_kv_heads, head_dim).transpose(1, 2)
-    kd, vd = kd.to(qd.dtype), vd.to(qd.dtype)  # no-ops unless the cache has its own dtype
+    # no-ops unless the cache has its own dtype
+    kd, vd = fp8.widen(kd, kv_scales[0], qd.dtype), fp8.widen(vd, kv_scales[1], qd.dtype)
     o = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=group.mask, scale=scale)
     return o.reshape(num_seqs, -1, head_dim)  # [G, num_heads, D]
 
@@ -126,12 +133,14 @@ def prefill_row(
     scale: float, out: torch.Tensor,
 ) -> None:
     """Attention of row i's query tokens (a prompt or a chunk of one), written into `out`,
-    with its K/V already stored in the layer's cache."""
+    with its K/V already stored in the layer's cache. Over an fp8 cache every row reads the
+    cache, a fresh prompt too: a prompt then attends to the same values whether its prefix
+    came from the prefix cache, a swap, an earlier chunk or this step."""
     start = int(meta.query_start_loc[i])
     q_len, ctx_len = meta.query_lens_host[i], meta.seq_lens_host[i]
     end = start + q_len
     qi = q[start:end].transpose(0, 1)  # [num_heads, q_len, D]
-    if ctx_len == q_len:  # nothing cached before this chunk: use the fresh K/V
+    if ctx_len == q_len and meta.kv_scales is None:  # nothing cached before this chunk: use the fresh K/V
         ki = k[start:end].transpose(0, 1)  # [kv_heads, q_len, D]
         vi = v[start:end].transpose(0, 1)
         o = _sdpa(qi, ki, vi, is_causal=True, scale=scale)
@@ -142,8 +151,9 @@ def prefill_row(
         table = meta.block_tables[i, :num_blocks].long()
         offsets = torch.arange(block_size, device=q.device)
         slots = (table[:, None] * block_size + offsets).reshape(-1)[:ctx_len]
-        ki = flat_k.index_select(0, slots).transpose(0, 1).to(q.dtype)  # [kv_heads, ctx_len, D]
-        vi = flat_v.index_select(0, slots).transpose(0, 1).to(q.dtype)
+        k_scale, v_scale = layer_scales(meta.kv_scales, layer_idx)
+        ki = fp8.widen(flat_k.index_select(0, slots), k_scale, q.dtype).transpose(0, 1)  # [kv_heads, ctx_len, D]
+        vi = fp8.widen(flat_v.index_select(0, slots), v_scale, q.dtype).transpose(0, 1)
         qpos = torch.arange(ctx_len - q_len, ctx_len, device=q.device)[:, None]
         mask = torch.arange(ctx_len, device=q.device)[None, :] <= qpos  # [q_len, ctx_len]
         o = _sdpa(qi, ki, vi, attn_mask=mask, scale=scale)
