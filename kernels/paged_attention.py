@@ -11,6 +11,10 @@ positions seq_len - query_len .. seq_len - 1 and the earlier ones are the cached
 Long decodes with few (request, KV head) pairs leave most of a GPU idle, so the key range can
 be split over several programs (split-KV); each writes its own softmax-normalised fp32 result
 plus its log-sum-exp, and a second kernel weighs and sums them.
+
+An fp8 cache (kernels/fp8.py) is read as its bytes and widened in registers
+(kernels/fp8_triton.py); its k_scale is folded into the softmax scale, its v_scale into the
+final normalization.
 """
 
 from __future__ import annotations
@@ -23,15 +27,14 @@ import triton.language as tl
 
 from ._launch import (
     cdiv,
-    check_int_tensor,
     check_launchable,
-    check_same_device,
     next_power_of_2,
     runs_interpreted,
 )
+from .fp8_triton import fp8_code, from_cache, kernel_view
+from .paged_attention_checks import check_inputs, check_out
 
 _NAME = "paged_attention"
-_FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 _LOG2E = 1.4426950408889634
 
 
@@ -45,7 +48,8 @@ def _paged_attention_kernel(
     block_tables_ptr,  # [num_seqs, max_blocks_per_seq] int32
     seq_lens_ptr,  # [num_seqs] int32, context length including the new tokens
     query_start_loc_ptr,  # [num_seqs + 1] int32, cumulative query lengths
-    qk_scale,  # float: softmax scale * log2(e), so the kernel can use exp2
+    qk_scale,  # float: softmax scale * log2(e) (* k_scale), so the kernel can use exp2
+    v_scale,  # float: an fp8 cache's V scale (1 otherwise)
     kv_split_len,  # int: keys per split (a multiple of TILE_N); ignored unless PARTIAL
     num_splits,  # int: splits per request (1 unless PARTIAL)
     stride_qt,  # query strides (elements); the head_dim stride is 1
@@ -73,6 +77,7 @@ def _paged_attention_kernel(
     PARTIAL: tl.constexpr,  # write this split's fp32 result + lse for the split-KV merge
     UPCAST: tl.constexpr,  # do the dots in fp32 (bf16 in the CPU interpreter is wrong otherwise)
     DOT_PRECISION: tl.constexpr,  # "ieee" for fp32 inputs (no TF32 rounding), else None
+    FP8: tl.constexpr,  # fp8_triton's code of the cache format; 0: read as stored
 ):
     pid_q = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -126,11 +131,11 @@ def _paged_attention_kernel(
         block = tl.load(bt_row + pos // BLOCK_SIZE, mask=pos_ok, other=0).to(tl.int64)
         slot = pos % BLOCK_SIZE
         k_offs = block * stride_kb + slot * stride_ks + kv_head64 * stride_kh  # [TILE_N]
-        k = tl.load(
+        k = from_cache(tl.load(
             key_cache_ptr + k_offs[None, :] + dims[:, None],
             mask=pos_ok[None, :] & dim_ok[:, None],
-            other=0.0,
-        )  # [HEAD_DIM_P, TILE_N]
+            other=0,
+        ), q.dtype, FP8)  # [HEAD_DIM_P, TILE_N]
         if UPCAST:
             k = k.to(tl.float32)
         s = tl.dot(q, k, input_precision=DOT_PRECISION) * qk_scale  # [BLOCK_R, TILE_N]
@@ -147,11 +152,11 @@ def _paged_attention_kernel(
         m_i = m_new
 
         v_offs = block * stride_vb + slot * stride_vs + kv_head64 * stride_vh
-        v = tl.load(
+        v = from_cache(tl.load(
             value_cache_ptr + v_offs[:, None] + dims[None, :],
             mask=pos_ok[:, None] & dim_ok[None, :],
-            other=0.0,
-        )  # [TILE_N, HEAD_DIM_P]
+            other=0,
+        ), q.dtype, FP8)  # [TILE_N, HEAD_DIM_P]
         if UPCAST:
             v = v.to(tl.float32)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
@@ -159,7 +164,7 @@ def _paged_attention_kernel(
     out_offs = (q_begin + tok) * stride_ot + head * stride_oh  # [BLOCK_R] int64
     out_mask = row_valid[:, None] & dim_ok[None, :]
     l_safe = tl.where(l_i > 0.0, l_i, 1.0)
-    result = acc / l_safe[:, None]  # [BLOCK_R, HEAD_DIM_P]
+    result = acc * (v_scale / l_safe)[:, None]  # [BLOCK_R, HEAD_DIM_P]
     if PARTIAL:
         # fp32 result of this split plus its log-sum-exp (base 2); an empty split stores 0
         # with lse = -inf, which the merge weighs with 0.
@@ -219,83 +224,6 @@ def _merge_splits_kernel(
 
 # Fixed when the module is imported (Triton decides at decoration time).
 _INTERPRETED = runs_interpreted(_paged_attention_kernel)
-
-
-def _check_inputs(
-    query: torch.Tensor,
-    key_cache: torch.Tensor,
-    value_cache: torch.Tensor,
-    block_tables: torch.Tensor,
-    seq_lens: torch.Tensor,
-    query_start_loc: torch.Tensor,
-) -> None:
-    if query.dim() != 3:
-        raise ValueError(
-            f"{_NAME}: query must be [num_tokens, num_heads, head_dim], got {tuple(query.shape)}"
-        )
-    if key_cache.dim() != 4 or key_cache.shape != value_cache.shape:
-        raise ValueError(
-            f"{_NAME}: key_cache and value_cache must both be [num_blocks, block_size, num_kv_heads, "
-            f"head_dim], got {tuple(key_cache.shape)} and {tuple(value_cache.shape)}"
-        )
-    if query.dtype not in _FLOAT_DTYPES:
-        raise ValueError(f"{_NAME}: query dtype {query.dtype} not in {_FLOAT_DTYPES}")
-    if key_cache.dtype != query.dtype or value_cache.dtype != query.dtype:
-        raise ValueError(
-            f"{_NAME}: query, key_cache, value_cache dtypes differ: "
-            f"{query.dtype}, {key_cache.dtype}, {value_cache.dtype}"
-        )
-    num_heads, head_dim = query.shape[1], query.shape[2]
-    num_kv_heads = key_cache.shape[2]
-    if key_cache.shape[3] != head_dim:
-        raise ValueError(
-            f"{_NAME}: head_dim {head_dim} of query != {key_cache.shape[3]} of the cache"
-        )
-    if num_kv_heads == 0 or num_heads % num_kv_heads != 0:
-        raise ValueError(
-            f"{_NAME}: num_heads {num_heads} is not a multiple of num_kv_heads {num_kv_heads}"
-        )
-    if not 1 <= head_dim <= 256:
-        raise ValueError(f"{_NAME}: head_dim {head_dim} outside 1..256")
-    for arg, t in (("query", query), ("key_cache", key_cache), ("value_cache", value_cache)):
-        if t.stride(-1) != 1:
-            raise ValueError(f"{_NAME}: {arg} needs a unit stride on head_dim, got {t.stride()}")
-    check_int_tensor(_NAME, "block_tables", block_tables, 2)
-    check_int_tensor(_NAME, "seq_lens", seq_lens, 1)
-    check_int_tensor(_NAME, "query_start_loc", query_start_loc, 1)
-    num_seqs = seq_lens.shape[0]
-    if block_tables.shape[0] != num_seqs or query_start_loc.shape[0] != num_seqs + 1:
-        raise ValueError(
-            f"{_NAME}: block_tables {tuple(block_tables.shape)}, seq_lens {tuple(seq_lens.shape)} and "
-            f"query_start_loc {tuple(query_start_loc.shape)} disagree on the number of requests"
-        )
-    if (
-        block_tables.stride(-1) != 1
-        or not seq_lens.is_contiguous()
-        or not query_start_loc.is_contiguous()
-    ):
-        raise ValueError(
-            f"{_NAME}: block_tables rows, seq_lens and query_start_loc must be contiguous"
-        )
-    check_same_device(
-        _NAME,
-        query,
-        key_cache=key_cache,
-        value_cache=value_cache,
-        block_tables=block_tables,
-        seq_lens=seq_lens,
-        query_start_loc=query_start_loc,
-    )
-
-
-def _check_out(out: torch.Tensor, query: torch.Tensor) -> None:
-    if out.shape != query.shape or out.dtype != query.dtype or out.device != query.device:
-        raise ValueError(
-            f"{_NAME}: out must match query ({tuple(query.shape)}, {query.dtype}, {query.device}), "
-            f"got ({tuple(out.shape)}, {out.dtype}, {out.device})"
-        )
-    if out.stride(-1) != 1:
-        raise ValueError(f"{_NAME}: out needs a unit stride on head_dim, got {out.stride()}")
 
 
 def _tile_config(max_query_len: int, group: int, head_dim_p: int) -> tuple[int, int, int, int, int]:
@@ -378,6 +306,8 @@ def paged_attention(
     *,
     max_seq_len: int | None = None,
     num_kv_splits: int | None = None,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> torch.Tensor:
     """Causal attention of a packed varlen batch of queries over the paged KV cache.
 
@@ -391,13 +321,17 @@ def paged_attention(
     sync on CUDA); it sizes the grid. max_seq_len must be >= every seq_len (None: the block
     table width times block_size); with num_kv_splits (None: a heuristic that splits only
     decode batches on CUDA that would leave SMs idle) it sizes split-KV. Values inside the
-    index tensors are trusted: checking them would need a device sync.
+    index tensors are trusted: checking them would need a device sync. An fp8 cache's values
+    are its codes times k_scale / v_scale (scales of 1 for other caches).
     """
-    _check_inputs(query, key_cache, value_cache, block_tables, seq_lens, query_start_loc)
+    check_inputs(query, key_cache, value_cache, block_tables, seq_lens, query_start_loc)
+    fp8 = fp8_code(key_cache.dtype)
+    if not (k_scale > 0 and v_scale > 0) or (not fp8 and (k_scale, v_scale) != (1.0, 1.0)):
+        raise ValueError(f"{_NAME}: scales ({k_scale}, {v_scale}) must be > 0, and 1 for a {key_cache.dtype} cache")
     if out is None:
         out = torch.empty_like(query)
     else:
-        _check_out(out, query)
+        check_out(out, query)
     num_tokens, num_heads, head_dim = query.shape
     num_seqs = seq_lens.shape[0]
     if num_tokens == 0 or num_seqs == 0:
@@ -438,12 +372,13 @@ def paged_attention(
         out_ptr=target,
         lse_ptr=lse,
         query_ptr=query,
-        key_cache_ptr=key_cache,
-        value_cache_ptr=value_cache,
+        key_cache_ptr=kernel_view(key_cache),
+        value_cache_ptr=kernel_view(value_cache),
         block_tables_ptr=block_tables,
         seq_lens_ptr=seq_lens,
         query_start_loc_ptr=query_start_loc,
-        qk_scale=float(scale) * _LOG2E,
+        qk_scale=float(scale) * _LOG2E * k_scale,
+        v_scale=v_scale,
         kv_split_len=kv_split_len,
         num_splits=num_kv_splits,
         stride_qt=query.stride(0),
@@ -471,6 +406,7 @@ def paged_attention(
         PARTIAL=partial,
         UPCAST=_INTERPRETED and query.dtype == torch.bfloat16,
         DOT_PRECISION="ieee" if query.dtype == torch.float32 else None,
+        FP8=fp8,
         num_warps=num_warps,
         num_stages=2,
     )

@@ -2,7 +2,8 @@
 
 Each program moves BLOCK_T tokens; a token's heads and head dims are flattened into one row
 of BLOCK_E (a power of two, masked) so any num_kv_heads * head_dim works. Slot -1 marks a
-padding token and is skipped.
+padding token and is skipped. An fp8 cache (kernels/fp8.py) is written as its bytes: each value
+divided by the tensor's scale and converted in registers (kernels/fp8_triton.py).
 """
 
 from __future__ import annotations
@@ -12,6 +13,8 @@ import triton
 import triton.language as tl
 
 from ._launch import cdiv, check_int_tensor, check_launchable, check_same_device, next_power_of_2
+from .fp8 import inverse_scale
+from .fp8_triton import fp8_code, kernel_view, to_cache
 
 _NAME = "reshape_and_cache"
 _ELEMENTS_PER_PROGRAM = 4096
@@ -25,6 +28,8 @@ def _reshape_and_cache_kernel(
     value_cache_ptr,  # [num_blocks, block_size, num_kv_heads, head_dim]
     slot_mapping_ptr,  # [num_tokens] int64 (or int32), -1 = skip
     num_tokens,
+    k_inv_scale,  # float: 1 / k_scale of an fp8 cache (1 otherwise)
+    v_inv_scale,
     stride_kt,  # key strides: token, head (head_dim stride is 1)
     stride_kh,
     stride_vt,  # value strides: token, head
@@ -40,6 +45,7 @@ def _reshape_and_cache_kernel(
     ROW: tl.constexpr,  # num_kv_heads * head_dim
     BLOCK_T: tl.constexpr,  # tokens per program
     BLOCK_E: tl.constexpr,  # ROW rounded up to a power of two
+    FP8: tl.constexpr,  # fp8_triton's code of the cache format; 0: store as loaded
 ):
     toks = tl.program_id(0).to(tl.int64) * BLOCK_T + tl.arange(0, BLOCK_T)  # [BLOCK_T]
     tok_ok = toks < num_tokens
@@ -59,7 +65,7 @@ def _reshape_and_cache_kernel(
         + head[None, :] * stride_kch
         + dim[None, :]
     )
-    k = tl.load(key_ptr + k_src, mask=mask)
+    k = to_cache(tl.load(key_ptr + k_src, mask=mask), k_inv_scale, FP8)
     tl.store(key_cache_ptr + k_dst, k, mask=mask)
 
     v_src = toks[:, None] * stride_vt + head[None, :] * stride_vh + dim[None, :]
@@ -68,7 +74,7 @@ def _reshape_and_cache_kernel(
         + head[None, :] * stride_vch
         + dim[None, :]
     )
-    v = tl.load(value_ptr + v_src, mask=mask)
+    v = to_cache(tl.load(value_ptr + v_src, mask=mask), v_inv_scale, FP8)
     tl.store(value_cache_ptr + v_dst, v, mask=mask)
 
 
@@ -93,9 +99,10 @@ def _check_inputs(
         raise ValueError(
             f"{_NAME}: key heads/head_dim {tuple(key.shape[1:])} != cache {tuple(key_cache.shape[2:])}"
         )
-    dtypes = {key.dtype, value.dtype, key_cache.dtype, value_cache.dtype}
-    if len(dtypes) != 1:
-        raise ValueError(f"{_NAME}: key, value and the caches must share one dtype, got {dtypes}")
+    same = key.dtype == value.dtype and key_cache.dtype == value_cache.dtype
+    if not same or (key.dtype != key_cache.dtype and not fp8_code(key_cache.dtype)):
+        raise ValueError(f"{_NAME}: key, value and the caches must share one dtype (or the caches one fp8 "
+                         f"dtype), got {key.dtype}, {value.dtype}, {key_cache.dtype}, {value_cache.dtype}")
     check_int_tensor(_NAME, "slot_mapping", slot_mapping, 1)
     if slot_mapping.shape[0] != key.shape[0]:
         raise ValueError(
@@ -127,13 +134,19 @@ def reshape_and_cache(
     key_cache: torch.Tensor,
     value_cache: torch.Tensor,
     slot_mapping: torch.Tensor,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> None:
     """key/value [num_tokens, num_kv_heads, head_dim] -> cache slot slot_mapping[t] (-1: skip).
 
     key_cache/value_cache [num_blocks, block_size, num_kv_heads, head_dim] are written in
-    place. Slots are trusted to lie inside the cache (checking would need a device sync).
+    place; an fp8 pair stores key / k_scale and value / v_scale (scales of 1 for other caches).
+    Slots are trusted to lie inside the cache (checking would need a device sync).
     """
     _check_inputs(key, value, key_cache, value_cache, slot_mapping)
+    fp8 = fp8_code(key_cache.dtype)
+    if not (k_scale > 0 and v_scale > 0) or (not fp8 and (k_scale, v_scale) != (1.0, 1.0)):
+        raise ValueError(f"{_NAME}: scales ({k_scale}, {v_scale}) must be > 0, and 1 for a {key_cache.dtype} cache")
     num_tokens = key.shape[0]
     if num_tokens == 0:
         return
@@ -146,10 +159,12 @@ def reshape_and_cache(
     _reshape_and_cache_kernel[grid](
         key_ptr=key,
         value_ptr=value,
-        key_cache_ptr=key_cache,
-        value_cache_ptr=value_cache,
+        key_cache_ptr=kernel_view(key_cache),
+        value_cache_ptr=kernel_view(value_cache),
         slot_mapping_ptr=slot_mapping,
         num_tokens=num_tokens,
+        k_inv_scale=inverse_scale(k_scale),
+        v_inv_scale=inverse_scale(v_scale),
         stride_kt=key.stride(0),
         stride_kh=key.stride(1),
         stride_vt=value.stride(0),
@@ -165,5 +180,6 @@ def reshape_and_cache(
         ROW=row,
         BLOCK_T=block_t,
         BLOCK_E=block_e,
+        FP8=fp8,
         num_warps=4,
     )

@@ -36,7 +36,7 @@ def agreement(a: list[list[int]], b: list[list[int]]) -> float:
     difference of each request (after it the contexts differ, so later positions say nothing)."""
     same = total = 0
     for x, y in zip(a, b, strict=True):
-        first_diff = next((i for i, (s, t) in enumerate(zip(x, y)) if s != t), len(x))
+        first_diff = next((i for i, (s, t) in enumerate(zip(x, y, strict=True)) if s != t), len(x))
         same, total = same + first_diff, total + len(x)
     return same / total
 
@@ -83,6 +83,27 @@ def smollm_quality(smollm_dir):
                           loaded=base.loaded)
         result[kv_dtype] = scored(core, texts, start)
     return result
+
+
+def test_cache_holds_one_byte_codes_of_the_layer_k_and_v(tiny_llama_dir):
+    # Layer 0's K/V do not depend on the cache, so a float32 engine computes the same values:
+    # the fp8 cache must hold exactly their codes under the layer's scale.
+    prompt = "The quick brown fox jumps over the lazy dog again and again"
+    runners = {}
+    for kv_dtype in ("auto", "fp8"):
+        core = EngineCore(EngineConfig(model=str(tiny_llama_dir), num_gpu_blocks=16, kv_cache_dtype=kv_dtype))
+        run_core(core, [prompt], SamplingParams(temperature=0, max_tokens=1))
+        runners[kv_dtype] = core.runner
+    exact, quant = runners["auto"], runners["fp8"]
+    assert all(c.dtype == torch.float8_e4m3fn and c.element_size() == 1 for pair in quant.kv_caches for c in pair)
+    k_scale, v_scale = quant.kv_scales[0]
+    used = exact.kv_caches[0][0].abs().sum((1, 2, 3)) > 0  # the blocks the prompt wrote
+    for x, codes, scale in ((exact.kv_caches[0][0], quant.kv_caches[0][0], k_scale),
+                            (exact.kv_caches[0][1], quant.kv_caches[0][1], v_scale)):
+        assert scale == pytest.approx(x.abs().max().item() * SCALE_HEADROOM / 448, rel=1e-6)
+        expected = fp8.quantize(x[used], scale, torch.float8_e4m3fn)
+        assert torch.equal(codes[used].view(torch.uint8), expected.view(torch.uint8))
+        assert not torch.equal(fp8.dequantize(codes[used], scale), x[used])  # rounding happened
 
 
 @pytest.mark.parametrize("kv_dtype,min_agreement,max_ppl_ratio", [("fp8", 0.9, 1.05), ("fp8_e5m2", 0.8, 1.1)])

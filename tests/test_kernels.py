@@ -570,28 +570,33 @@ COMPILE_SCRIPT = textwrap.dedent(
         triton.compile(src, target=TARGET, options={"num_warps": num_warps, "num_stages": 2})
 
 
-    def attention(dtype, block_size, head_dim, group, max_query_len, partial):
+    def attention(dtype, block_size, head_dim, group, max_query_len, partial, fp8=0):
         head_dim_p = max(16, triton.next_power_of_2(head_dim))
         group_p, block_q, block_r, tile_n, num_warps = _tile_config(max_query_len, group, head_dim_p)
-        ptrs = {p: f"*{dtype}" for p in ("query_ptr", "key_cache_ptr", "value_cache_ptr")}
+        cache = "*u8" if fp8 else f"*{dtype}"  # an fp8 cache is handed over as its bytes
+        ptrs = {"query_ptr": f"*{dtype}", "key_cache_ptr": cache, "value_cache_ptr": cache}
         ptrs.update({p: "*i32" for p in ("block_tables_ptr", "seq_lens_ptr", "query_start_loc_ptr")})
-        ptrs.update(out_ptr="*fp32" if partial else f"*{dtype}", lse_ptr="*fp32", qk_scale="fp32")
+        ptrs.update(out_ptr="*fp32" if partial else f"*{dtype}", lse_ptr="*fp32", qk_scale="fp32", v_scale="fp32")
         consts = dict(
             BLOCK_SIZE=block_size, HEAD_DIM=head_dim, HEAD_DIM_P=head_dim_p, GROUP=group,
             GROUP_P=group_p, BLOCK_Q=block_q, BLOCK_R=block_r, TILE_N=tile_n, PARTIAL=partial,
-            UPCAST=False, DOT_PRECISION="ieee" if dtype == "fp32" else None,
+            UPCAST=False, DOT_PRECISION="ieee" if dtype == "fp32" else None, FP8=fp8,
         )
         build(_paged_attention_kernel, ptrs, consts, num_warps)
 
 
     attention("fp16", 16, 64, 3, 1, True)  # split-KV decode, GQA 3
     attention("bf16", 8, 80, 4, 512, False)  # prefill, GQA 4, head_dim padded to 128
-    build(
-        _reshape_and_cache_kernel,
-        {p: "*fp16" for p in ("key_ptr", "value_ptr", "key_cache_ptr", "value_cache_ptr")}
-        | {"slot_mapping_ptr": "*i64"},
-        dict(BLOCK_SIZE=16, HEAD_DIM=80, ROW=240, BLOCK_T=16, BLOCK_E=256),
-    )
+    attention("fp16", 16, 64, 3, 1, True, fp8=1)  # the same over fp8 caches: e4m3
+    attention("bf16", 8, 80, 4, 512, False, fp8=2)  # e5m2
+    for fp8 in (0, 1, 2):
+        cache = "*u8" if fp8 else "*fp16"
+        build(
+            _reshape_and_cache_kernel,
+            {"key_ptr": "*fp16", "value_ptr": "*fp16", "key_cache_ptr": cache, "value_cache_ptr": cache}
+            | {"slot_mapping_ptr": "*i64", "k_inv_scale": "fp32", "v_inv_scale": "fp32"},
+            dict(BLOCK_SIZE=16, HEAD_DIM=80, ROW=240, BLOCK_T=16, BLOCK_E=256, FP8=fp8),
+        )
     build(
         _copy_blocks_kernel,
         {"key_cache_ptr": "*bf16", "value_cache_ptr": "*bf16", "block_mapping_ptr": "*i64"},

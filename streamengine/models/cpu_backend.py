@@ -19,8 +19,8 @@ from dataclasses import dataclass
 
 import torch
 
-from streamengine.kernels.cpu_attention import DecodePlan, decode_supported
 from streamengine.kernels import fp8
+from streamengine.kernels.cpu_attention import DecodePlan, decode_supported
 from streamengine.kernels.cpu_ops import CACHE_TYPES, SCALED_CACHE_TYPES, store_kv
 from streamengine.kernels.cpu_prefill_attention import PrefillPlan, prefill_available
 from streamengine.kv.spec import AttentionShape

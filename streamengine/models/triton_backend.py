@@ -1,6 +1,7 @@
 """The CUDA path: Triton kernels write K/V into their slots and attend through block tables.
 
-Also runs on CPU tensors under the Triton interpreter (TRITON_INTERPRET=1, tests only).
+Also runs on CPU tensors under the Triton interpreter (TRITON_INTERPRET=1, tests only). The
+cache is in the model's dtype, or fp8 with per-layer scales (models/kv_scales.py).
 """
 
 from __future__ import annotations
@@ -9,7 +10,9 @@ from dataclasses import dataclass
 
 import torch
 
+from streamengine.kernels import fp8
 from streamengine.models.attention import AttentionMetadata
+from streamengine.models.kv_scales import layer_scales, store_scales
 
 
 def triton_interpreted() -> bool:
@@ -31,16 +34,18 @@ class TritonPlan:
         from streamengine.kernels import reshape_and_cache
 
         key_cache, value_cache = self.meta.kv_caches[layer_idx]
-        reshape_and_cache(k, v, key_cache, value_cache, self.meta.slot_mapping)
+        k_scale, v_scale = store_scales(self.meta.kv_scales, layer_idx, k, v)
+        reshape_and_cache(k, v, key_cache, value_cache, self.meta.slot_mapping, k_scale, v_scale)
 
     def attend(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
         from streamengine.kernels import paged_attention
 
         meta = self.meta
         key_cache, value_cache = meta.kv_caches[layer_idx]
+        k_scale, v_scale = layer_scales(meta.kv_scales, layer_idx)
         return paged_attention(
             q, key_cache, value_cache, meta.block_tables, meta.seq_lens, meta.query_start_loc,
-            scale, max_query_len=meta.max_query_len, max_seq_len=self.max_seq_len,
+            scale, max_query_len=meta.max_query_len, max_seq_len=self.max_seq_len, k_scale=k_scale, v_scale=v_scale,
         )
 
 
@@ -50,9 +55,9 @@ class TritonPagedAttention:
     @classmethod
     def create(cls, device: torch.device, dtype: torch.dtype, kv_dtype: torch.dtype) -> TritonPagedAttention:
         """The backend, or a ValueError saying why it cannot run here."""
-        if kv_dtype != dtype:
+        if kv_dtype != dtype and not fp8.is_fp8(kv_dtype):
             raise ValueError(
-                f"attention_backend='triton' keeps the KV cache in the model's dtype ({dtype}); "
+                f"attention_backend='triton' keeps the KV cache in the model's dtype ({dtype}) or fp8; "
                 f"kv_cache_dtype={kv_dtype} runs on CPU only"
             )
         try:
