@@ -48,6 +48,11 @@ without sharing); saving = 1 - sum_t physical / sum_t logical.
               `schedule()`: num_used_blocks vs num_logical_blocks) on a few shortened requests,
               next to the simulation of the same requests.
 
+KV cache element types (`kv_dtypes`): the engine's pool sizing for each kv_cache_dtype at one
+byte budget (the default model's shape; bench/kv_dtypes.py), and the paged batch size the
+simulation reaches on the ShareGPT-like trace when the float16 pool of `--num-blocks` is an fp8
+pool of the same bytes (twice the blocks).
+
     python bench/memory.py --quick --json out.json     # < 1 min
     python bench/memory.py --trace sharegpt --num-requests 1000
     python bench/memory.py --trace sharegpt --num-requests 8 --engine-beam   # + real engine
@@ -63,7 +68,7 @@ import random
 import sys
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # run as a script: bench/ is not a package
@@ -492,6 +497,45 @@ def measure_engine_beam(args: argparse.Namespace, cfg: SimConfig, model: BeamMod
     return out
 
 
+# -- KV cache element types -------------------------------------------------------------------
+
+
+def measure_kv_dtypes(args: argparse.Namespace, cfg: SimConfig) -> dict:
+    """Capacity per kv_cache_dtype at the bytes of a float16 pool of `cfg.num_blocks` blocks of
+    the default model, and the simulated paged batch size of the float16 pool vs the fp8 pool of
+    the same bytes, on the ShareGPT-like trace."""
+    import kv_dtypes
+    from common import default_model_folder
+    from transformers import AutoConfig
+
+    from streamengine.kv.spec import AttentionShape
+
+    model_config = AutoConfig.from_pretrained(default_model_folder())
+    shape = AttentionShape.of(model_config)
+    float16_block = 2 * shape.num_layers * BLOCK_SIZE * shape.num_kv_heads * shape.head_dim * 2
+    budget = cfg.num_blocks * float16_block
+    n_waste = (QUICK if args.quick else FULL)["sharegpt"][0] if args.num_requests is None else args.num_requests
+    trace = make_trace(TRACES["sharegpt"], n_waste, list(range(VOCAB)), seed=args.seed, max_len=cfg.max_model_len // 2)
+    pools = {}
+    for name, blocks in (("float16", cfg.num_blocks), ("fp8", 2 * cfg.num_blocks)):
+        waste = measure_waste(trace, replace(cfg, num_blocks=blocks), args.seed, None)
+        pools[name] = {"num_blocks": blocks, "batch_size": waste["batch_size"]["paged"],
+                       "paged_waste_pct": waste["paged_waste_pct"]}
+    return {"budget_bytes": budget, "model": "SmolLM2-135M-Instruct", "capacity": kv_dtypes.capacity(model_config, budget),
+            "simulated_sharegpt": pools,
+            "fp8_batch_vs_float16": pools["fp8"]["batch_size"] / pools["float16"]["batch_size"]}
+
+
+def print_kv_dtypes(kv: dict) -> None:
+    print(f"\nKV cache element types at {kv['budget_bytes'] / 2**20:.0f} MiB ({kv['model']}):")
+    for name, row in kv["capacity"].items():
+        print(f"  {name:<9} {row['bytes_per_token']:>6} B/token {row['tokens']:>8} tokens "
+              f"({row['tokens_vs_float16']:.2f}x float16)")
+    for name, row in kv["simulated_sharegpt"].items():
+        print(f"  simulated ShareGPT-like, {name} pool of {row['num_blocks']} blocks: "
+              f"batch {row['batch_size']:.1f}, waste {row['paged_waste_pct']:.2f}%")
+
+
 # -- the run --------------------------------------------------------------------------------
 
 
@@ -640,8 +684,11 @@ def main(argv: list[str] | None = None) -> dict:
         if not engine_supports_beam_search():
             raise SystemExit("--engine-beam: this engine has no beam search (SamplingParams.beam_width)")
         engine_beam = measure_engine_beam(args, cfg, model)
+    kv = measure_kv_dtypes(args, cfg)
     out = {
         **headline(results),
+        "fp8_tokens_vs_float16": kv["capacity"]["fp8"]["tokens_vs_float16"],
+        "kv_dtypes": kv,
         "config": asdict(cfg) | {"quick": args.quick, "seed": args.seed},
         "method": {
             "waste": "sum over steps of (allocated - held) / allocated slots of running sequences, "
@@ -659,6 +706,7 @@ def main(argv: list[str] | None = None) -> dict:
         "python": platform.python_version(),
     }
     print_table(results, cfg)
+    print_kv_dtypes(kv)
     print(f"\nbeam model: {model.describe()}")
     if engine_beam is not None:
         out["beam4_engine_saving_pct"] = engine_beam["beam4"]["saving_pct"]

@@ -17,6 +17,10 @@ One seeded synthetic trace (ShareGPT-like and/or Alpaca-like, see bench/traces.p
                   directly to give each request its own max_new_tokens (EOS disabled).
   engine_kv16     (opt in with --systems) the engine with kv_cache_dtype="float16": the same B
                   bytes hold twice the tokens, and attention reads half the bytes per token.
+  engine_kv8      (opt in) kv_cache_dtype="fp8" (e4m3, per-layer scales): four times float32's
+                  tokens in B, twice float16's. `--kv-quality` adds what the narrower caches cost
+                  in output quality (bench/kv_dtypes.py: greedy agreement with the float32 cache,
+                  perplexity change) to the JSON.
 
 Same weights (float32, CPU), same torch thread count. Each system is warmed up on a tiny input
 first; only generation is timed (from the first submission to the last finished request), never
@@ -25,6 +29,7 @@ loading. Prints a table, writes JSON (--json) and a bar chart (--png).
     python bench/throughput.py --quick                       # < 3 min on a 2-core CPU
     python bench/throughput.py --trace sharegpt --num-requests 128   # full ShareGPT-like run
     python bench/throughput.py --trace sharegpt --systems engine,engine_kv16   # KV cache dtypes
+    python bench/throughput.py --quick --systems engine,engine_kv16,engine_kv8 --kv-quality
 """
 
 from __future__ import annotations
@@ -51,7 +56,7 @@ from tqdm import tqdm  # noqa: E402
 from traces import TRACES, TraceRequest, make_trace, normal_token_ids, summarize  # noqa: E402
 
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
-SYSTEMS = ("engine", "hf_generate", "hf_generate_batch", "engine_kv16")
+SYSTEMS = ("engine", "hf_generate", "hf_generate_batch", "engine_kv16", "engine_kv8")
 DEFAULT_SYSTEMS = SYSTEMS[:3]
 BASELINES = ("hf_generate", "hf_generate_batch")
 LABELS = {
@@ -61,6 +66,7 @@ LABELS = {
     # Opt in (--systems ...,engine_kv16): the same engine with kv_cache_dtype="float16", so the
     # same KV bytes hold twice the tokens; its greedy tokens may differ from float32's.
     "engine_kv16": "streamengine, float16 KV",
+    "engine_kv8": "streamengine, fp8 KV",
 }
 # Default KV budget in tokens of the model (scaled with the trace lengths). For SmolLM2-135M in
 # float32 (45 KiB/token) this is ~1.05 GiB at full scale; at max-length reservation it holds a
@@ -418,6 +424,7 @@ RUNNERS = {
     "hf_generate": run_hf_generate,
     "hf_generate_batch": run_hf_generate_batch,
     "engine_kv16": functools.partial(run_engine, system="engine_kv16", kv_cache_dtype="float16"),
+    "engine_kv8": functools.partial(run_engine, system="engine_kv8", kv_cache_dtype="fp8"),
 }
 
 
@@ -456,8 +463,11 @@ def speedups(report: dict) -> dict[str, float]:
         return {}
     ours = systems["engine"]["output_tok_s"]
     ratios = {f"engine_vs_{s}": ours / r["output_tok_s"] for s, r in systems.items() if s in BASELINES}
-    if "engine_kv16" in systems:
-        ratios["engine_kv16_vs_engine"] = systems["engine_kv16"]["output_tok_s"] / ours
+    for narrow in ("engine_kv16", "engine_kv8"):
+        if narrow in systems:
+            ratios[f"{narrow}_vs_engine"] = systems[narrow]["output_tok_s"] / ours
+    if "engine_kv8" in systems and "engine_kv16" in systems:
+        ratios["engine_kv8_vs_engine_kv16"] = systems["engine_kv8"]["output_tok_s"] / systems["engine_kv16"]["output_tok_s"]
     return ratios
 
 
@@ -492,7 +502,8 @@ def write_png(reports: dict[str, dict], path: Path) -> None:
     fig, ax = plt.subplots(figsize=(3.2 + 2.6 * len(reports), 4.2))
     shown = [s for s in SYSTEMS if any(s in rep["systems"] for rep in reports.values())]
     width = 0.8 / len(shown)
-    colors = {"engine": "#2b7bba", "hf_generate": "#e08a2c", "hf_generate_batch": "#7a9e3a", "engine_kv16": "#17476e"}
+    colors = {"engine": "#2b7bba", "hf_generate": "#e08a2c", "hf_generate_batch": "#7a9e3a", "engine_kv16": "#17476e",
+              "engine_kv8": "#0b2540"}
     for j, s in enumerate(shown):
         xs, ys = [], []
         for i, rep in enumerate(reports.values()):
@@ -571,6 +582,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="torch threads for every system",
     )
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--kv-quality", action="store_true",
+                   help="also measure greedy agreement and perplexity of float16/fp8 caches vs float32 (kv_dtypes.py)")
     p.add_argument("--json", type=Path, default=RESULTS_DIR / "throughput.json")
     p.add_argument("--png", type=Path, default=None, help="the plot (default: beside --json, same name)")
     args = p.parse_args(argv)
@@ -604,6 +617,11 @@ def main(argv: list[str] | None = None) -> int:
     reports = {name: run_trace(setup, args, name) for name in names}
     print_table(reports)
     data = build_json(reports, setup, args)
+    if args.kv_quality:
+        import kv_dtypes
+
+        data["kv_quality"] = kv_dtypes.quality(setup.folder)
+        kv_dtypes.print_quality(data["kv_quality"])
     args.json.parent.mkdir(parents=True, exist_ok=True)
     args.json.write_text(json.dumps(data, indent=2) + "\n")
     write_png(reports, args.png)

@@ -47,6 +47,16 @@ def test_headline_keys_and_ranges(result):
     assert data["beam4_saving_pct"] > data["parallel4_saving_pct"]  # beams also share history
 
 
+def test_kv_cache_dtypes_at_equal_bytes(result):
+    _, data, _ = result
+    capacity = data["kv_dtypes"]["capacity"]
+    assert data["fp8_tokens_vs_float16"] == capacity["fp8"]["tokens_vs_float16"] == 2.0
+    assert capacity["float32"]["tokens"] * 4 == capacity["fp8_e5m2"]["tokens"]
+    pools = data["kv_dtypes"]["simulated_sharegpt"]
+    assert pools["fp8"]["num_blocks"] == 2 * pools["float16"]["num_blocks"]
+    assert pools["fp8"]["batch_size"] >= pools["float16"]["batch_size"] > 0
+
+
 def test_every_trace_and_width_reported(result):
     returned, data, out = result
     assert returned["paged_waste_pct"] == data["paged_waste_pct"]

@@ -29,7 +29,8 @@ def test_throughput_quick_on_tiny_model(tiny_llama_dir, tmp_path):
         "--threads",
         "1",
         "--systems",
-        "engine,hf_generate,hf_generate_batch,engine_kv16",
+        "engine,hf_generate,hf_generate_batch,engine_kv16,engine_kv8",
+        "--kv-quality",
         "--json",
         str(out_json),
         "--png",
@@ -59,6 +60,14 @@ def test_throughput_quick_on_tiny_model(tiny_llama_dir, tmp_path):
     kv16 = data["traces"]["sharegpt"]["systems"]["engine_kv16"]["details"]
     engine = data["traces"]["sharegpt"]["systems"]["engine"]["details"]
     assert kv16["kv_capacity_tokens"] >= 2 * engine["kv_capacity_tokens"]  # same bytes, half per token
+    kv8 = data["traces"]["sharegpt"]["systems"]["engine_kv8"]["details"]
+    assert kv8["kv_capacity_tokens"] >= 2 * kv16["kv_capacity_tokens"]  # one byte a value
+    assert data["speedups"]["engine_kv8_vs_engine_kv16"] > 0
+    quality = data["kv_quality"]["cache_types"]
+    assert set(quality) == {"float16", "fp8", "fp8_e5m2"}
+    for row in quality.values():
+        assert 0 <= row["greedy_agreement"] <= 1 and 0 <= row["forced_agreement"] <= 1
+        assert row["perplexity"] > 0
     assert out_png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
