@@ -179,3 +179,27 @@ def test_given_scales_are_used_and_bad_scales_refused(tiny_llama_dir):
         EngineConfig(kv_cache_dtype="fp8", v_scale=float("inf"))
     with pytest.raises(ValueError, match="v_scale scales an fp8 KV cache"):
         EngineConfig(kv_cache_dtype="float16", v_scale=1.0)
+
+
+@pytest.mark.parametrize("backend", ["auto", "torch"])
+def test_decode_buckets_read_the_fp8_scales(untied_llama_dir, backend):
+    # The buckets' persistent metadata carries the scales: read with scales of 1 instead, an fp8
+    # cache would give other tokens than the eager steps.
+    from test_decode_graphs import generate_all
+
+    eager, _ = generate_all(untied_llama_dir, attention_backend=backend, cuda_graphs="off", kv_cache_dtype="fp8")
+    buckets, seen = generate_all(untied_llama_dir, attention_backend=backend, cuda_graphs="on", kv_cache_dtype="fp8")
+    assert seen and buckets == eager
+
+
+def test_captured_graphs_need_given_fp8_scales(tiny_llama_dir, monkeypatch):
+    # A captured graph keeps the scales it saw at capture: ones set later by the first prefill
+    # cannot reach it, so CUDA graphs over fp8 take given scales or stay off.
+    from streamengine.models import decode_graphs
+
+    monkeypatch.setattr(decode_graphs, "graph_mode", lambda *args: "cuda")
+    with pytest.raises(ValueError, match="needs k_scale and v_scale given"):
+        EngineCore(EngineConfig(model=str(tiny_llama_dir), num_gpu_blocks=8, kv_cache_dtype="fp8", cuda_graphs="on"))
+    core = EngineCore(EngineConfig(model=str(tiny_llama_dir), num_gpu_blocks=8, kv_cache_dtype="fp8",
+                                   k_scale=0.1, cuda_graphs="auto"))
+    assert core.runner.decode_graphs is None  # v_scale not given: graphs off, the engine runs

@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from streamengine.models.attention import AttentionMetadata, KVCaches
+from streamengine.models.kv_scales import KVScales
 
 if TYPE_CHECKING:
     from streamengine.models.packed_batch import PackedBatch
@@ -121,10 +122,11 @@ class DecodeBuffers:
         if self._copied is not None:
             self._copied.record()
 
-    def metadata(self, bucket: int, kv_caches: KVCaches, seq_lens_host: list[int]) -> AttentionMetadata:
+    def metadata(self, bucket: int, kv_caches: KVCaches, seq_lens_host: list[int],
+                 kv_scales: KVScales | None = None) -> AttentionMetadata:
         """The first `bucket` rows as one decode step's metadata. `seq_lens_host` is what the
         backend plans with on the host: the step's own lengths, or for a captured graph an
-        upper bound valid for every replay."""
+        upper bound valid for every replay. `kv_scales`: an fp8 cache's."""
         return AttentionMetadata(
             slot_mapping=self.slot_mapping[:bucket],
             query_start_loc=self.query_start_loc[:bucket + 1],
@@ -134,6 +136,7 @@ class DecodeBuffers:
             seq_lens_host=seq_lens_host,
             max_query_len=1,
             kv_caches=kv_caches,
+            kv_scales=kv_scales,
         )
 
     def tensors(self) -> tuple[torch.Tensor, ...]:

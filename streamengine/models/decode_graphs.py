@@ -39,6 +39,7 @@ from streamengine.models.decode_buffers import (
     bucket_sizes,
     pick_bucket,
 )
+from streamengine.models.kv_scales import KVScales
 from streamengine.models.triton_backend import TritonPagedAttention
 
 if TYPE_CHECKING:
@@ -125,22 +126,31 @@ class DecodeGraphRunner:
     needs); None plans every replay with the step's own lengths."""
 
     def __init__(self, forward: DecodeForward, buffers: DecodeBuffers, sizes: tuple[int, ...], kv_caches: KVCaches,
-                 static_bound: int | None, cuda: bool) -> None:
+                 static_bound: int | None, cuda: bool, kv_scales: KVScales | None = None) -> None:
         if sizes[-1] > buffers.max_rows:
             raise ValueError(f"the largest bucket ({sizes[-1]}) exceeds the buffers' {buffers.max_rows} rows")
         self.forward, self.buffers, self.sizes, self.kv_caches = forward, buffers, sizes, kv_caches
-        self.static_bound, self.cuda = static_bound, cuda
+        self.static_bound, self.cuda, self.kv_scales = static_bound, cuda, kv_scales
         self.steps: dict[int, Step] = {}
         self.pool = torch.cuda.graph_pool_handle() if cuda else None  # shared: one step runs at a time
         self.num_replays = 0  # decode steps that ran through a bucket
 
     @classmethod
     def build(cls, config: EngineConfig, device: torch.device, backend: AttentionBackend, forward: DecodeForward,
-              kv_caches: KVCaches, kv: KVCacheSpec, model_config) -> DecodeGraphRunner | None:
+              kv_caches: KVCaches, kv: KVCacheSpec, model_config,
+              kv_scales: KVScales | None = None) -> DecodeGraphRunner | None:
         """The runner `config.cuda_graphs` asks for here, its graphs captured (CUDA); None: off.
-        The pad block is block `kv.num_blocks`: `kv_caches` must hold one block past the pool."""
+        The pad block is block `kv.num_blocks`: `kv_caches` must hold one block past the pool.
+        An fp8 cache's scales (`kv_scales`) are baked into captured graphs: they must be given
+        (k_scale, v_scale), not set later by the first prefill."""
         mode = graph_mode(config.cuda_graphs, device, backend)
         if mode is None:
+            return None
+        if mode == "cuda" and kv_scales is not None and not kv_scales.ready:
+            why = "an fp8 KV cache needs k_scale and v_scale given: a captured graph keeps the scales it saw"
+            if config.cuda_graphs == "on":
+                raise ValueError(f"EngineConfig.cuda_graphs='on': {why}")
+            log.info("decode graphs off: %s", why)
             return None
         if kv_caches[0][0].shape[0] <= kv.num_blocks:
             raise ValueError("decode graphs need the KV tensors to hold a pad block past the pool")
@@ -148,7 +158,7 @@ class DecodeGraphRunner:
         width = -(-context_limit(config, model_config, kv) // kv.block_size)
         buffers = DecodeBuffers(rows, width, kv.block_size, kv.num_blocks, device)
         static = width * kv.block_size if isinstance(backend, TritonPagedAttention) else None
-        runner = cls(forward, buffers, bucket_sizes(rows), kv_caches, static, cuda=mode == "cuda")
+        runner = cls(forward, buffers, bucket_sizes(rows), kv_caches, static, cuda=mode == "cuda", kv_scales=kv_scales)
         if mode == "cuda":
             return runner.capture_all(required=config.cuda_graphs == "on")
         log.info("decode graphs: buckets %s run eagerly on %s (no graphs there)", runner.sizes, device.type)
@@ -203,7 +213,7 @@ class DecodeGraphRunner:
         or from the lengths of whichever step filled the buffers last."""
         ids, positions = self.buffers.input_ids[:bucket], self.buffers.positions[:bucket]
         if self.static_bound is not None:
-            meta = self.buffers.metadata(bucket, self.kv_caches, [self.static_bound] * bucket)
+            meta = self.buffers.metadata(bucket, self.kv_caches, [self.static_bound] * bucket, self.kv_scales)
             return lambda: self.forward(ids, positions, meta)
-        return lambda: self.forward(ids, positions,
-                                    self.buffers.metadata(bucket, self.kv_caches, self.buffers.seq_lens_host))
+        return lambda: self.forward(ids, positions, self.buffers.metadata(
+            bucket, self.kv_caches, self.buffers.seq_lens_host, self.kv_scales))

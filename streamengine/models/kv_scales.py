@@ -57,6 +57,11 @@ class KVScales:
         v = None if config.v_scale is None else _float32(config.v_scale)
         return cls(dtype, [k] * num_layers, [v] * num_layers)
 
+    @property
+    def ready(self) -> bool:
+        """Whether every layer's scales are set (given, or set by a first store)."""
+        return None not in self.k and None not in self.v
+
     def for_store(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[float, float]:
         """The layer's (k_scale, v_scale) for storing k and v, set from them if not yet set."""
         if self.k[layer] is None:

@@ -243,7 +243,7 @@ class ModelRunner(PagedModel):
                                 lora_dtype(config.lora_dtype, packed))
         self._lora_hooked = False  # transformers' projections get their hooks with the first adapter rows
         self.decode_graphs = DecodeGraphRunner.build(config, device, self.backend, self.forward_tensors,
-                                                     self.kv_caches, kv, self.model.config)
+                                                     self.kv_caches, kv, self.model.config, self.kv_scales)
 
     def _hook_lora(self) -> None:
         """On transformers' modules, each adaptable projection adds its rows' LoRA deltas to
