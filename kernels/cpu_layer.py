@@ -24,13 +24,13 @@ from .cpu_build import F32, I64, PTR
 from .cpu_linear import PanelLinear
 from .cpu_ops import cache_type
 
-KEY_CACHE, VALUE_CACHE, NUM_FIELDS = 8, 9, 10  # LayerField in csrc/cpu_layer.cpp
+KEY_CACHE, VALUE_CACHE, KV_SCALES, NUM_FIELDS = 8, 9, 10, 11  # LayerField in csrc/cpu_layer.cpp
 
 
 @functools.lru_cache(maxsize=1)
 def load_library() -> ctypes.CDLL | None:
     return cpu_build.bind({
-        "streamengine_layer_in": [PTR, I64, I64, PTR, PTR, I64, I64, I64, PTR, PTR, PTR, PTR, PTR, I64, PTR, PTR, PTR],
+        "streamengine_layer_in": [PTR, I64, I64, PTR, PTR, I64, I64, I64, PTR, PTR, PTR, PTR, PTR, I64, PTR, PTR, PTR, PTR],
         "streamengine_layer_out": [
             PTR, I64, I64, PTR, PTR, PTR, I64, PTR, PTR, I64, PTR, PTR, F32, PTR, PTR, PTR, PTR, PTR, PTR, PTR, PTR,
         ],
@@ -63,6 +63,15 @@ def _lora_ptrs(lora: LoRAView | None, layer: int | None) -> tuple[int | None, in
     return step.data_ptr(), (table if layer is None else table[layer]).data_ptr()
 
 
+def _checked_scales(kv_scales: torch.Tensor | None, layers: int) -> torch.Tensor | None:
+    """An fp8 cache's scales as the C++ side reads them: contiguous float32 (k_scale, v_scale),
+    one row per layer (the kernels refuse scales <= 0 themselves)."""
+    if kv_scales is not None and (kv_scales.dtype != torch.float32 or not kv_scales.is_contiguous()
+                                  or kv_scales.numel() != 2 * layers):
+        raise ValueError(f"kv_scales must be contiguous float32 (k_scale, v_scale) for {layers} layers")
+    return kv_scales
+
+
 class FusedLayer:
     """One decoder layer's weights, packed (float32 panels or GGUF blocks, mixed freely), with
     the two fused calls."""
@@ -82,18 +91,20 @@ class FusedLayer:
 
     def layer_in(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, slots: torch.Tensor,
                  key_cache: torch.Tensor, value_cache: torch.Tensor, lora: LoRAView | None = None,
-                 index: int = 0) -> torch.Tensor:
+                 index: int = 0, kv_scales: torch.Tensor | None = None) -> torch.Tensor:
         """x [T, hidden] normed -> qkv [T, padded] with RoPE applied; K/V stored at `slots`
-        (float32 or float16 caches, contiguous). `index`: this layer's row of lora's table."""
+        (float32 or float16 caches, contiguous; or fp8 with kv_scales, float32 (k_scale, v_scale)).
+        `index`: this layer's row of lora's table."""
         t = x.shape[0]
-        code = cache_type(key_cache, value_cache)
+        code = cache_type(key_cache, value_cache, scaled=_checked_scales(kv_scales, 1) is not None)
         if not (key_cache.is_contiguous() and value_cache.is_contiguous()):
             raise ValueError("the fused layer stores into contiguous caches")
         qkv = torch.empty((t, self.qkv.padded), dtype=torch.float32)
         rc = self.lib.streamengine_layer_in(
             x.data_ptr(), t, self.hidden, self.qkv.kernel_weight.data_ptr(), _ptr(self.qkv.bias),
             self.heads, self.kv_heads, self.head_dim, cos.data_ptr(), sin.data_ptr(), slots.data_ptr(),
-            key_cache.data_ptr(), value_cache.data_ptr(), code, *_lora_ptrs(lora, index), qkv.data_ptr(),
+            key_cache.data_ptr(), value_cache.data_ptr(), code, _ptr(kv_scales), *_lora_ptrs(lora, index),
+            qkv.data_ptr(),
         )
         if rc != 0:
             raise RuntimeError("fused layer rejected its shapes")
@@ -143,21 +154,22 @@ class DecodeStack:
         self.table = torch.tensor([  # [layers, NUM_FIELDS], cache columns filled per call
             [layer.qkv.kernel_weight.data_ptr(), _ptr(layer.qkv.bias) or 0, layer.o.kernel_weight.data_ptr(),
              _ptr(layer.o.bias) or 0, layer.post_norm.data_ptr(), layer.gate_up.kernel_weight.data_ptr(),
-             layer.down.kernel_weight.data_ptr(), norm.data_ptr(), 0, 0]
+             layer.down.kernel_weight.data_ptr(), norm.data_ptr(), 0, 0, 0]
             for layer, norm in zip(layers, self.next_norms, strict=True)
         ], dtype=torch.int64)
         # The engine's caches live as long as it does: their table is built (and checked) once.
-        self._bound: tuple[list, torch.Tensor, int] | None = None
+        self._bound: tuple[list, torch.Tensor, int, torch.Tensor | None] | None = None
 
     def run(self, h: torch.Tensor, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, slots: torch.Tensor,
             kv_caches: list[tuple[torch.Tensor, torch.Tensor]], plan: DecodePlan, scale: float,
-            lora: LoRAView | None = None) -> None:
+            lora: LoRAView | None = None, kv_scales: torch.Tensor | None = None) -> None:
         """h [T, hidden] residual stream and x [T, hidden] the first layer's normed input, both
         updated in place: x ends as the final normed hidden state. cos/sin [T, head_dim / 2].
-        kv_caches is bound on first use: pass a new list, not the same one changed in place."""
+        kv_caches (and an fp8 cache's kv_scales, [layers, 2] float32, read at each call) are
+        bound on first use: pass new ones, not the same ones changed in place."""
         f, t = self.first, h.shape[0]
         self._check(t, h, x, cos, sin, slots, plan)
-        table, code = self._table(kv_caches)
+        table, code = self._table(kv_caches, kv_scales)
         if lora is not None and lora[1].shape[0] != len(kv_caches):
             raise ValueError(f"a LoRA table of {lora[1].shape[0]} layers for {len(kv_caches)}")
         qkv_w, o_w, gu_w, down_w = self.widths
@@ -172,16 +184,18 @@ class DecodeStack:
         if rc != 0:
             raise RuntimeError("decode stack rejected its shapes")
 
-    def _table(self, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> tuple[torch.Tensor, int]:
-        """The layer table with these caches' addresses and their CacheType code, checked and
-        built once per cache list."""
-        if self._bound is not None and self._bound[0] is kv_caches:
+    def _table(self, kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+               kv_scales: torch.Tensor | None) -> tuple[torch.Tensor, int]:
+        """The layer table with these caches' (and scales') addresses and their CacheType code,
+        checked and built once per cache list."""
+        if self._bound is not None and self._bound[0] is kv_caches and self._bound[3] is kv_scales:
             return self._bound[1], self._bound[2]
         f = self.first
+        _checked_scales(kv_scales, len(kv_caches))
         if len(kv_caches) != self.table.shape[0]:
             raise ValueError(f"{len(kv_caches)} caches for {self.table.shape[0]} layers")
         block_shape, dtype = kv_caches[0][0].shape[1:], kv_caches[0][0].dtype
-        code = cache_type(*kv_caches[0])
+        code = cache_type(*kv_caches[0], scaled=kv_scales is not None)
         for cache in (c for pair in kv_caches for c in pair):
             if (cache.dtype != dtype or not cache.is_contiguous() or cache.shape[1:] != block_shape
                     or block_shape[1:] != (f.kv_heads, f.head_dim)):
@@ -189,7 +203,9 @@ class DecodeStack:
         table = self.table.clone()
         table[:, KEY_CACHE] = torch.tensor([k.data_ptr() for k, _ in kv_caches])
         table[:, VALUE_CACHE] = torch.tensor([v.data_ptr() for _, v in kv_caches])
-        self._bound = (kv_caches, table, code)  # keeps the list, and so its tensors, alive with the table
+        if kv_scales is not None:
+            table[:, KV_SCALES] = torch.tensor([row.data_ptr() for row in kv_scales.view(-1, 2)])
+        self._bound = (kv_caches, table, code, kv_scales)  # keeps them, and so their tensors, alive
         return table, code
 
     def _check(self, t: int, h, x, cos, sin, slots, plan: DecodePlan) -> None:

@@ -126,6 +126,28 @@ async def test_cpu_and_pytorch_backends_agree(untied_llama_dir):
     assert agreement(cpu, ref) >= 0.95
 
 
+def test_fused_layers_take_over_once_the_scales_are_set(untied_llama_dir):
+    # The first step sets the scales op by op (the fused C++ layers store K/V before Python could
+    # see them); later prefill steps run the fused layers, decode steps the fused stack, both
+    # with the scales, and give the PyTorch backend's tokens.
+    def run(backend: str, calls: list[str]) -> list[list[int]]:
+        core = EngineCore(EngineConfig(model=str(untied_llama_dir), num_gpu_blocks=64, kv_cache_dtype="fp8",
+                                       attention_backend=backend, max_prefill_chunk=8))
+        native = core.runner.native
+        if native.stack is not None:
+            for name, obj in (("stack", native.stack), *(("layer_in", layer) for layer in native.fused[:1])):
+                method = "run" if name == "stack" else "layer_in"
+                original = getattr(obj, method)
+                setattr(obj, method, lambda *a, _f=original, _n=name, **k: (calls.append(_n), _f(*a, **k))[1])
+        outs = run_core(core, PROMPTS[:3], SamplingParams(temperature=0, max_tokens=12, ignore_eos=True))
+        return [o.outputs[0].token_ids for o in outs]
+
+    calls: list[str] = []
+    fused = run("cpu", calls)
+    assert "stack" in calls and "layer_in" in calls
+    assert agreement(fused, run("torch", [])) >= 0.95
+
+
 async def test_prefix_cache_hits_read_the_same_codes(untied_llama_dir):
     # Sequential requests sharing 3 blocks: with caching the later ones hit (their prefix is read
     # from the fp8 blocks the first wrote); without it they recompute it. Either way a prompt

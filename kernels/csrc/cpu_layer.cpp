@@ -40,13 +40,14 @@ int add_lora(const int64_t* lora_step, const int64_t* lora_layer, const LoraProj
 }  // namespace
 
 // qkv = x @ Wqkv^T (+ LoRA deltas, + bias); RoPE on the q and k heads; k and v into their cache
-// slots. x [T, hidden]; qkv [T, qkv_padded]; caches [num_slots, kv_heads * head_dim] of cache_type.
+// slots. x [T, hidden]; qkv [T, qkv_padded]; caches [num_slots, kv_heads * head_dim] of cache_type;
+// kv_scales: {k_scale, v_scale} of an 8-bit cache (null: 1, the other types).
 extern "C" int streamengine_layer_in(const float* x, int64_t T, int64_t hidden, const int64_t* qkv_weight,
                                      const float* qkv_bias, int64_t heads,
                                      int64_t kv_heads, int64_t head_dim, const float* cos, const float* sin,
                                      const int64_t* slots, void* key_cache, void* value_cache,
-                                     int64_t cache_type, const int64_t* lora_step, const int64_t* lora_layer,
-                                     float* qkv) {
+                                     int64_t cache_type, const float* kv_scales, const int64_t* lora_step,
+                                     const int64_t* lora_layer, float* qkv) {
   const int64_t qkv_n = (heads + 2 * kv_heads) * head_dim, qkv_padded = qkv_weight[WEIGHT_N_PADDED];
   if (qkv_weight[WEIGHT_K] != hidden || streamengine_gemm(qkv_weight, x, T, qkv) != 0) return -1;
   const int64_t q_n = heads * head_dim, kv_n = kv_heads * head_dim;
@@ -57,8 +58,9 @@ extern "C" int streamengine_layer_in(const float* x, int64_t T, int64_t hidden, 
   streamengine_rope(qkv, T, qkv_padded, heads + kv_heads, head_dim, cos, sin);
   const float* k = qkv + heads * head_dim;
   const float* v = k + kv_heads * head_dim;
-  return streamengine_store_kv(k, qkv_padded, v, qkv_padded, slots, T, kv_heads * head_dim, key_cache,
-                               value_cache, cache_type);
+  return streamengine_store_kv_scaled(k, qkv_padded, v, qkv_padded, slots, T, kv_heads * head_dim, key_cache,
+                                      value_cache, cache_type, kv_scales ? kv_scales[0] : 1.0f,
+                                      kv_scales ? kv_scales[1] : 1.0f);
 }
 
 // After the attention: h += attn @ Wo^T (+ bias); x = RMSNorm(h); h += down(silu(gate) * up);
@@ -94,9 +96,10 @@ extern "C" int streamengine_layer_out(const float* attn, int64_t T, int64_t attn
 }
 
 // One layer's tensors for streamengine_decode_layers, as addresses (int64) in this order
-// (weights: of their 4-int64 views); biases may be 0 (absent).
+// (weights: of their 4-int64 views); biases and KV_SCALES (an 8-bit cache's {k_scale, v_scale})
+// may be 0 (absent).
 enum LayerField { QKV_WEIGHT, QKV_BIAS, O_WEIGHT, O_BIAS, POST_NORM, GU_WEIGHT, DOWN_WEIGHT,
-                  NEXT_NORM, KEY_CACHE, VALUE_CACHE, NUM_FIELDS };
+                  NEXT_NORM, KEY_CACHE, VALUE_CACHE, KV_SCALES, NUM_FIELDS };
 
 // A whole decode step through every layer, for steps whose rows all have one query token:
 // per layer, layer_in, paged attention straight from the cache, layer_out. Why one call: from
@@ -133,13 +136,16 @@ extern "C" int streamengine_decode_layers(
     if (weight(QKV_WEIGHT)[WEIGHT_N_PADDED] != qkv_padded || weight(O_WEIGHT)[WEIGHT_N_PADDED] != o_padded ||
         weight(GU_WEIGHT)[WEIGHT_N_PADDED] != gu_padded || weight(DOWN_WEIGHT)[WEIGHT_N_PADDED] != down_padded)
       return -1;
+    const float* kv_scales = ptr(KV_SCALES);
     if (streamengine_layer_in(x, T, hidden, weight(QKV_WEIGHT), ptr(QKV_BIAS), heads, kv_heads,
                               head_dim, cos, sin, slots, cache(KEY_CACHE), cache(VALUE_CACHE), cache_type,
-                              lora_step, lora_layer, qkv) != 0)
+                              kv_scales, lora_step, lora_layer, qkv) != 0)
       return -1;
-    if (streamengine_paged_decode(qkv, qkv_padded, cache(KEY_CACHE), cache(VALUE_CACHE), cache_type,
-                                  block_size, heads, kv_heads, head_dim, block_tables, table_stride, seq_lens,
-                                  query_start_loc, rows, num_rows, scale, attn) != 0)
+    if (streamengine_paged_decode_scaled(qkv, qkv_padded, cache(KEY_CACHE), cache(VALUE_CACHE), cache_type,
+                                         block_size, heads, kv_heads, head_dim, block_tables, table_stride,
+                                         seq_lens, query_start_loc, rows, num_rows, scale,
+                                         kv_scales ? kv_scales[0] : 1.0f, kv_scales ? kv_scales[1] : 1.0f,
+                                         attn) != 0)
       return -1;
     // x is free once layer_in has read it: layer_out writes the next layer's input there.
     if (streamengine_layer_out(attn, T, heads * head_dim, weight(O_WEIGHT), ptr(O_BIAS), h, hidden,

@@ -8,9 +8,8 @@ flash-style, over the same blocks. Where that kernel cannot run for the shape th
 PyTorch backend's SDPA path (torch_backend.prefill_row), one request at a time; so do prompts
 with no cached context over a float16 cache (see `split_prefill_rows`).
 
-Over an fp8 cache (kernels/fp8.py) the kernels get each layer's scales (models/kv_scales.py),
-and the native model runs its op-by-op layers: the fused C++ layers store and read float32 and
-float16 caches only.
+Over an fp8 cache (kernels/fp8.py) the kernels get each layer's scales (models/kv_scales.py);
+so do the native model's fused C++ layers, once the scales are set.
 """
 
 from __future__ import annotations
@@ -21,7 +20,7 @@ import torch
 
 from streamengine.kernels import fp8
 from streamengine.kernels.cpu_attention import DecodePlan, decode_supported
-from streamengine.kernels.cpu_ops import CACHE_TYPES, SCALED_CACHE_TYPES, store_kv
+from streamengine.kernels.cpu_ops import SCALED_CACHE_TYPES, store_kv
 from streamengine.kernels.cpu_prefill_attention import PrefillPlan, prefill_available
 from streamengine.kv.spec import AttentionShape
 from streamengine.models.attention import AttentionMetadata
@@ -63,9 +62,7 @@ class CpuPlan:
 
 
 class CpuPagedAttention:
-    def __init__(self, kv_dtype: torch.dtype = torch.float32) -> None:
-        # The fused C++ layers store and read float32 and float16 caches, without scales.
-        self.fused_cpu_layers = kv_dtype in CACHE_TYPES
+    fused_cpu_layers = True  # over fp8 too: the native model passes them the scales
 
     @staticmethod
     def available(shape: AttentionShape, block_size: int, dtype: torch.dtype, kv_dtype: torch.dtype) -> bool:

@@ -47,6 +47,9 @@ class KVScales:
     dtype: torch.dtype  # torch.float8_e4m3fn or torch.float8_e5m2
     k: list[float | None]
     v: list[float | None]
+    # [num_layers, 2] float32 (k_scale, v_scale) per layer, for the fused C++ layers (which read
+    # it by address); a row is valid once both of its scales are set.
+    table: torch.Tensor
 
     @classmethod
     def of(cls, config: EngineConfig, num_layers: int, dtype: torch.dtype) -> KVScales | None:
@@ -55,7 +58,8 @@ class KVScales:
             return None
         k = None if config.k_scale is None else _float32(config.k_scale)
         v = None if config.v_scale is None else _float32(config.v_scale)
-        return cls(dtype, [k] * num_layers, [v] * num_layers)
+        table = torch.tensor([[k or 0.0, v or 0.0]] * num_layers, dtype=torch.float32)
+        return cls(dtype, [k] * num_layers, [v] * num_layers, table)
 
     @property
     def ready(self) -> bool:
@@ -68,6 +72,7 @@ class KVScales:
             self.k[layer] = calibrated_scale(k, self.dtype)
         if self.v[layer] is None:
             self.v[layer] = calibrated_scale(v, self.dtype)
+        self.table[layer, 0], self.table[layer, 1] = self.k[layer], self.v[layer]
         return self.k[layer], self.v[layer]
 
     def __getitem__(self, layer: int) -> tuple[float, float]:

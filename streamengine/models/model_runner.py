@@ -51,7 +51,7 @@ def select_backend(
     runs, else PyTorch on CPU and Triton on CUDA."""
     if name in ("cpu", "auto") and device.type == "cpu":
         if CpuPagedAttention.available(AttentionShape.of(model_config), block_size, dtype, kv_dtype):
-            return CpuPagedAttention(kv_dtype)
+            return CpuPagedAttention()
         if name == "cpu":
             raise ValueError(
                 "attention_backend='cpu' needs a float32 model, a float32, float16 or fp8 KV cache, AVX-512 or AVX2, "

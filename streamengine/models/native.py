@@ -151,14 +151,17 @@ class NativeDecoder:
         h = F.embedding(input_ids, self.embed)  # [T, hidden], the residual stream
         cos, sin = self._rope_tables(h, positions)
         x = add_rms_norm(h, None, self.layers[0].input_norm, self.eps)
-        native_lora = lora.native_view() if lora is not None and self.fused is not None else None
-        if self.stack is not None and plan.decode_kernel is not None:  # every layer in one call
+        # An fp8 cache's scales: the fused layers take them once set (the first step sets them, op by op).
+        scales = plan.meta.kv_scales
+        fused = self.fused is not None and (scales is None or scales.ready)
+        native_lora = lora.native_view() if lora is not None and fused else None
+        if fused and self.stack is not None and plan.decode_kernel is not None:  # every layer in one call
             self.stack.run(h, x, cos, sin, plan.meta.slot_mapping, plan.meta.kv_caches, plan.decode_kernel, self.scale,
-                           native_lora)
+                           native_lora, None if scales is None else scales.table)
             return x
         for i, layer in enumerate(self.layers):
             next_norm = self.layers[i + 1].input_norm if i + 1 < len(self.layers) else self.final_norm
-            if self.fused is not None:
+            if fused:
                 x = self._fused_forward(i, self.fused[i], h, x, cos, sin, plan, next_norm, native_lora)
             else:
                 x = self._layer_forward(i, layer, h, x, cos, sin, plan, next_norm, lora)
@@ -168,7 +171,8 @@ class NativeDecoder:
                        next_norm, lora: cpu_layer.LoRAView | None) -> torch.Tensor:
         t = h.shape[0]
         key_cache, value_cache = plan.meta.kv_caches[i]
-        qkv = layer.layer_in(x, cos, sin, plan.meta.slot_mapping, key_cache, value_cache, lora, i)  # K/V stored
+        scales = None if plan.meta.kv_scales is None else plan.meta.kv_scales.table[i]
+        qkv = layer.layer_in(x, cos, sin, plan.meta.slot_mapping, key_cache, value_cache, lora, i, scales)  # K/V stored
         attn = plan.attend(i, *self._split_qkv(qkv), self.scale)  # [T, heads, D]
         return layer.layer_out(attn.view(t, self.num_heads * self.head_dim), h, next_norm, lora, i)
 
