@@ -31,11 +31,11 @@ def load_library() -> ctypes.CDLL | None:
 
 
 CACHE_TYPES = {torch.float32: 0, torch.float16: 1}
-"""KV-cache element types every C++ kernel reads and writes (the fused layers included), by
-their CacheType code (csrc/cpu_vec_math.h)."""
+"""KV-cache element types the C++ kernels read and write without scales, by their CacheType
+code (csrc/cpu_vec_math.h)."""
 SCALED_CACHE_TYPES = {**CACHE_TYPES, torch.float8_e4m3fn: 2, torch.float8_e5m2: 3}
-"""Those and the 8-bit formats, which the store and attention kernels take with their scales
-(the `*_scaled` entry points); the fused layers do not."""
+"""Those and the 8-bit formats, which the kernels take with their scales (the `*_scaled` entry
+points, and the fused layers given `kv_scales`)."""
 
 
 def _cache_code(key_cache: torch.Tensor, value_cache: torch.Tensor, types: dict[torch.dtype, int]) -> int | None:

@@ -168,8 +168,8 @@ extern "C" int streamengine_store_kv_scaled(const float* k, int64_t k_stride, co
   }
 }
 
-// The unscaled store the fused layers (cpu_layer.cpp) call: float32 and float16 caches only, so
-// an 8-bit cache is never written without its scales.
+// The unscaled store: float32 and float16 caches only, so an 8-bit cache is never written
+// without its scales.
 extern "C" int streamengine_store_kv(const float* k, int64_t k_stride, const float* v, int64_t v_stride,
                                      const int64_t* slots, int64_t tokens, int64_t width,
                                      void* key_cache, void* value_cache, int64_t cache_type) {

@@ -265,8 +265,8 @@ extern "C" int streamengine_paged_decode_scaled(
   return 0;
 }
 
-// The unscaled entry point the fused decode stack (cpu_layer.cpp) calls: float32 and float16
-// caches only, so an 8-bit cache is never read without its scales.
+// The unscaled entry point: float32 and float16 caches only, so an 8-bit cache is never read
+// without its scales.
 extern "C" int streamengine_paged_decode(
     const float* query, int64_t q_token_stride, const void* key_cache, const void* value_cache,
     int64_t cache_type, int64_t block_size, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
