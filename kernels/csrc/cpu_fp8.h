@@ -63,11 +63,12 @@ inline uint8_t fp8_from_float(float x) {
 // 16 bytes as halves: e4m3 moved into the half's fields (NaN forced to a half NaN whose float is
 // torch's 0x7FF00000), e5m2 as the upper byte.
 inline __m256i fp8_to_half_bits(const e4m3_t* p) {
-  const __m256i b = _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
-  const __m256i low7 = _mm256_and_si256(b, _mm256_set1_epi16(0x7F));
-  const __m256i sign = _mm256_slli_epi16(_mm256_and_si256(b, _mm256_set1_epi16(0x80)), 8);
-  const __m256i nan = _mm256_and_si256(_mm256_cmpeq_epi16(low7, _mm256_set1_epi16(0x7F)), _mm256_set1_epi16(0x7F80));
-  return _mm256_or_si256(_mm256_or_si256(sign, _mm256_slli_epi16(low7, 7)), nan);
+  // Sign-extended and shifted by 7, a byte lands with its sign in bits 15 and 14 and its other
+  // seven bits in 13..7: clearing bit 14 leaves the half. NaN (S.1111.111) gets exponent 31.
+  const __m256i b = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  const __m256i h = _mm256_and_si256(_mm256_slli_epi16(b, 7), _mm256_set1_epi16(static_cast<int16_t>(0xBF80)));
+  const __m256i nan = _mm256_cmpeq_epi16(_mm256_and_si256(h, _mm256_set1_epi16(0x3F80)), _mm256_set1_epi16(0x3F80));
+  return _mm256_or_si256(h, _mm256_and_si256(nan, _mm256_set1_epi16(0x4000)));
 }
 inline __m256i fp8_to_half_bits(const e5m2_t* p) {
   return _mm256_slli_epi16(_mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))), 8);
@@ -98,11 +99,12 @@ inline void vstore_fp8(T* p, vf x) {
 #else  // STREAMENGINE_SIMD == 256
 
 inline __m256i fp8_to_half_bits(const e4m3_t* p) {
-  const __m256i b = _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
-  const __m256i low7 = _mm256_and_si256(b, _mm256_set1_epi16(0x7F));
-  const __m256i sign = _mm256_slli_epi16(_mm256_and_si256(b, _mm256_set1_epi16(0x80)), 8);
-  const __m256i nan = _mm256_and_si256(_mm256_cmpeq_epi16(low7, _mm256_set1_epi16(0x7F)), _mm256_set1_epi16(0x7F80));
-  return _mm256_or_si256(_mm256_or_si256(sign, _mm256_slli_epi16(low7, 7)), nan);
+  // Sign-extended and shifted by 7, a byte lands with its sign in bits 15 and 14 and its other
+  // seven bits in 13..7: clearing bit 14 leaves the half. NaN (S.1111.111) gets exponent 31.
+  const __m256i b = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  const __m256i h = _mm256_and_si256(_mm256_slli_epi16(b, 7), _mm256_set1_epi16(static_cast<int16_t>(0xBF80)));
+  const __m256i nan = _mm256_cmpeq_epi16(_mm256_and_si256(h, _mm256_set1_epi16(0x3F80)), _mm256_set1_epi16(0x3F80));
+  return _mm256_or_si256(h, _mm256_and_si256(nan, _mm256_set1_epi16(0x4000)));
 }
 inline __m256i fp8_to_half_bits(const e5m2_t* p) {
   return _mm256_slli_epi16(_mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))), 8);

@@ -15,6 +15,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <type_traits>
 
 #include "cpu_vec_math.h"
 
@@ -24,7 +25,7 @@
 namespace {
 
 using namespace streamengine_simd;
-using streamengine_cpu::load16;
+using streamengine_cpu::e4m3_t, streamengine_cpu::e5m2_t, streamengine_cpu::load16;
 
 constexpr int MAX_GROUP = 16;    // query heads per KV head
 constexpr int MAX_VECS = 16;     // head_dim / 16, i.e. head_dim <= 256
@@ -83,10 +84,11 @@ struct HeadState {
 
   // Up to SPAN pieces of <= 16 consecutive tokens (each within one block): one softmax
   // update for all of them, so the reductions and exps of the update are amortized over up to
-  // 64 tokens. offsets[j] is where piece j of this head starts in the caches.
-  template <typename T>
-  void chunk(const T* key_cache, const T* value_cache, const int64_t* offsets, const int64_t* lens,
-             int64_t pieces, int64_t token_stride) {
+  // 64 tokens. offsets[j] is where piece j of this head starts in the caches; keys may come
+  // from elsewhere (KT, k_offsets, k_stride: an 8-bit cache's keys widened once for the group).
+  template <typename KT, typename T>
+  void chunk(const KT* key_cache, const T* value_cache, const int64_t* k_offsets, const int64_t* offsets,
+             const int64_t* lens, int64_t pieces, int64_t k_stride, int64_t token_stride) {
     // Compile-time trip counts for the specialized shapes, so the tiles below live in registers.
     const int64_t group = GROUP > 0 ? GROUP : this->group;
     const int64_t vecs = VECS > 0 ? VECS : this->vecs;
@@ -96,11 +98,11 @@ struct HeadState {
       vf s[SPAN];
       vf top = vset1(-INFINITY);
       for (int64_t j = 0; j < pieces; ++j) {
-        const T* kbase = key_cache + offsets[j];
+        const KT* kbase = key_cache + k_offsets[j];
         vf dots[CHUNK];
         for (int64_t t = 0; t < CHUNK; ++t) {
           if (t >= lens[j]) { dots[t] = vzero(); continue; }
-          const T* k = kbase + t * token_stride;
+          const KT* k = kbase + t * k_stride;
           vf dot = vmul(qv[g][0], load16(k));
           for (int64_t d = 1; d < vecs; ++d) dot = vfmadd(qv[g][d], load16(k + d * 16), dot);
           dots[t] = dot;
@@ -174,7 +176,22 @@ void attend(const float* q, float scale, float v_factor, const void* key_cache_b
     for (int64_t h = 0; h < heads; ++h) {
       int64_t head_offsets[SPAN];
       for (int64_t j = 0; j < pieces; ++j) head_offsets[j] = offsets[j] + (first_kv + h) * L.head_dim;
-      state[h].chunk(key_cache, value_cache, head_offsets, lens, pieces, L.token_stride);
+      if constexpr (std::is_same_v<T, e4m3_t> || std::is_same_v<T, e5m2_t>) {
+        // Every query head of the group reads each key: widen the span's keys once, not per head.
+        alignas(64) float keys[SPAN * CHUNK * (VECS > 0 ? VECS : MAX_VECS) * 16];
+        int64_t k_offsets[SPAN];
+        for (int64_t j = 0; j < pieces; ++j) {
+          k_offsets[j] = j * CHUNK * L.head_dim;
+          for (int64_t t = 0; t < lens[j]; ++t)
+            for (int64_t d = 0; d < L.head_dim; d += 16)
+              vstore(keys + k_offsets[j] + t * L.head_dim + d, load16(key_cache + head_offsets[j] + t * L.token_stride + d));
+        }
+        state[h].chunk(static_cast<const float*>(keys), value_cache, k_offsets, head_offsets, lens, pieces,
+                       L.head_dim, L.token_stride);
+      } else {
+        state[h].chunk(key_cache, value_cache, head_offsets, head_offsets, lens, pieces, L.token_stride,
+                       L.token_stride);
+      }
     }
   }
   for (int64_t h = 0; h < heads; ++h) state[h].finish(out + (first_kv + h) * L.group * L.head_dim, v_factor, L);
