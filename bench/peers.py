@@ -874,6 +874,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    "(default 3, quick 1; 0: none)")
     p.add_argument("--prefill-lens", default="1000,2048,4096", help="comma-separated prompt lengths")
     p.add_argument("--peers", default="llamacpp,vllm", help="comma-separated peers to run: llamacpp, vllm")
+    p.add_argument("--vllm-model", type=Path, help="HF folder vLLM loads (default: the float32 folder of the "
+                   "default GGUF; needed with another --gguf)")
     p.add_argument("--kv-gib", type=int, default=1, help="KV cache GiB on the engine and vLLM (vLLM: whole GiB)")
     p.add_argument("--serve-rate", type=float, default=1.0, help="Poisson arrivals per second (vLLM serving row)")
     p.add_argument("--serve-requests", type=int, help="requests of the serving row (default 32, quick 16)")
@@ -927,9 +929,10 @@ def run_config(args) -> dict:
     from common import software
 
     keys = ("quick", "threads", "reps", "tput_reps", "decode_tokens", "b1_rounds", "tput_rounds", "prefill_lens", "parallel",
-            "tput_prompt", "tput_gen", "weight_formats", "kv16", "int8_activations", "peers", "kv_gib", "serve",
+            "tput_prompt", "tput_gen", "weight_formats", "kv16", "int8_activations", "peers", "kv_gib", "serve", "vllm_model",
             "serve_rate", "serve_requests")
-    return {"gguf": str(args.gguf), **{k: getattr(args, k) for k in keys}, **software()}
+    values = {k: str(v) if isinstance(v := getattr(args, k), Path) else v for k in keys}
+    return {"gguf": str(args.gguf), **values, **software()}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -34,6 +34,17 @@ WORKS = ("tput", "b1")  # and prefill<n> per --prefill-lens
 SERVE_SCALE = 0.25  # trace lengths x0.25: ShareGPT's 161 + 338 tokens would take minutes per request here
 
 
+def vllm_folder(args) -> Path | None:
+    """The HF folder vLLM loads: `--vllm-model`, else the float32 folder the default GGUF converts
+    to when `--gguf` is that file (the same weights); None otherwise (vLLM cannot run the GGUF's
+    packed blocks, and another file's float copy is not made here)."""
+    from streamengine.models.loader import default_model_folder, resolve_default_model
+
+    if args.vllm_model is not None:
+        return args.vllm_model
+    return default_model_folder() if Path(args.gguf).resolve() == Path(resolve_default_model()).resolve() else None
+
+
 def engine_prompts(args, tokenizer, vocab: int) -> dict:
     """The token ids peers.py's default session of the headline format draws, in its order:
     the warm-up's 64, each prefill length's `reps` prompts, then each parallel run's prompts."""
@@ -79,9 +90,9 @@ def measure_vllm_offline(args) -> dict:
     from transformers import AutoConfig, AutoTokenizer
     from vllm_peer import PeerUnavailable, preloads, run_vllm, vllm_venv
 
-    from streamengine.models.loader import default_model_folder
-
-    folder = default_model_folder()
+    folder = vllm_folder(args)
+    if folder is None:
+        return {"unavailable": "no HF folder of --gguf's weights for vLLM: pass --vllm-model"}
     tokenizer = AutoTokenizer.from_pretrained(str(folder))
     ids = engine_prompts(args, tokenizer, AutoConfig.from_pretrained(str(folder)).vocab_size)
     tasks = offline_tasks(args, ids)
@@ -121,10 +132,8 @@ def vllm_server(args, max_model_len: int):
     from serving import HOST, ServerProcess, free_port
     from vllm_peer import runner_env, vllm_venv
 
-    from streamengine.models.loader import default_model_folder
-
     python, port = vllm_venv(), free_port()
-    cmd = [str(python), "-m", "vllm.entrypoints.openai.api_server", "--model", str(default_model_folder()),
+    cmd = [str(python), "-m", "vllm.entrypoints.openai.api_server", "--model", str(vllm_folder(args)),
            "--dtype", "float32", "--max-model-len", str(max_model_len), "--no-enable-prefix-caching",
            "--host", HOST, "--port", str(port), "--seed", "0"]
     env = {**runner_env(python, args.threads, args.kv_gib), "PYTHONUNBUFFERED": "1",
@@ -138,9 +147,7 @@ def serve_jobs(args) -> tuple[list, dict]:
     from traces import SHAREGPT, make_trace, normal_token_ids
     from transformers import AutoConfig, AutoTokenizer
 
-    from streamengine.models.loader import default_model_folder
-
-    folder = default_model_folder()
+    folder = vllm_folder(args)
     tokenizer, config = AutoTokenizer.from_pretrained(str(folder)), AutoConfig.from_pretrained(str(folder))
     trace = make_trace(SHAREGPT, args.serve_requests, normal_token_ids(tokenizer, config.vocab_size), seed=0,
                        scale=SERVE_SCALE, max_len=512)
@@ -172,6 +179,8 @@ async def serve_one(server, system: str, jobs: list, setup: dict, rate: float) -
 
 def measure_serving(args) -> dict:
     """Both servers, one after the other, on the same jobs: {"engine": summary, "vllm": summary}."""
+    if vllm_folder(args) is None:
+        return {"unavailable": "no HF folder of --gguf's weights for vLLM: pass --vllm-model"}
     jobs, setup = serve_jobs(args)
     out: dict = {"rate": args.serve_rate, "requests": len(jobs), "trace_scale": SERVE_SCALE}
     for name, system, make in (("engine", "se_sse", lambda: engine_server(args)),
