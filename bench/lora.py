@@ -31,7 +31,7 @@ float32 copy: expected high, not necessarily 1), and `adapter_changed` the share
 where each system's lora16 tokens differ from its own base tokens (adapters really applied).
 
     python bench/lora.py --quick                 # ~4 min on a 2-core CPU
-    python bench/lora.py --quick --peers vllm    # the results file: ~3 min more
+    python bench/lora.py --quick --peers vllm    # the results file: minutes more (vLLM's LoRA runs eager)
     python bench/lora.py --peers vllm
 """
 
@@ -269,6 +269,7 @@ def main() -> None:
     report["lora16_vs_base"] = report["decode32"]["lora16_vs_base"]
     report["lora16_vs_vllm"] = report["decode32"].get("vs_vllm", {}).get("lora16")
     report["agreement_vs_vllm"] = report["decode32"].get("agreement_vs_vllm")
+    report["load_avg_end"] = os.getloadavg()  # software() holds the start's: a shared machine changes
     report["lora_swap_ms"] = swap_ms(cores["lora16"])
     report["lora_load_ms"] = load_ms
     report["goals"] = {key: {"goal": goal, "met": None if report[key] is None else report[key] >= goal}
