@@ -53,6 +53,13 @@ runs the same three works (`--no-int8-activations` skips it): JSON `engine_int8a
 `int8act_greedy_agreement` (16 prompts x 64 greedy tokens against the exact packed weights),
 `int8act_goals` (the goals evaluated on its ratios) and `tput_interleaved_int8`.
 
+vLLM (`--peers` names it; bench/peers_vllm.py): its CPU build in its own venv on the float32
+copy of the same weights, the same token ids, threads and KV bytes (`--kv-gib`, both sides):
+offline tput, b1 and prefill rows in one model load, and serving under Poisson arrivals
+(`--serve-rate`, `--serve-requests`) through each server's OpenAI route with one client. JSON
+`vllm_<work>_tok_s` beside `engine_<work>_tok_s`, `engine_serve_ttft_p50_s`,
+`vllm_serve_ttft_p50_s`, `vllm_ratios` and `vllm_goals` (ahead of vLLM on every row).
+
     python bench/peers.py --quick                  # builds llama.cpp first when missing
     python bench/peers.py                          # 3 repetitions of everything
     python bench/peers.py --llamacpp-dir ~/llama.cpp/build/bin --threads 2
@@ -337,7 +344,7 @@ def engine_config(args, weight_format: str, whole_prompt: bool, kv_cache_dtype: 
     if whole_prompt:
         extra.update(max_prefill_chunk=None, max_num_batched_tokens=max(2048, *args.prefill_lens))
     return EngineConfig(model=str(args.gguf), dtype="float32", device="cpu", num_threads=args.threads, seed=0,
-                        enable_prefix_caching=False, **extra)
+                        enable_prefix_caching=False, kv_cache_bytes=args.kv_gib << 30, **extra)
 
 
 async def decode_b1(engine, n: int) -> float:
@@ -865,7 +872,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    "(default 5, quick 2; 0: none)")
     p.add_argument("--tput-rounds", type=int, help="interleaved parallel rounds, engine beside llama.cpp "
                    "(default 3, quick 1; 0: none)")
-    p.add_argument("--prefill-lens", default="1000,4096", help="comma-separated prompt lengths")
+    p.add_argument("--prefill-lens", default="1000,2048,4096", help="comma-separated prompt lengths")
+    p.add_argument("--peers", default="llamacpp,vllm", help="comma-separated peers to run: llamacpp, vllm")
+    p.add_argument("--vllm-model", type=Path, help="HF folder vLLM loads (default: the float32 folder of the "
+                   "default GGUF; needed with another --gguf)")
+    p.add_argument("--kv-gib", type=int, default=1, help="KV cache GiB on the engine and vLLM (vLLM: whole GiB)")
+    p.add_argument("--serve-rate", type=float, default=1.0, help="Poisson arrivals per second (vLLM serving row)")
+    p.add_argument("--serve-requests", type=int, help="requests of the serving row (default 32, quick 16)")
+    p.add_argument("--no-serve", dest="serve", action="store_false", help="skip the serving row")
     p.add_argument("--parallel", type=int, help="parallel sequences (default 32, quick 16)")
     p.add_argument("--tput-prompt", type=int, default=128)
     p.add_argument("--tput-gen", type=int, default=128)
@@ -889,6 +903,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args.parallel = args.parallel or (16 if args.quick else 32)
     args.b1_rounds = (2 if args.quick else 5) if args.b1_rounds is None else args.b1_rounds
     args.tput_rounds = (1 if args.quick else 3) if args.tput_rounds is None else args.tput_rounds
+    args.serve_requests = args.serve_requests or (16 if args.quick else 32)
+    args.peers = [x.strip() for x in args.peers.split(",") if x.strip()]
+    if not set(args.peers) <= {"llamacpp", "vllm"} or args.kv_gib < 1 or args.serve_rate <= 0:
+        p.error("--peers names llamacpp and/or vllm; --kv-gib >= 1; --serve-rate > 0")
     if args.b1_rounds < 0 or args.tput_rounds < 0:
         p.error("--b1-rounds and --tput-rounds must be >= 0")
     try:
@@ -911,8 +929,10 @@ def run_config(args) -> dict:
     from common import software
 
     keys = ("quick", "threads", "reps", "tput_reps", "decode_tokens", "b1_rounds", "tput_rounds", "prefill_lens", "parallel",
-            "tput_prompt", "tput_gen", "weight_formats", "kv16", "int8_activations")
-    return {"gguf": str(args.gguf), **{k: getattr(args, k) for k in keys}, **software()}
+            "tput_prompt", "tput_gen", "weight_formats", "kv16", "int8_activations", "peers", "kv_gib", "serve", "vllm_model",
+            "serve_rate", "serve_requests")
+    values = {k: str(v) if isinstance(v := getattr(args, k), Path) else v for k in keys}
+    return {"gguf": str(args.gguf), **values, **software()}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -921,17 +941,27 @@ def main(argv: list[str] | None = None) -> int:
         from streamengine.models.loader import resolve_default_model
 
         args.gguf = resolve_default_model()
-    tools = ensure_llamacpp(args)
-    files = llamacpp_files(tools, args.gguf, args)
-    llamacpp, rows = measure_llamacpp(tools, files, args)
+    llama = "llamacpp" in args.peers
+    tools = ensure_llamacpp(args) if llama else None
+    files = llamacpp_files(tools, args.gguf, args) if llama else {}
+    llamacpp, rows = measure_llamacpp(tools, files, args) if llama else ({}, [])
     engine = measure_engine(args)
     int8 = measure_int8_activations(args) if args.int8_activations else None
-    report = build_report(engine, llamacpp, llamacpp_info(tools, rows), run_config(args))
+    report = build_report(engine, llamacpp, llamacpp_info(tools, rows) if llama else {}, run_config(args))
     report.update(int8_activation_keys(int8, llamacpp, args.prefill_lens))
-    report["b1_interleaved"] = interleaved_b1(tools, llamacpp, files, engine, args)
-    report["tput_interleaved"] = interleaved_tput(tools, report, files, args)
-    report["tput_interleaved_int8"] = interleaved_tput_int8(tools, report, files, args)
+    report["b1_interleaved"] = interleaved_b1(tools, llamacpp, files, engine, args) if llama else None
+    report["tput_interleaved"] = interleaved_tput(tools, report, files, args) if llama else None
+    report["tput_interleaved_int8"] = interleaved_tput_int8(tools, report, files, args) if llama else None
+    if "vllm" in args.peers:
+        from peers_vllm import measure_serving, measure_vllm_offline, vllm_keys
+
+        serving = measure_serving(args) if args.serve else None
+        report.update(vllm_keys(report, measure_vllm_offline(args), serving, args.prefill_lens))
     print_table(report)
+    if "vllm" in args.peers:
+        from peers_vllm import print_vllm
+
+        print_vllm(report)
     from common import write_report
 
     write_report(report, args.json, None if args.no_png else args.png, write_png)

@@ -101,7 +101,7 @@ class Sample:
 @dataclass(frozen=True, slots=True)
 class Job:
     index: int
-    prompt: str
+    prompt: str | list[int]  # token ids go to the OpenAI route as they are
     max_tokens: int
     arrival_s: float  # offset from the start of the run
 
@@ -256,7 +256,7 @@ def sse_extra_body(system: str, max_tokens: int, eos: int, pad: int) -> dict:
 
 async def sse_request(client, model: str, system: str, job: Job, sample: Sample, eos: int, pad: int) -> None:
     extra = sse_extra_body(system, job.max_tokens, eos, pad)
-    kwargs = {"stream_options": {"include_usage": True}} if system.startswith("se_") else {}
+    kwargs = {"stream_options": {"include_usage": True}} if system.startswith(("se_", "vllm")) else {}
     stream = await client.completions.create(
         model=model, prompt=job.prompt, max_tokens=job.max_tokens, temperature=0.0, stream=True,
         extra_body=extra, **kwargs,
@@ -365,13 +365,16 @@ def summarize(samples: list[Sample], rate: float) -> dict:
 # -- the sweep ------------------------------------------------------------------------------
 
 
-def make_jobs(args, texts: list[str], outputs: list[int], system_index: int, rate_index: int, rate: float) -> list[Job]:
+def make_jobs(args, texts: list[str] | list[list[int]], outputs: list[int], system_index: int, rate_index: int,
+              rate: float) -> list[Job]:
+    """Poisson arrivals at `rate`. Text prompts get a unique tag (no cross-run cache hits); token-id
+    prompts (bench/peers_vllm.py, servers without prefix caching) go as they are."""
     rng = random.Random(f"{args.seed}:arrivals:{rate}")  # same arrivals for every system at a rate
     t = 0.0
     jobs = []
     for i, (text, n) in enumerate(zip(texts, outputs, strict=True)):
-        tag = f"#{system_index}{rate_index:02d}{i:04d} "  # unique prefix: no cross-run cache hits
-        jobs.append(Job(i, tag + text, n, t))
+        tag = f"#{system_index}{rate_index:02d}{i:04d} "
+        jobs.append(Job(i, tag + text if isinstance(text, str) else text, n, t))
         t += rng.expovariate(rate)
     return jobs
 

@@ -2,9 +2,11 @@
 
 Kept free of streamengine imports: this file runs under another python with other packages.
 Usage: python vllm_runner.py IN.json OUT.json. IN holds the model folder, prompts as token ids,
-max_tokens, batch, repeats and optional speculative_config / json_schema / LLM keyword
-arguments; OUT holds per-repeat seconds, the last repeat's token ids, spec-decode counters
-and the vLLM version, or {"error": ...} when the model cannot be built or run.
+max_tokens (one for all, or one per prompt), batch, repeats and optional ignore_eos /
+speculative_config / json_schema / LLM keyword arguments, and `loras` (per prompt an adapter
+[name, id, folder] or null for the base model); OUT holds per-repeat seconds, the last repeat's
+token ids, spec-decode counters and the vLLM version, or {"error": ...} when the model cannot
+be built or run.
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ SPEC_COUNTERS = ("vllm:spec_decode_num_drafts", "vllm:spec_decode_num_draft_toke
                  "vllm:spec_decode_num_accepted_tokens")
 
 
-def sampling_params(job: dict):
+def sampling_params(job: dict, max_tokens: int):
     """Greedy SamplingParams, with a JSON schema through whichever API this vLLM has."""
     from vllm import SamplingParams
 
@@ -31,7 +33,7 @@ def sampling_params(job: dict):
         except ImportError:  # vLLM before structured_outputs replaced guided_decoding
             from vllm.sampling_params import GuidedDecodingParams
             extra["guided_decoding"] = GuidedDecodingParams(**spec)
-    return SamplingParams(temperature=0.0, max_tokens=job["max_tokens"], ignore_eos=job.get("ignore_eos", False),
+    return SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=job.get("ignore_eos", False),
                           **extra)
 
 
@@ -53,13 +55,28 @@ def counters(llm) -> dict[str, float]:
     return out
 
 
-def generate(llm, prompts: list[list[int]], params, batch: int) -> tuple[float, list[list[int]]]:
+def per_prompt(job: dict) -> tuple[list, list]:
+    """Each prompt's SamplingParams and LoRARequest (None: the base model); one SamplingParams
+    object is shared by prompts of the same length, as vLLM users pass one for all."""
+    n = len(job["prompts"])
+    lengths = job["max_tokens"] if isinstance(job["max_tokens"], list) else [job["max_tokens"]] * n
+    made = {m: sampling_params(job, m) for m in set(lengths)}
+    loras = job.get("loras") or [None] * n
+    if any(loras):
+        from vllm.lora.request import LoRARequest
+
+        loras = [LoRARequest(*lora) if lora else None for lora in loras]
+    return [made[m] for m in lengths], loras
+
+
+def generate(llm, prompts: list[list[int]], params: list, loras: list, batch: int) -> tuple[float, list[list[int]]]:
     """Seconds spent in LLM.generate over `prompts`, `batch` at a time, and each prompt's token ids."""
     seconds, tokens = 0.0, []
     for lo in range(0, len(prompts), batch):
         chunk = [{"prompt_token_ids": ids} for ids in prompts[lo:lo + batch]]
+        lora = loras[lo:lo + batch] if any(loras) else None
         start = time.perf_counter()
-        outs = llm.generate(chunk, params, use_tqdm=False)
+        outs = llm.generate(chunk, params[lo:lo + batch], use_tqdm=False, lora_request=lora)
         seconds += time.perf_counter() - start
         tokens += [list(o.outputs[0].token_ids) for o in outs]
     return seconds, tokens
@@ -89,18 +106,21 @@ def run(job: dict) -> dict:
 
 
 def run_task(llm, job: dict) -> dict:
-    """A warm-up generate over the first batch, then `repeats` timed passes over all prompts."""
+    """A warm-up generate over the first batch (answers of `warmup_tokens` when given), then
+    `repeats` timed passes over all prompts."""
     if job.get("json_schema") is not None and job.get("json_compact"):
         job = {**job, "json_schema": {"x-guidance": COMPACT_LAYOUT, **job["json_schema"]}}
-    params = sampling_params(job)
-    prompts = job["prompts"]
+    params, loras = per_prompt(job)
+    prompts, batch = job["prompts"], job["batch"]
+    # `warmup_tokens` shortens the warm-up's answers where a full pass would cost minutes
+    warm = per_prompt({**job, "max_tokens": job["warmup_tokens"]})[0] if job.get("warmup_tokens") else params
     start = time.perf_counter()
-    generate(llm, prompts[:job["batch"]], params, job["batch"])  # compiles shapes, caches these prompts
+    generate(llm, prompts[:batch], warm, loras, batch)  # compiles shapes, loads adapters, caches prompts
     warmup_s = time.perf_counter() - start
     before = counters(llm)
     seconds, tokens = [], []
     for _ in range(job["repeats"]):
-        s, tokens = generate(llm, prompts, params, job["batch"])
+        s, tokens = generate(llm, prompts, params, loras, batch)
         seconds.append(s)
     after = counters(llm)
     return {"warmup_s": warmup_s, "seconds": seconds, "tokens": tokens,

@@ -173,7 +173,7 @@ def test_peers_quick_with_stand_in_tools(peers, tiny_llama_dir, tmp_path):
     report = run_bench("peers.py", [
         "--llamacpp-dir", str(tools), "--gguf", str(tiny_llama_dir), "--threads", "1", "--reps", "2",
         "--decode-tokens", "6", "--prefill-lens", "24,40", "--parallel", "3", "--tput-prompt", "8", "--tput-gen", "4",
-        "--b1-rounds", "2", "--tput-rounds", "1",
+        "--b1-rounds", "2", "--tput-rounds", "1", "--peers", "llamacpp",
     ], tmp_path / "peers.json")
     for key in ("engine_b1_tok_s", "llamacpp_b1_tok_s", "engine_tput_tok_s", "llamacpp_tput_tok_s",
                 "engine_prefill40_tok_s", "llamacpp_prefill40_tok_s"):
