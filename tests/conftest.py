@@ -56,7 +56,6 @@ def pytest_collection_modifyitems(config, items):
         items.sort(key=lambda item: item.path.name not in WHOLE_MACHINE)  # stable
 
 
-
 def pytest_asyncio_loop_factories(config, item):
     """Async tests run on uvloop, as the server does."""
     import uvloop
