@@ -9,6 +9,10 @@ export TOKENIZERS_PARALLELISM := false
 # processes included: at the repository root the kernels/ folder would shadow the `kernels`
 # package that transformers (5.25 and later) imports.
 export PYTHONSAFEPATH := 1
+# pytest-xdist workers for `make test`: two, as CI has two cores (many tests wait on servers,
+# subprocesses and Ray, so two overlap well there). `make test PYTEST_WORKERS=0` runs the suite
+# in one process, serially.
+PYTEST_WORKERS ?= 2
 
 .PHONY: setup serve test lint bench-quick
 
@@ -29,7 +33,7 @@ serve: setup
 	$(PY) -m streamengine serve $(ARGS)
 
 test: setup
-	$(PY) -m pytest -q $(PYTEST_ARGS)
+	$(PY) -m pytest -q -n $(PYTEST_WORKERS) $(PYTEST_ARGS)
 
 lint: setup
 	$(VENV)/bin/ruff check .

@@ -19,6 +19,42 @@ from pathlib import Path  # noqa: E402
 
 import pytest  # noqa: E402
 
+# Test modules that need the machine to themselves. Under pytest-xdist (`make test` runs two
+# workers) they form one work unit, run on one worker one after another, never beside each other.
+WHOLE_MACHINE = (
+    "test_cpu_avx2_build.py",  # reruns the kernel tests in a pytest subprocess: as long as the soak
+    "test_ray_cluster.py",  # a local Ray cluster started with both CPUs (num_cpus=2)
+    "test_soak.py",  # counts what 45 s of traffic made happen, and reads its RSS
+)
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config, log):
+    """`--dist loadfile` (pyproject's addopts): each module's tests go to one worker, so its
+    module fixtures (servers, engines, models, a Ray cluster) are built once, not once per
+    worker; and the WHOLE_MACHINE modules go as one unit. xdist's own groups (--dist loadgroup,
+    the xdist_group mark) do nothing under pytest 9.2: it marks a test's group in its node id,
+    which pytest 9.2 no longer lets a plugin change (pytest-xdist issue #1386)."""
+    if config.getvalue("dist") != "loadfile":
+        return None
+    from xdist.scheduler import LoadFileScheduling
+
+    class WholeMachineTogether(LoadFileScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            scope = super()._split_scope(nodeid)  # the module's path
+            return "whole machine" if Path(scope).name in WHOLE_MACHINE else scope
+
+    return WholeMachineTogether(config, log)
+
+
+def pytest_collection_modifyitems(config, items):
+    """On a pytest-xdist worker, the WHOLE_MACHINE modules first (in file order): the longest
+    unit then starts at once instead of last, when it would leave the other worker idle. xdist
+    hands out the units in this order (--no-loadscope-reorder; its own order is by number of
+    tests, not by length). A serial run keeps the file order."""
+    if hasattr(config, "workerinput"):
+        items.sort(key=lambda item: item.path.name not in WHOLE_MACHINE)  # stable
+
 
 def pytest_asyncio_loop_factories(config, item):
     """Async tests run on uvloop, as the server does."""

@@ -7,8 +7,11 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import shutil
 import stat
+import tempfile
 from collections.abc import AsyncIterator, Iterable
+from pathlib import Path
 
 import pytest
 from aiohttp import WSMsgType, web
@@ -80,11 +83,22 @@ def header(headers: list, name: str) -> list[str]:
 
 
 @pytest.fixture
-async def bridged(tmp_path) -> AsyncIterator[tuple[AiohttpBridge, dict]]:
+def socket_dir() -> Iterable[Path]:
+    """An empty directory with a short path, for the bridge to make its socket's directory in.
+    Not tmp_path: an AF_UNIX path holds at most 107 bytes, and under pytest-xdist tmp_path
+    (/tmp/pytest-of-<user>/pytest-<n>/popen-gw<i>/<test name>/) plus the bridge's
+    streamengine-bridge-<random>/app.sock is longer than that."""
+    path = Path(tempfile.mkdtemp(prefix="se-test-"))
+    yield path
+    shutil.rmtree(path, ignore_errors=True)
+
+
+@pytest.fixture
+async def bridged(socket_dir) -> AsyncIterator[tuple[AiohttpBridge, dict]]:
     """A bridge to a small app whose handlers report what they saw in `seen`."""
     seen: dict = {"release": asyncio.Event(), "gone": asyncio.Event(), "cleaned": False}
     app = _test_app(seen)
-    bridge = AiohttpBridge(app, socket_dir=str(tmp_path))
+    bridge = AiohttpBridge(app, socket_dir=str(socket_dir))
     await asyncio.wait_for(bridge.start(), TIMEOUT)
     try:
         yield bridge, seen
@@ -312,9 +326,9 @@ async def test_refused_websocket_handshake_is_reported_not_hung(bridged):
 # ---- lifecycle --------------------------------------------------------------------------------
 
 
-async def test_lifespan_and_close_clean_up_the_socket_dir(tmp_path):
+async def test_lifespan_and_close_clean_up_the_socket_dir(socket_dir):
     seen: dict = {"release": asyncio.Event(), "gone": asyncio.Event(), "cleaned": False}
-    bridge = AiohttpBridge(_test_app(seen), socket_dir=str(tmp_path))
+    bridge = AiohttpBridge(_test_app(seen), socket_dir=str(socket_dir))
     client = Client([{"type": "lifespan.startup"}])
     task = client.run(bridge, {"type": "lifespan", "asgi": {"version": "3.0"}})
     assert await client.next() == {"type": "lifespan.startup.complete"}
@@ -326,7 +340,7 @@ async def test_lifespan_and_close_clean_up_the_socket_dir(tmp_path):
     assert await client.next() == {"type": "lifespan.shutdown.complete"}
     await asyncio.wait_for(task, TIMEOUT)
     assert seen["cleaned"] and not os.path.exists(os.path.dirname(path))
-    assert list(tmp_path.iterdir()) == []
+    assert list(socket_dir.iterdir()) == []
     assert (await request(bridge, "GET", "/echo"))[0] == 503  # closed stays closed
 
 
@@ -341,9 +355,9 @@ def engine(tiny_llama_dir):
 
 
 @pytest.fixture
-async def server(engine, tmp_path) -> AsyncIterator[AiohttpBridge]:
+async def server(engine, socket_dir) -> AsyncIterator[AiohttpBridge]:
     app = create_app(engine, ServerConfig(api_key=KEY, model_name="tiny", max_body_bytes=4096))
-    bridge = AiohttpBridge(app, socket_dir=str(tmp_path))
+    bridge = AiohttpBridge(app, socket_dir=str(socket_dir))
     await asyncio.wait_for(bridge.start(), 60)
     try:
         yield bridge

@@ -132,18 +132,24 @@ async def test_engine_runs_each_step_with_the_governors_count(tiny_llama_dir):
 
     from streamengine import AsyncEngine, EngineConfig, SamplingParams
 
-    if torch.get_num_threads() < 2:
-        pytest.skip("needs two threads to take one away")
+    # Two threads to take one away, whatever an earlier test in this process left (an engine
+    # with num_threads=1 sets one for the whole process): the governor starts from this count.
+    num_threads = torch.get_num_threads()
+    torch.set_num_threads(2)
     seen: list[int] = []
-    async with AsyncEngine(EngineConfig(model=str(tiny_llama_dir), num_gpu_blocks=16)) as engine:
-        execute = engine.core.execute
+    try:
+        async with AsyncEngine(EngineConfig(model=str(tiny_llama_dir), num_gpu_blocks=16)) as engine:
+            assert engine.threads.max_threads == 2
+            execute = engine.core.execute
 
-        def recording(step):
-            seen.append(torch.get_num_threads())
-            return execute(step)
+            def recording(step):
+                seen.append(torch.get_num_threads())
+                return execute(step)
 
-        engine.core.execute = recording
-        engine.threads.threads = 1  # as after a window in which our threads waited for a CPU
-        async for _ in engine.generate([1, 2, 3], SamplingParams(max_tokens=3, ignore_eos=True)):
-            pass
+            engine.core.execute = recording
+            engine.threads.threads = 1  # as after a window in which our threads waited for a CPU
+            async for _ in engine.generate([1, 2, 3], SamplingParams(max_tokens=3, ignore_eos=True)):
+                pass
+    finally:
+        torch.set_num_threads(num_threads)
     assert seen and set(seen) == {1}

@@ -34,6 +34,7 @@ import time
 from pathlib import Path
 
 import aiohttp
+import torch
 from aiohttp import web
 
 from streamengine import AsyncEngine, EngineConfig
@@ -150,6 +151,9 @@ async def test_soak_mixed_traffic_leaves_nothing_behind(tiny_llama_dir):
     # per run here), so the recompute path is soaked too (at 64 blocks recompute thrashes and
     # episodes time out). One torch thread: on 2 busy cores two OpenMP threads collapse into
     # futex waits (measured here: 5x slower per step).
+    # num_threads sets torch's count for the whole process: given back in the end, so the tests
+    # run after this one in the same process (a pytest-xdist worker's) keep the default.
+    torch_threads = torch.get_num_threads()
     engine = AsyncEngine(EngineConfig(model=str(tiny_llama_dir), num_gpu_blocks=128, max_num_seqs=32, num_threads=1))
     app = create_app(engine, ServerConfig(model_name="tiny", max_message_bytes=MAX_MESSAGE_BYTES))
     state = app[STATE_KEY]
@@ -205,3 +209,4 @@ async def test_soak_mixed_traffic_leaves_nothing_behind(tiny_llama_dir):
             assert not loop_problems, loop_problems[:5]
     finally:
         loop.set_exception_handler(None)
+        torch.set_num_threads(torch_threads)
