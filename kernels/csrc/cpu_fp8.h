@@ -58,10 +58,9 @@ inline uint8_t fp8_from_float(float x) {
   return sign | static_cast<uint8_t>(u - ((127 - F::BIAS) << F::MANT));
 }
 
-#if STREAMENGINE_SIMD == 512
-
 // 16 bytes as halves: e4m3 moved into the half's fields (NaN forced to a half NaN whose float is
 // torch's 0x7FF00000), e5m2 as the upper byte.
+// 256-bit integer steps only: the same for the AVX-512 and the AVX2 build.
 inline __m256i fp8_to_half_bits(const e4m3_t* p) {
   // Sign-extended and shifted by 7, a byte lands with its sign in bits 15 and 14 and its other
   // seven bits in 13..7: clearing bit 14 leaves the half. NaN (S.1111.111) gets exponent 31.
@@ -73,6 +72,9 @@ inline __m256i fp8_to_half_bits(const e4m3_t* p) {
 inline __m256i fp8_to_half_bits(const e5m2_t* p) {
   return _mm256_slli_epi16(_mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))), 8);
 }
+
+#if STREAMENGINE_SIMD == 512
+
 template <typename T>
 inline vf vload_fp8(const T* p) { return _mm512_cvtph_ps(fp8_to_half_bits(p)); }
 
@@ -98,17 +100,6 @@ inline void vstore_fp8(T* p, vf x) {
 
 #else  // STREAMENGINE_SIMD == 256
 
-inline __m256i fp8_to_half_bits(const e4m3_t* p) {
-  // Sign-extended and shifted by 7, a byte lands with its sign in bits 15 and 14 and its other
-  // seven bits in 13..7: clearing bit 14 leaves the half. NaN (S.1111.111) gets exponent 31.
-  const __m256i b = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
-  const __m256i h = _mm256_and_si256(_mm256_slli_epi16(b, 7), _mm256_set1_epi16(static_cast<int16_t>(0xBF80)));
-  const __m256i nan = _mm256_cmpeq_epi16(_mm256_and_si256(h, _mm256_set1_epi16(0x3F80)), _mm256_set1_epi16(0x3F80));
-  return _mm256_or_si256(h, _mm256_and_si256(nan, _mm256_set1_epi16(0x4000)));
-}
-inline __m256i fp8_to_half_bits(const e5m2_t* p) {
-  return _mm256_slli_epi16(_mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))), 8);
-}
 template <typename T>
 inline vf vload_fp8(const T* p) {
   const __m256i h = fp8_to_half_bits(p);

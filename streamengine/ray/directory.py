@@ -95,11 +95,7 @@ class ReplicaDirectory:
         """Everything after `cursor` (-1: a snapshot), waiting up to `timeout_s` for news;
         the load reports too unless `with_loads` is False (the router reads only blocks)."""
         if cursor >= self._next - 1:  # seen everything: wait for the next publish
-            self._changed.clear()
-            try:
-                await asyncio.wait_for(self._changed.wait(), timeout_s)
-            except TimeoutError:
-                pass
+            await self._next_change(timeout_s)
         self._drop_stale(self._clock())
         loads = dict(self._loads) if with_loads else {}
         work, loras = dict(self._work), dict(self._loras)
@@ -131,13 +127,17 @@ class ReplicaDirectory:
         since (the first report may have been made before the replica read the removal).
         While there are any, waits up to `timeout_s` for a report first."""
         if self._holders(name, since):
-            self._changed.clear()
-            try:
-                await asyncio.wait_for(self._changed.wait(), timeout_s)
-            except TimeoutError:
-                pass
+            await self._next_change(timeout_s)
             self._drop_stale(self._clock())
         return self._holders(name, since)
+
+    async def _next_change(self, timeout_s: float) -> None:
+        """Waits up to `timeout_s` for the next publish or report."""
+        self._changed.clear()
+        try:
+            await asyncio.wait_for(self._changed.wait(), timeout_s)
+        except TimeoutError:
+            pass
 
     def _holders(self, name: str, since: dict[str, int]) -> list[str]:
         return [replica for replica, held in self._loras.items()
