@@ -112,6 +112,15 @@ async def test_a_tenant_default_adapter_applies_when_the_base_model_is_named(eng
             engine.add_tenant(TenantConfig(DEFAULT_TENANT))
 
 
+async def test_per_tenant_metrics_name_the_tenants_adapter(engine):
+    async with serve(engine) as client:
+        engine.add_tenant(TenantConfig("bot-b", lora="lora-b"))
+        text = await (await client.get("/metrics")).text()
+        assert 'streamengine:tenant_lora_info{lora="lora-b",tenant="bot-b"} 1.0' in text
+        assert not any(line.startswith("streamengine:tenant_lora_info{") and f'tenant="{DEFAULT_TENANT}"' in line
+                       for line in text.splitlines())  # no adapter named: no series
+
+
 async def test_load_use_and_unload_with_an_admin_key(engine, tiny_lora_dirs, monkeypatch):
     async with serve(engine, api_key=KEY, admin_keys=(ADMIN,)) as client:
         try:

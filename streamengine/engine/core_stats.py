@@ -50,10 +50,10 @@ def stats(core: EngineCore) -> dict[str, int | float]:
     }
 
 
-def tenant_stats(core: EngineCore) -> dict[str, dict[str, int | float]]:
+def tenant_stats(core: EngineCore) -> dict[str, dict[str, int | float | str]]:
     """Per tenant: the scheduler's share and service figures, plus its weight, requests in
-    flight, pinned blocks, requests refused by its rate limit and the seconds its grammar
-    masks took."""
+    flight, pinned blocks, requests refused by its rate limit, the seconds its grammar masks
+    took, and its LoRA adapter's name where its config names one."""
     figures = core.scheduler.tenant_stats()
     live: dict[str, int] = {}
     for req in core.requests.values():
@@ -67,6 +67,8 @@ def tenant_stats(core: EngineCore) -> dict[str, dict[str, int | float]]:
         row["num_requests"] = live.get(name, 0)
         row["num_pinned_blocks"] = pinned.get(name, 0)
         row["num_rejected"] = core.tenants.num_rejected.get(name, 0)
+        if core.tenants.get(name).lora is not None:
+            row["lora"] = core.tenants.get(name).lora
     mask_seconds = core.runner.masker.seconds_by_tenant.copy()  # the step thread adds to it
     for name, row in figures.items():
         row["grammar_mask_seconds"] = mask_seconds.get(name, 0.0)

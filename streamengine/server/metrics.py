@@ -91,6 +91,14 @@ def _tenant_families(tenants: dict[str, dict[str, Any]]) -> Iterator[Metric]:
             if key in figures:
                 family.add_metric([tenant], float(figures[key]))
         yield family
+    # An info series (always 1): the adapter a tenant's requests run under by default. Tenants
+    # and their adapters come from the operator's config, so the series stay bounded.
+    adapters = GaugeMetricFamily(PREFIX + "tenant_lora_info", "The LoRA adapter the tenant's config names.",
+                                 labels=["tenant", "lora"])
+    for tenant, figures in sorted(tenants.items()):
+        if figures.get("lora") is not None:
+            adapters.add_metric([tenant, str(figures["lora"])], 1.0)
+    yield adapters
 
 
 def _gauge(name: str, doc: str, value: float) -> GaugeMetricFamily:
