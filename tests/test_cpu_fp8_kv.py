@@ -6,13 +6,12 @@ from __future__ import annotations
 
 import pytest
 import torch
-from test_cpu_decode_kernel import make_case as decode_case
-from test_cpu_prefill_attention import make_case as prefill_case
-from test_cpu_prefill_attention import reference as prefill_reference
-
 from streamengine.kernels import cpu_ops, fp8, ref_paged_attention
 from streamengine.kernels.cpu_attention import decode_supported, paged_decode
 from streamengine.kernels.cpu_prefill_attention import paged_prefill
+from test_cpu_decode_kernel import make_case as decode_case
+from test_cpu_prefill_attention import make_case as prefill_case
+from test_cpu_prefill_attention import reference as prefill_reference
 
 pytestmark = pytest.mark.skipif(
     not decode_supported(4, 2, 64, 16), reason="no C++ kernels here (they need AVX-512 or AVX2, and g++)"

@@ -10,10 +10,10 @@ import math
 
 import pytest
 import torch
+from streamengine.kernels import fp8
 
 from streamengine import AsyncEngine, EngineConfig, SamplingParams
 from streamengine.engine.core import EngineCore
-from streamengine.kernels import fp8
 from streamengine.models.kv_scales import SCALE_HEADROOM, KVScales
 
 PROMPTS = [f"Request number {i} asks about {'many things ' * (i % 3 + 1)}" for i in range(6)]

@@ -17,10 +17,10 @@ import subprocess  # noqa: E402
 import sys  # noqa: E402
 
 import pytest  # noqa: E402
+from streamengine.kernels import fp8  # noqa: E402
 from test_cpu_fp8_kv import hard_values  # noqa: E402
 
 from streamengine import kernels as K  # noqa: E402
-from streamengine.kernels import fp8  # noqa: E402
 
 pytestmark = pytest.mark.skipif(not K.triton_available(), reason="triton imported in compiled mode, no CUDA")
 FORMATS = [torch.float8_e4m3fn, torch.float8_e5m2]

@@ -17,7 +17,12 @@ from streamengine.config import EngineConfig
 from streamengine.kernels import cpu_build, cpu_quant_linear
 from streamengine.kv.spec import AttentionShape, KVCacheSpec
 from streamengine.lora.adapter import TARGET_MODULES
-from streamengine.models.attention import AttentionBackend, AttentionMetadata, AttentionPlan, KVCaches
+from streamengine.models.attention import (
+    AttentionBackend,
+    AttentionMetadata,
+    AttentionPlan,
+    KVCaches,
+)
 from streamengine.models.cpu_backend import CpuPagedAttention
 from streamengine.models.decode_graphs import DecodeGraphRunner, pad_blocks
 from streamengine.models.gguf_weights import GgufWeights, check_against, read_gguf
