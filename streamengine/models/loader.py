@@ -1,7 +1,8 @@
 """Loads a Hugging Face decoder (folder or GGUF file) wired to the paged attention hook.
 
 GGUF files are dequantized by transformers, which is slow; the result is kept as a
-safetensors copy under the cache dir (keyed by file name, size and mtime), which reloads fast.
+safetensors copy under the cache dir, keyed by the file's contents (so a reinstall or a second
+virtual environment holding the same file reuses it), which reloads fast.
 """
 
 from __future__ import annotations
@@ -99,10 +100,27 @@ def _folder(model: str | None, cache_dir: str | None) -> tuple[Path, str]:
     return folder, DEFAULT_MODEL_NAME if model is None else path.stem
 
 
-def _converted_gguf(path: Path, cache_dir: Path) -> Path:
+def _content_key(path: Path, cache_dir: Path) -> str:
+    """A digest of the file's bytes, remembered per (path, size, mtime) in a small note under
+    `cache_dir/gguf-keys`, so a file is read through once, not at every load."""
     st = path.stat()
-    key = hashlib.sha256(f"{path.resolve()}:{st.st_size}:{st.st_mtime_ns}".encode()).hexdigest()[:16]
-    folder = cache_dir / f"{path.stem}-{key}"
+    where = hashlib.sha256(f"{path.resolve()}:{st.st_size}:{st.st_mtime_ns}".encode()).hexdigest()[:16]
+    note = cache_dir / "gguf-keys" / where
+    try:
+        return note.read_text().strip()
+    except FileNotFoundError:
+        pass
+    with path.open("rb") as f:
+        key = hashlib.file_digest(f, "sha256").hexdigest()[:16]
+    note.parent.mkdir(parents=True, exist_ok=True)
+    tmp = note.with_name(f"{note.name}.tmp{os.getpid()}")
+    tmp.write_text(key)
+    os.replace(tmp, note)
+    return key
+
+
+def _converted_gguf(path: Path, cache_dir: Path) -> Path:
+    folder = cache_dir / f"{path.stem}-{_content_key(path, cache_dir)}"
     if (folder / "config.json").exists():
         return folder
     model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32)
