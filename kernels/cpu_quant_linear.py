@@ -13,8 +13,10 @@ embedding rows and where the kernels do not run.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import functools
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import numpy as np
@@ -216,10 +218,34 @@ def load_library() -> ctypes.CDLL | None:
         "streamengine_gemm": [PTR, PTR, I64, PTR],
         "streamengine_dequant_panels": [PTR, PTR],
         "streamengine_quant_block_bytes": [I64],
+        "streamengine_amx_active": [],
+        "streamengine_amx_enable": [ctypes.c_int],
     }, probe="streamengine_panel_width")
     if lib is not None:
         lib.streamengine_quant_block_bytes.restype = ctypes.c_int64
     return lib
+
+
+def amx_active() -> bool:
+    """Whether batches past the register rows of Q4_0, Q4_1 and Q8_0 weights run on AMX tiles
+    (csrc/cpu_amx_gemm.cpp): the float32 GEMM up to float32 rounding, not bit for bit the
+    dequantizing kernel. On where the CPU and OS allow it, unless STREAMENGINE_AMX=0."""
+    lib = load_library()
+    return lib is not None and bool(lib.streamengine_amx_active())
+
+
+@contextlib.contextmanager
+def amx_enabled(on: bool) -> Iterator[bool]:
+    """Runs the block with the AMX path switched on (where it can run) or off, process-wide;
+    yields whether it is active. For tests and A/B benchmarks."""
+    lib = load_library()
+    before = amx_active()
+    active = bool(lib.streamengine_amx_enable(int(on))) if lib is not None else False
+    try:
+        yield active
+    finally:
+        if lib is not None:
+            lib.streamengine_amx_enable(int(before))
 
 
 def takes_int8_activations(quant_type: int) -> bool:

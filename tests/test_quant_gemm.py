@@ -9,6 +9,7 @@ that a wrong code, scale or minimum would exceed by orders of magnitude."""
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 
@@ -21,6 +22,8 @@ from streamengine.kernels.cpu_linear import SMALL_M_MAX, make_linear
 from streamengine.kernels.cpu_quant_linear import (
     Q8_0_TYPE,
     QuantLinear,
+    amx_active,
+    amx_enabled,
     dequantize,
     pack_blocks,
     quantize_q8_0,
@@ -52,23 +55,30 @@ def test_dequantize_matches_gguf(qtype):
 
 
 @needs_kernels
+@pytest.mark.parametrize("amx", [False, True], ids=["dequantizing", "amx"])
 @pytest.mark.parametrize("qtype", FORMATS, ids=lambda t: t.name)
 @pytest.mark.parametrize("shape", SHAPES, ids=str)
-def test_gemm_is_the_float32_gemm_over_dequantized_weights(qtype, shape):
+def test_gemm_is_the_float32_gemm_over_dequantized_weights(qtype, shape, amx):
+    """Past REGISTER_ROWS the dequantizing kernel is bit for bit the float32 one; the AMX path
+    (csrc/cpu_amx_gemm.cpp, Q4_0, Q4_1, Q8_0) sums each block in the tile unit's order and is
+    held to the factored kernel's rounding bound."""
     n, k = shape
     blocks, reference = quantized(qtype, n, k, seed=n + k)
     packed = QuantLinear(blocks, int(qtype), shape, None, cpu_quant_linear.load_library())
     float32 = make_linear(reference)
-    for m in ROWS:
-        x = torch.randn(m, k, generator=torch.Generator().manual_seed(m))
-        y = packed(x)
-        assert y.shape == (m, n)
-        if qtype in FACTORED and m <= REGISTER_ROWS:
-            assert_within_rounding(y, x, reference)
-        else:
-            assert torch.equal(y, float32(x)), f"M={m}"
-        if m:
-            torch.testing.assert_close(y, x @ reference.T, rtol=1e-4, atol=1e-4 * k**0.5)
+    with amx_enabled(amx) as active:
+        if amx and not active:
+            pytest.skip("no AMX-BF16 on this CPU (or the OS refused the tile state)")
+        for m in ROWS:
+            x = torch.randn(m, k, generator=torch.Generator().manual_seed(m))
+            y = packed(x)
+            assert y.shape == (m, n)
+            if qtype in FACTORED and (m <= REGISTER_ROWS or amx):
+                assert_within_rounding(y, x, reference)
+            else:
+                assert torch.equal(y, float32(x)), f"M={m}"
+            if m:
+                torch.testing.assert_close(y, x @ reference.T, rtol=1e-4, atol=1e-4 * k**0.5)
 
 
 def assert_within_rounding(y: torch.Tensor, x: torch.Tensor, w: torch.Tensor) -> None:
@@ -77,6 +87,40 @@ def assert_within_rounding(y: torch.Tensor, x: torch.Tensor, w: torch.Tensor) ->
     exact = x.double() @ w.double().T
     bound = x.shape[1] * 2.0**-24 * (x.double().abs() @ w.double().abs().T)
     assert ((y.double() - exact).abs() <= bound).all()
+
+
+@needs_kernels
+@pytest.mark.parametrize("qtype", sorted(FACTORED), ids=lambda t: t.name)
+def test_amx_row_chunks_and_panel_groups(qtype):
+    """Batches over one 256-row chunk take the AMX path's other schedule (panels unpacked in
+    groups of about 1 MB, each row chunk run against a whole group): 300 rows x 9 panels of
+    K = 1536 spans two chunks and two groups; ragged rows and a panel tail included."""
+    with amx_enabled(True) as active:
+        if not active:
+            pytest.skip("no AMX-BF16 on this CPU (or the OS refused the tile state)")
+        blocks, reference = quantized(qtype, 400, 1536, seed=7)
+        packed = QuantLinear(blocks, int(qtype), (400, 1536), None, cpu_quant_linear.load_library())
+        x = torch.randn(300, 1536, generator=torch.Generator().manual_seed(3))
+        x[5] = 0.0  # a zero row: every part and sum zero
+        x[7] *= 1e-20  # tiny inputs: their lowest bfloat16 parts are still normal
+        y = packed(x)
+        assert_within_rounding(y, x, reference)
+        assert torch.equal(y[5], torch.zeros(400))
+        assert torch.equal(packed(x[:17]), y[:17])  # a row's result does not depend on the batch
+
+
+@needs_kernels
+def test_amx_switch():
+    """STREAMENGINE_AMX=0 and amx_enabled(False) keep the dequantizing kernel; the switch is
+    restored on leaving."""
+    before = amx_active()
+    with amx_enabled(False) as active:
+        assert not active and not amx_active()
+    assert amx_active() == before
+    code = "from streamengine.kernels import cpu_quant_linear as q; print(q.amx_active())"
+    out = subprocess.run([sys.executable, "-c", code], env={**os.environ, "STREAMENGINE_AMX": "0"},
+                         capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "False"
 
 
 @needs_kernels
