@@ -68,9 +68,27 @@ def software() -> dict:
         "torch": torch.__version__,
         "transformers": transformers.__version__,
         "python": platform.python_version(),
+        "cpu": cpu_model(),
         "cpu_count": os.cpu_count(),
+        "amx": amx_active(),
         "load_avg": os.getloadavg(),
     }
+
+
+def cpu_model() -> str | None:
+    """The CPU's model name (/proc/cpuinfo), or None where there is none."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            return next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), None)
+    except OSError:
+        return None
+
+
+def amx_active() -> bool:
+    """Whether the packed GEMM's batches ran on AMX tiles (kernels/csrc/cpu_amx_gemm.cpp)."""
+    from streamengine.kernels.cpu_quant_linear import amx_active as active
+
+    return active()
 
 
 def pyplot():

@@ -4,8 +4,9 @@ For each batch size M, one decode step's worth of projections (every layer's q/k
 gate/up and down, as the native decoder fuses them) plus the LM head, timed three ways in
 one run, interleaved: the GGUF blocks as stored (`QuantLinear`, Q4_1 layers and a Q8_0 head),
 the same weights dequantized into float32 panels (`PackedLinear`), and PyTorch's `F.linear`
-over the float32 weights. Reports ms per step and weights per ns, and the ratio float32 /
-packed (> 1: packed is faster). The issue's claim "batch 128 no slower than the float32
+over the float32 weights; where the AMX path runs (csrc/cpu_amx_gemm.cpp), also the packed
+weights with it switched off. Reports ms per step and weights per ns, and the ratios float32 /
+packed (> 1: packed is faster) and without / with AMX. The issue's claim "batch 128 no slower than the float32
 path" is the last column at M=128.
 
     python bench/quant_gemm.py --quick          # M = 1, 8, 128
@@ -76,6 +77,22 @@ def step_ms(linears, m: int, repeats: int) -> Callable[[], float]:
     return run
 
 
+def amx_active() -> bool:
+    from streamengine.kernels.cpu_quant_linear import amx_active as active
+
+    return active()
+
+
+def without_amx(timer: Callable[[], float]) -> Callable[[], float]:
+    from streamengine.kernels.cpu_quant_linear import amx_enabled
+
+    def run() -> float:
+        with amx_enabled(False):
+            return timer()
+
+    return run
+
+
 def measure(args: argparse.Namespace) -> list[dict]:
     import torch
 
@@ -86,6 +103,8 @@ def measure(args: argparse.Namespace) -> list[dict]:
     for m in QUICK_ROWS if args.quick else FULL_ROWS:
         timers = {name: step_ms(lins, m, args.repeats) for name, lins in
                   (("packed", packed), ("float32", panels), ("torch", plain))}
+        if amx_active():  # the same packed weights with the AMX path off: the dequantizing kernel
+            timers["packed_no_amx"] = without_amx(timers["packed"])
         best = {name: float("inf") for name in timers}
         for _ in range(args.rounds):  # interleaved, so drift on a shared machine hits all three
             for name, timer in timers.items():
@@ -95,9 +114,10 @@ def measure(args: argparse.Namespace) -> list[dict]:
             "packed_weights_per_ns": round(weights * m / (best["packed"] * 1e6), 2),
             "float32_over_packed": round(best["float32"] / best["packed"], 3),
             "torch_over_packed": round(best["torch"] / best["packed"], 3),
+            **({"no_amx_over_amx": round(best["packed_no_amx"] / best["packed"], 3)} if "packed_no_amx" in best else {}),
         })
-        print(f"M={m:4d}  packed {best['packed']:8.2f} ms  float32 {best['float32']:8.2f} ms  "
-              f"torch {best['torch']:8.2f} ms  float32/packed {rows[-1]['float32_over_packed']:.2f}", flush=True)
+        print(f"M={m:4d}  " + "  ".join(f"{name} {ms:8.2f} ms" for name, ms in best.items()) +
+              f"  float32/packed {rows[-1]['float32_over_packed']:.2f}", flush=True)
     return rows
 
 
