@@ -131,6 +131,25 @@ struct BF16Format {
   }
 };
 
+// Q8_0 for the int8-activation kernel (made by cpu_quant_linear.pack_blocks with
+// int8_layout): the same bytes per block as Q8_0, the 48 float16 scales, then per unit of 8 k
+// two rows of 48 columns x 4 bytes, a column's codes for the unit's even k, then for its odd k,
+// each stored plus 128 (unsigned, as the dot instruction's first operand must be):
+// sum_k (w_k + 128) xq_k = sum_k w_k xq_k + 128 sum_k xq_k.
+struct Q8_0Int8Format {
+  static constexpr int64_t BLOCK_BYTES = Q8_0Format::BLOCK_BYTES, CODES = Q8_0Format::CODES;
+  using Scales = Q4_0Format::Scales;
+  static Scales scales(const uint8_t* block, int g) { return Q4_0Format::scales(block, g); }
+  static void int8_codes(const uint8_t* codes, int64_t u, int g, vi& even, vi& odd) {
+    even = vload_bytes(codes + (2 * u * NR + g * 16) * 4);
+    odd = vload_bytes(codes + ((2 * u + 1) * NR + g * 16) * 4);
+  }
+  static vi int8_dot(vi acc, vi codes, vi xq) { return dot_u8s8_wide(acc, codes, xq); }  // codes up to 255
+  static vf scale(const Scales& s, vf part, vf x_sum, vf acc) {
+    return vfmadd(vmul(s.d, vset1(-128.0f)), x_sum, vfmadd(s.d, part, acc));
+  }
+};
+
 }  // namespace streamengine_quant
 
 #endif  // STREAMENGINE_SIMD

@@ -23,7 +23,8 @@
 //
 // Up to REGISTER_ROWS input rows the codes are unpacked in registers and used by every row at
 // once. Larger batches unpack each panel into a float32 buffer in L1/L2 and run the float32
-// micro-kernel over it, so the unpacking is shared by all rows.
+// micro-kernel over it, so the unpacking is shared by all rows; where the CPU has AMX-BF16,
+// those of Q4_0, Q4_1 and Q8_0 run on its tiles instead (cpu_amx_gemm.cpp).
 
 #include "cpu_quant_gemm.h"
 
@@ -262,31 +263,12 @@ void dequant_all(const uint8_t* panels, int64_t K, int64_t n_padded, float* out)
 //   d * dx * sum_k q_k xq_k + m * dx * sum_k xq_k  (Q4_1; Q4_0 is m = -8 d)
 // to the float32 output. Per 32 inputs x 16 columns: 8 integer dot instructions where the
 // float32 kernel does 32 multiply-adds. Not exact: each input moves by up to dx / 2. Q8_0
-// weights take the same path from their own layout (Q8_0Int8Format).
+// weights take the same path from their own layout (Q8_0Int8Format, cpu_quant_formats.h).
 //
 // The codes are read from the same panels as above, unpacked in registers: a column's unit
 // (8 k) is one int32 whose low nibbles hold its codes for the even k and whose high nibbles
 // those for the odd k, so each row's quantized inputs are stored per unit as its 4 even-k
 // then its 4 odd-k values (what one int32 lane multiplies by the low, then the high, nibbles).
-
-// Q8_0 for the int8-activation kernel (made by cpu_quant_linear.pack_blocks with
-// int8_layout): the same bytes per block as Q8_0, the 48 float16 scales, then per unit of 8 k
-// two rows of 48 columns x 4 bytes, a column's codes for the unit's even k, then for its odd k,
-// each stored plus 128 (unsigned, as the dot instruction's first operand must be):
-// sum_k (w_k + 128) xq_k = sum_k w_k xq_k + 128 sum_k xq_k.
-struct Q8_0Int8Format {
-  static constexpr int64_t BLOCK_BYTES = Q8_0Format::BLOCK_BYTES, CODES = Q8_0Format::CODES;
-  using Scales = Q4_0Format::Scales;
-  static Scales scales(const uint8_t* block, int g) { return Q4_0Format::scales(block, g); }
-  static void int8_codes(const uint8_t* codes, int64_t u, int g, vi& even, vi& odd) {
-    even = vload_bytes(codes + (2 * u * NR + g * 16) * 4);
-    odd = vload_bytes(codes + ((2 * u + 1) * NR + g * 16) * 4);
-  }
-  static vi int8_dot(vi acc, vi codes, vi xq) { return dot_u8s8_wide(acc, codes, xq); }  // codes up to 255
-  static vf scale(const Scales& s, vf part, vf x_sum, vf acc) {
-    return vfmadd(vmul(s.d, vset1(-128.0f)), x_sum, vfmadd(s.d, part, acc));
-  }
-};
 
 // Rows' quantized inputs: q [M][K] int8 in unit order (above), per 32-input block the scale
 // dx and dx * sum xq, [M][K / 32] each.
