@@ -33,7 +33,7 @@ serve: setup
 	$(PY) -m streamengine serve $(ARGS)
 
 test: setup
-	$(PY) -m pytest -q -n $(PYTEST_WORKERS) $(PYTEST_ARGS)
+	$(PY) -m pytest -q -n $(PYTEST_WORKERS) --durations=15 $(PYTEST_ARGS)
 
 lint: setup
 	$(VENV)/bin/ruff check .
