@@ -84,11 +84,15 @@ def cpu_model() -> str | None:
         return None
 
 
-def amx_active() -> bool:
-    """Whether the packed GEMM's batches ran on AMX tiles (kernels/csrc/cpu_amx_gemm.cpp)."""
-    from streamengine.kernels.cpu_quant_linear import amx_active as active
+def amx_active() -> bool | None:
+    """Whether the packed GEMM's batches run on AMX tiles (kernels/csrc/cpu_amx_gemm.cpp); None
+    where this process has not loaded the CPU kernels (a GPU or peer-only run): asking would
+    build them."""
+    from streamengine.kernels import cpu_quant_linear
 
-    return active()
+    if cpu_quant_linear.load_library.cache_info().currsize == 0:
+        return None
+    return cpu_quant_linear.amx_active()
 
 
 def pyplot():

@@ -21,7 +21,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
-from common import default_model_folder, software, write_report
+from common import amx_active, default_model_folder, software, write_report
 
 FULL_ROWS = (1, 2, 4, 8, 16, 32, 64, 128, 512)
 QUICK_ROWS = (1, 8, 128)
@@ -75,12 +75,6 @@ def step_ms(linears, m: int, repeats: int) -> Callable[[], float]:
 
     run()  # warm-up: first touch of every panel
     return run
-
-
-def amx_active() -> bool:
-    from streamengine.kernels.cpu_quant_linear import amx_active as active
-
-    return active()
 
 
 def without_amx(timer: Callable[[], float]) -> Callable[[], float]:

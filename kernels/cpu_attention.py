@@ -18,10 +18,9 @@ from .cpu_build import F32, I64, PTR
 from .cpu_ops import cache_type
 
 # The C signature both paged-attention kernels share (decode here, prefill in
-# cpu_prefill_attention.py), that of their `_scaled` entry points (`PagedPlan._launch`'s order:
-# k_scale and v_scale after the softmax scale), and that of their shape probes.
-PAGED_ATTENTION_ARGS = [PTR, I64, PTR, PTR, I64, I64, I64, I64, I64, PTR, I64, PTR, PTR, PTR, I64, F32, PTR]
-SCALED_ATTENTION_ARGS = [*PAGED_ATTENTION_ARGS[:-1], F32, F32, PTR]
+# cpu_prefill_attention.py; `PagedPlan._launch`'s order: k_scale and v_scale after the softmax
+# scale), and that of their shape probes.
+SCALED_ATTENTION_ARGS = [PTR, I64, PTR, PTR, I64, I64, I64, I64, I64, PTR, I64, PTR, PTR, PTR, I64, F32, F32, F32, PTR]
 SUPPORTED_ARGS = [I64, I64, I64, I64]
 
 
@@ -29,7 +28,6 @@ SUPPORTED_ARGS = [I64, I64, I64, I64]
 def load_library() -> ctypes.CDLL | None:
     return cpu_build.bind({
         "streamengine_paged_decode_supported": SUPPORTED_ARGS,
-        "streamengine_paged_decode": PAGED_ATTENTION_ARGS,
         "streamengine_paged_decode_scaled": SCALED_ATTENTION_ARGS,
     })
 

@@ -24,7 +24,6 @@ def load_library() -> ctypes.CDLL | None:
         "streamengine_add_rms_norm": [PTR, PTR, I64, PTR, F32, I64, I64, PTR],
         "streamengine_rope": [PTR, I64, I64, I64, I64, PTR, PTR],
         "streamengine_silu_mul": [PTR, I64, I64, I64, PTR],
-        "streamengine_store_kv": [PTR, I64, PTR, I64, PTR, I64, I64, PTR, PTR, I64],
         "streamengine_store_kv_scaled": [PTR, I64, PTR, I64, PTR, I64, I64, PTR, PTR, I64, F32, F32],
         "streamengine_fp8_to_float": [PTR, I64, I64, PTR],
     }, probe="streamengine_cpu_ops_available")

@@ -15,14 +15,13 @@ import functools
 import torch
 
 from . import cpu_build
-from .cpu_attention import PAGED_ATTENTION_ARGS, SCALED_ATTENTION_ARGS, SUPPORTED_ARGS, PagedPlan
+from .cpu_attention import SCALED_ATTENTION_ARGS, SUPPORTED_ARGS, PagedPlan
 
 
 @functools.lru_cache(maxsize=1)
 def load_library() -> ctypes.CDLL | None:
     return cpu_build.bind({
         "streamengine_paged_prefill_supported": SUPPORTED_ARGS,
-        "streamengine_paged_prefill": PAGED_ATTENTION_ARGS,
         "streamengine_paged_prefill_scaled": SCALED_ATTENTION_ARGS,
     })
 

@@ -107,6 +107,10 @@ def test_amx_row_chunks_and_panel_groups(qtype):
         assert_within_rounding(y, x, reference)
         assert torch.equal(y[5], torch.zeros(400))
         assert torch.equal(packed(x[:17]), y[:17])  # a row's result does not depend on the batch
+        # The tiles ran: their per-block order of additions differs from the dequantizing
+        # kernel's somewhere among these 120,000 sums of 1,536 terms.
+        with amx_enabled(False):
+            assert not torch.equal(packed(x), y)
 
 
 @needs_kernels
@@ -114,6 +118,8 @@ def test_amx_switch():
     """STREAMENGINE_AMX=0 and amx_enabled(False) keep the dequantizing kernel; the switch is
     restored on leaving."""
     before = amx_active()
+    if not before:
+        pytest.skip("no AMX-BF16 on this CPU (or the OS refused the tile state): nothing to switch off")
     with amx_enabled(False) as active:
         assert not active and not amx_active()
     assert amx_active() == before

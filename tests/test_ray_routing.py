@@ -105,7 +105,7 @@ async def test_directory_poll_waits_for_news_and_forgets_silent_replicas():
 
 
 async def test_a_removed_adapter_has_holders_until_every_replica_reported_it_gone():
-    d = ReplicaDirectory()
+    d = ReplicaDirectory(clock=lambda: 0.0)  # a stalled machine must not make the replicas stale
     tune = ClusterAdapter("tune", "/adapters/tune", "d1")
     await d.publish("r1", [], {"loras": {"tune": "d1"}})
     await d.publish("r2", [], {"loras": {}})

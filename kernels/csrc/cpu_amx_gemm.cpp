@@ -91,10 +91,12 @@ void configure_tiles() {
 
 // A tiles of the three planes, [M16 / 16][K / 32][3][16][32] bfloat16, so each tile is 1 KB
 // contiguous; sums [M16][K / 32]: each row's inputs summed per block (a minimum's term).
-// Rows M..M16 are zero.
+// Rows M..M16 are zero. Called by every thread of the GEMM's parallel region (one fork per call,
+// not two: a decode step makes 121 of these calls); the rows are shared out, and the loop's end
+// is a barrier before any tile reads them.
 void split_rows(const float* x, int64_t M, int64_t M16, int64_t K, uint16_t* planes, float* sums) {
   const int64_t blocks = K / QK;
-#pragma omp parallel for schedule(static)
+#pragma omp for schedule(static)
   for (int64_t r = 0; r < M16; ++r)
     for (int64_t b = 0; b < blocks; ++b) {
       uint16_t* tile = planes + ((r / TILE_ROWS * blocks + b) * 3) * TILE_ELEMS + (r % TILE_ROWS) * QK;
@@ -220,15 +222,14 @@ void amx_gemm(const float* x, int64_t M, int64_t K, const uint8_t* panels, int64
   const int64_t M16 = (M + TILE_ROWS - 1) / TILE_ROWS * TILE_ROWS, blocks = K / QK;
   if (static_cast<int64_t>(planes.size()) < M16 * K * 3) planes.resize(M16 * K * 3);
   if (static_cast<int64_t>(sums.size()) < M16 * blocks) sums.resize(M16 * blocks);
-  split_rows(x, M, M16, K, planes.data(), sums.data());
   const int64_t num_panels = n_padded / NR, panel_bytes = blocks * Fmt::BLOCK_BYTES;
   const int64_t chunks = (M16 + ROW_CHUNK - 1) / ROW_CHUNK, tile_bytes = blocks * GROUPS * TILE_ELEMS;
   // Pointers, not the thread_local vectors: the team's other threads have their own (empty) ones.
-  const uint16_t* a_all = planes.data();
-  const float* sums_all = sums.data();
+  uint16_t* a_planes = planes.data();
+  float* a_sums = sums.data();
   const auto rows_of = [=](int64_t chunk, int64_t p, const uint16_t* b_tiles) {
     for (int64_t r = chunk * ROW_CHUNK; r < std::min(M16, (chunk + 1) * ROW_CHUNK); r += TILE_ROWS)
-      tile_rows<Fmt>(a_all + r * K * 3, sums_all + r * blocks, K, panels + p * panel_bytes, b_tiles,
+      tile_rows<Fmt>(a_planes + r * K * 3, a_sums + r * blocks, K, panels + p * panel_bytes, b_tiles,
                      y + r * n_padded + p * NR, n_padded, std::min(TILE_ROWS, M - r));
   };
   if (chunks == 1) {
@@ -236,6 +237,7 @@ void amx_gemm(const float* x, int64_t M, int64_t K, const uint8_t* panels, int64
 #pragma omp parallel
     {
       configure_tiles();
+      split_rows(x, M, M16, K, a_planes, a_sums);
       thread_local std::vector<uint16_t> b_tiles;
       if (static_cast<int64_t>(b_tiles.size()) < tile_bytes) b_tiles.resize(tile_bytes);
 #pragma omp for schedule(dynamic, 1)
@@ -258,6 +260,7 @@ void amx_gemm(const float* x, int64_t M, int64_t K, const uint8_t* panels, int64
 #pragma omp parallel
   {
     configure_tiles();
+    split_rows(x, M, M16, K, a_planes, a_sums);
     for (int64_t p0 = 0; p0 < num_panels; p0 += group) {
       const int64_t count = std::min(group, num_panels - p0);
 #pragma omp for schedule(static)

@@ -168,17 +168,6 @@ extern "C" int streamengine_store_kv_scaled(const float* k, int64_t k_stride, co
   }
 }
 
-// The unscaled store: float32 and float16 caches only, so an 8-bit cache is never written
-// without its scales.
-extern "C" int streamengine_store_kv(const float* k, int64_t k_stride, const float* v, int64_t v_stride,
-                                     const int64_t* slots, int64_t tokens, int64_t width,
-                                     void* key_cache, void* value_cache, int64_t cache_type) {
-  using namespace streamengine_cpu;
-  if (cache_type != CACHE_F32 && cache_type != CACHE_F16) return -1;
-  return streamengine_store_kv_scaled(k, k_stride, v, v_stride, slots, tokens, width, key_cache, value_cache,
-                                      cache_type, 1.0f, 1.0f);
-}
-
 // Tests' view of the kernels' 8-bit reads: n (a multiple of 16) codes of cache_type (an 8-bit
 // CacheType) widened to float32 as the attention kernels load them. Returns 0, or -1.
 extern "C" int streamengine_fp8_to_float(const uint8_t* src, int64_t n, int64_t cache_type, float* dst) {

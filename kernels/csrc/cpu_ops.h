@@ -17,14 +17,9 @@ int streamengine_rope(float* x, int64_t rows, int64_t row_stride, int64_t heads,
 // out = silu(gate) * up for gate_up rows [gate | up].
 int streamengine_silu_mul(const float* gate_up, int64_t in_stride, int64_t rows, int64_t n, float* out);
 
-// This step's K/V rows into their cache slots, converted to cache_type (CacheType, cpu_vec_math.h):
-// float32 or float16 only.
-int streamengine_store_kv(const float* k, int64_t k_stride, const float* v, int64_t v_stride,
-                          const int64_t* slots, int64_t tokens, int64_t width, void* key_cache,
-                          void* value_cache, int64_t cache_type);
-
-// The same for any CacheType: an 8-bit cache stores k / k_scale and v / v_scale (scales of 1
-// only for the other types).
+// This step's K/V rows into their cache slots, converted to cache_type (CacheType,
+// cpu_vec_math.h): an 8-bit cache stores k / k_scale and v / v_scale, the other types take
+// scales of 1 only.
 int streamengine_store_kv_scaled(const float* k, int64_t k_stride, const float* v, int64_t v_stride,
                                  const int64_t* slots, int64_t tokens, int64_t width, void* key_cache,
                                  void* value_cache, int64_t cache_type, float k_scale, float v_scale);

@@ -282,30 +282,9 @@ extern "C" int streamengine_paged_decode_scaled(
   return 0;
 }
 
-// The unscaled entry point: float32 and float16 caches only, so an 8-bit cache is never read
-// without its scales.
-extern "C" int streamengine_paged_decode(
-    const float* query, int64_t q_token_stride, const void* key_cache, const void* value_cache,
-    int64_t cache_type, int64_t block_size, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
-    const int32_t* block_tables, int64_t table_stride, const int32_t* seq_lens,
-    const int32_t* query_start_loc, const int64_t* rows, int64_t num_rows, float scale, float* out) {
-  using streamengine_cpu::CACHE_F16, streamengine_cpu::CACHE_F32;
-  if (cache_type != CACHE_F32 && cache_type != CACHE_F16) return -1;
-  return streamengine_paged_decode_scaled(query, q_token_stride, key_cache, value_cache, cache_type, block_size,
-                                          num_heads, num_kv_heads, head_dim, block_tables, table_stride, seq_lens,
-                                          query_start_loc, rows, num_rows, scale, 1.0f, 1.0f, out);
-}
-
 #else  // neither AVX-512 nor AVX2: the Python side keeps the PyTorch path.
 
 extern "C" int streamengine_paged_decode_supported(int64_t, int64_t, int64_t, int64_t) { return 0; }
-
-extern "C" int streamengine_paged_decode(const float*, int64_t, const void*, const void*, int64_t, int64_t,
-                                         int64_t, int64_t, int64_t, const int32_t*, int64_t,
-                                         const int32_t*, const int32_t*, const int64_t*, int64_t,
-                                         float, float*) {
-  return -1;
-}
 
 extern "C" int streamengine_paged_decode_scaled(const float*, int64_t, const void*, const void*, int64_t,
                                                 int64_t, int64_t, int64_t, int64_t, const int32_t*, int64_t,

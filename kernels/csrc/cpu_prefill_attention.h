@@ -6,20 +6,13 @@
 
 extern "C" {
 
-// Whether streamengine_paged_prefill handles this shape (always 0 without AVX-512 or AVX2).
+// Whether streamengine_paged_prefill_scaled handles this shape (always 0 without AVX-512 or AVX2).
 int streamengine_paged_prefill_supported(int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
                                          int64_t block_size);
 
 // Every query token of the listed rows attends causally to its context through the block
-// tables; 0, or an error code. Arguments and codes are described at the definition.
-int streamengine_paged_prefill(const float* query, int64_t q_token_stride, const void* key_cache,
-                               const void* value_cache, int64_t cache_type, int64_t block_size, int64_t num_heads,
-                               int64_t num_kv_heads, int64_t head_dim, const int32_t* block_tables,
-                               int64_t table_stride, const int32_t* seq_lens, const int32_t* query_start_loc,
-                               const int64_t* rows, int64_t num_rows, float scale, float* out);
-
-// The same for any CacheType (the other entry point takes float32 and float16 only): an 8-bit
-// cache's values are its codes times k_scale / v_scale.
+// tables; 0, or an error code. An 8-bit cache's values are its codes times k_scale / v_scale
+// (scales of 1 only for the other types). Arguments and codes are described at the definition.
 int streamengine_paged_prefill_scaled(const float* query, int64_t q_token_stride, const void* key_cache,
                                       const void* value_cache, int64_t cache_type, int64_t block_size,
                                       int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,

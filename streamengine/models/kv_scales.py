@@ -67,12 +67,14 @@ class KVScales:
         return None not in self.k and None not in self.v
 
     def for_store(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[float, float]:
-        """The layer's (k_scale, v_scale) for storing k and v, set from them if not yet set."""
-        if self.k[layer] is None:
-            self.k[layer] = calibrated_scale(k, self.dtype)
-        if self.v[layer] is None:
-            self.v[layer] = calibrated_scale(v, self.dtype)
-        self.table[layer, 0], self.table[layer, 1] = self.k[layer], self.v[layer]
+        """The layer's (k_scale, v_scale) for storing k and v, set from them if not yet set
+        (the table's row with them: once, not at every store of every step)."""
+        if self.k[layer] is None or self.v[layer] is None:
+            if self.k[layer] is None:
+                self.k[layer] = calibrated_scale(k, self.dtype)
+            if self.v[layer] is None:
+                self.v[layer] = calibrated_scale(v, self.dtype)
+            self.table[layer, 0], self.table[layer, 1] = self.k[layer], self.v[layer]
         return self.k[layer], self.v[layer]
 
     def __getitem__(self, layer: int) -> tuple[float, float]:
