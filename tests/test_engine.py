@@ -192,10 +192,10 @@ def test_asyncio_run_twice_and_two_engines(tiny_llama_dir):
 async def test_event_loop_stays_responsive_during_steps(tiny_llama_dir):
     """The forward pass runs in the worker thread. The model's first decoder layer is made
     slow (a sleep inside the forward itself, wherever the engine runs it), so a forward on the
-    loop thread would show up as a tick lag of a whole step; off the loop, ticks lag by a few
-    milliseconds. The bound is half a step: generous for a loaded 2-core machine, and still
-    far below what a blocked loop shows. transformers' modules run here (model_impl), so the
-    hook sits in the forward pass proper."""
+    loop thread would stall the loop for a whole step at every step: ticks lagging by most of
+    the run. Off the loop, ticks lag by a few milliseconds, with an odd long one when the other
+    test worker holds the CPU. transformers' modules run here (model_impl), so the hook sits in
+    the forward pass proper."""
     step_s = 0.3
     config = EngineConfig(model=str(tiny_llama_dir), num_gpu_blocks=64, model_impl="transformers")
     forward_threads: set[int] = set()
@@ -225,11 +225,19 @@ async def _tick_while_generating(engine: AsyncEngine, step_s: float) -> None:
             await asyncio.sleep(0.005)
             lags.append(max(0.0, loop.time() - t - 0.005))  # a timer may fire early: never < 0
 
+    loop = asyncio.get_running_loop()
     tick = asyncio.create_task(ticker())
+    start = loop.time()
     await asyncio.gather(*(collect(engine, f"prompt {i}", params) for i in range(4)))
+    elapsed = loop.time() - start
     tick.cancel()
     assert len(lags) > 20  # ~6 steps of 0.3 s: the loop kept ticking while the steps ran
-    assert max(lags) < step_s / 2, f"max tick lag {max(lags) * 1e3:.0f} ms with {step_s * 1e3:.0f} ms steps"
+    # A loop blocked by the forward would lag for ~90% of the run (each step's whole 0.3 s);
+    # a free one lags for a few percent, and a descheduled moment on a loaded machine adds one
+    # long tick, not a lag at every step.
+    stalled = sum(lags) / elapsed
+    assert stalled < 0.5, f"the loop lagged {stalled:.0%} of {elapsed:.1f} s (longest tick {max(lags) * 1e3:.0f} ms)"
+    assert sum(lag >= step_s * 0.9 for lag in lags) <= 2, "ticks lagged a whole step at several steps"
 
 
 def test_chat_template(tiny_llama_dir):
